@@ -1,0 +1,3 @@
+"""numwatch: a training-time numerical health monitor for PyTorch."""
+
+__version__ = "0.1.0"
