@@ -7,11 +7,19 @@ and on a GPU (compiled kernels): ``requires_gpu`` marks what only the second can
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-__all__ = ["devices", "kernel_devices", "requires_gpu", "triton_interpreting"]
+__all__ = [
+    "PlantedCounts",
+    "devices",
+    "kernel_devices",
+    "planted_tensor",
+    "requires_gpu",
+    "triton_interpreting",
+]
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -34,3 +42,61 @@ def kernel_devices() -> list[str]:
     if triton_interpreting():
         out.append("cpu")
     return out
+
+
+@dataclass(frozen=True)
+class PlantedCounts:
+    """What ``planted_tensor`` put in: exact answers for the tensor-statistics oracle."""
+
+    numel: int
+    nan: int
+    posinf: int
+    neginf: int
+    zeros: int
+    subnormal: int
+    absmax: float
+
+
+def planted_tensor(
+    dtype: torch.dtype,
+    *,
+    nan: int = 0,
+    posinf: int = 0,
+    neginf: int = 0,
+    zeros: int = 0,
+    subnormal: int = 0,
+    normal: int = 16,
+    absmax: float = 8.0,
+    shape: tuple[int, ...] | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, PlantedCounts]:
+    """A shuffled tensor with exactly the requested numbers of each kind of value.
+
+    Normal values lie in [1, absmax] in magnitude with one element equal to -absmax; subnormals
+    are multiples of the dtype's smallest subnormal (nonzero, below its smallest normal).
+    """
+    if normal < 1:
+        raise ValueError("planted_tensor needs at least one normal value")
+    g = torch.Generator().manual_seed(seed)
+    finfo = torch.finfo(dtype)
+    smallest_sub = finfo.smallest_normal * finfo.eps  # smallest positive subnormal
+    parts = [
+        torch.full((nan,), float("nan")),
+        torch.full((posinf,), float("inf")),
+        torch.full((neginf,), float("-inf")),
+        torch.zeros(zeros),
+        (torch.randint(1, 4, (subnormal,), generator=g) * smallest_sub).double()
+        * torch.where(torch.rand(subnormal, generator=g) < 0.5, -1.0, 1.0).double(),
+        1
+        + (absmax - 1)
+        * torch.rand(normal, generator=g).double()
+        * torch.where(torch.rand(normal, generator=g) < 0.5, -1.0, 1.0).double(),
+    ]
+    values = torch.cat([p.double() for p in parts])
+    values[-1] = -absmax
+    values = values[torch.randperm(values.numel(), generator=g)].to(dtype)
+    if shape is not None:
+        values = values.reshape(shape)
+    counts = PlantedCounts(values.numel(), nan, posinf, neginf, zeros, subnormal, absmax)
+    return values.to(device), counts

@@ -1,0 +1,188 @@
+"""Device-side statistics state, read by the host once per flush.
+
+Nothing here synchronises with the device except ``read_to_host``, which the monitor calls once
+per flush: all tensors of one device are packed into one buffer and copied in one transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from numwatch.kernels.tensor_stats import (
+    ABSMAX,
+    MAX,
+    MIN,
+    NAN,
+    NEGINF,
+    POSINF,
+    combine_stats,
+    empty_stats,
+)
+
+__all__ = [
+    "DeviceTables",
+    "NonfiniteOrigin",
+    "NonfiniteTracker",
+    "StatTable",
+    "nonfinite_counts",
+    "read_to_host",
+    "reduce_rows",
+]
+
+INF = float("inf")
+
+
+def reduce_rows(stats: torch.Tensor) -> torch.Tensor:
+    """Merge the rows of ``stats`` (n, N_STATS) into one row, as combine_stats would."""
+    out = stats.sum(0)
+    out[ABSMAX] = stats[:, ABSMAX].amax()
+    out[MAX] = stats[:, MAX].amax()
+    out[MIN] = stats[:, MIN].amin()
+    return out
+
+
+def nonfinite_counts(stats: torch.Tensor) -> torch.Tensor:
+    """NaN + Inf count per row of ``stats`` (..., N_STATS)."""
+    return stats[..., NAN] + stats[..., POSINF] + stats[..., NEGINF]
+
+
+class StatTable:
+    """Rows of tensor statistics (one per parameter or module) on one device, for one window."""
+
+    def __init__(self, n_rows: int, device: torch.device) -> None:
+        self.device = device
+        self.rows = empty_stats(n_rows, device)  # (n_rows, N_STATS) float64
+        self._identity = empty_stats(1, device)
+
+    def add_row(self, index: int, row: torch.Tensor) -> None:
+        combine_stats(self.rows[index], row)
+
+    def add_rows(self, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Merge ``rows`` into the rows at ``index`` (a device LongTensor without repeats)."""
+        acc = self.rows.index_select(0, index)
+        combine_stats(acc, rows)
+        self.rows.index_copy_(0, index, acc)
+
+    def reset(self) -> None:
+        self.rows.copy_(self._identity.expand_as(self.rows))
+
+
+class DeviceTables:
+    """One StatTable per device that tensors of a probe live on, merged on the host at flush."""
+
+    def __init__(self, name: str, n_rows: int) -> None:
+        self.name = name
+        self.n_rows = n_rows
+        self._tables: dict[torch.device, StatTable] = {}
+
+    def __getitem__(self, device: torch.device) -> StatTable:
+        table = self._tables.get(device)
+        if table is None:
+            table = self._tables[device] = StatTable(self.n_rows, device)
+        return table
+
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{self.name}/{i}": t.rows for i, t in enumerate(self._tables.values())}
+
+    def merged(self, host: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """Host rows of all devices merged, or None if nothing was recorded yet."""
+        tables = [host[f"{self.name}/{i}"] for i in range(len(self._tables))]
+        if not tables:
+            return None
+        out = tables[0].clone()
+        for t in tables[1:]:
+            combine_stats(out, t)
+        return out
+
+    def reset(self) -> None:
+        for t in self._tables.values():
+            t.reset()
+
+
+@dataclass(frozen=True)
+class NonfiniteOrigin:
+    """Where a NaN/Inf was seen: phase ('forward', 'backward', 'loss'), what, and when."""
+
+    phase: str
+    label: str  # 'module' or 'param' ('' for the loss)
+    name: str
+    step: int
+
+
+class NonfiniteTracker:
+    """Finds the first place (in execution order) a NaN/Inf appeared, without host syncs.
+
+    Each observation gets an increasing order number on the host; the device keeps the smallest
+    order number whose tensor held a non-finite value. The host maps it back at flush.
+    """
+
+    def __init__(self) -> None:
+        self._first: dict[torch.device, torch.Tensor] = {}  # device -> 0-d float64 min order
+        self._origins: list[NonfiniteOrigin] = []
+        self._base = 0  # order number of _origins[0]
+
+    def next_order(self, origin: NonfiniteOrigin) -> int:
+        self._origins.append(origin)
+        return self._base + len(self._origins) - 1
+
+    def reserve(self, origins: list[NonfiniteOrigin]) -> int:
+        """Order numbers for a batch, in the given order; returns the first one."""
+        first = self._base + len(self._origins)
+        self._origins.extend(origins)
+        return first
+
+    def observe(self, order: int, nonfinite: torch.Tensor) -> None:
+        """``nonfinite``: a 0-d count on the device of the observed tensor."""
+        first = self._slot(nonfinite.device)
+        cand = torch.full_like(first, float(order)).masked_fill_(nonfinite <= 0, INF)
+        torch.minimum(first, cand, out=first)
+
+    def observe_many(self, orders: torch.Tensor, nonfinite: torch.Tensor) -> None:
+        """``orders``: float64 order numbers on the device of the counts ``nonfinite`` (n,)."""
+        first = self._slot(nonfinite.device)
+        torch.minimum(first, torch.where(nonfinite > 0, orders, INF).amin(), out=first)
+
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"nonfinite_first/{i}": t for i, t in enumerate(self._first.values())}
+
+    def first_origin(self, host: Mapping[str, torch.Tensor]) -> NonfiniteOrigin | None:
+        orders = [float(host[f"nonfinite_first/{i}"]) for i in range(len(self._first))]
+        best = min(orders, default=INF)
+        if best == INF:
+            return None
+        return self._origins[int(best) - self._base]
+
+    def reset(self) -> None:
+        self._base += len(self._origins)
+        self._origins.clear()
+        for t in self._first.values():
+            t.fill_(INF)
+
+    def _slot(self, device: torch.device) -> torch.Tensor:
+        slot = self._first.get(device)
+        if slot is None:
+            slot = self._first[device] = torch.full((), INF, dtype=torch.float64, device=device)
+        return slot
+
+
+def read_to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copy named device tensors to the host with one transfer per device.
+
+    SYNC: this is the monitor's one host read per flush.
+    """
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        by_device.setdefault(t.device, []).append((name, t))
+    out: dict[str, torch.Tensor] = {}
+    for items in by_device.values():
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for _, t in items])
+        host = flat.cpu()
+        offset = 0
+        for name, t in items:
+            n = t.numel()
+            out[name] = host[offset : offset + n].reshape(t.shape)
+            offset += n
+    return out

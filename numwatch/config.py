@@ -1,0 +1,229 @@
+"""Monitor configuration: validated pydantic models, loadable from code, a dict, YAML or env.
+
+Precedence, lowest first: built-in defaults < ``config`` (a ``MonitorConfig``, a dict or a YAML
+file) < ``NUMWATCH_*`` environment variables < keyword overrides. Nested fields are reached with a
+double underscore in both env names and keywords: ``NUMWATCH_SINKS__JSONL__PATH=run.jsonl`` or
+``Monitor(model, sinks__jsonl__path="run.jsonl")``. Env values are parsed as YAML scalars or
+lists, so ``NUMWATCH_FLUSH_EVERY=5`` is an int and ``NUMWATCH_GRADIENTS__PARAMS="[h.*]"`` a list.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+
+from numwatch.errors import NumwatchConfigError
+
+__all__ = [
+    "ActivationConfig",
+    "ConsoleSinkConfig",
+    "GradientConfig",
+    "JsonlSinkConfig",
+    "MonitorConfig",
+    "SinksConfig",
+]
+
+ENV_PREFIX = "NUMWATCH_"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GradientConfig(_Section):
+    """Statistics of each selected parameter's gradient, taken at step time."""
+
+    enabled: bool = Field(True, description="Collect gradient statistics.")
+    every: PositiveInt = Field(1, description="Steps between gradient statistics (1 = every step).")
+    params: list[str] = Field(
+        default_factory=lambda: ["*"],
+        description="Glob patterns over model.named_parameters() names to include.",
+    )
+    exclude: list[str] = Field(
+        default_factory=list, description="Glob patterns of parameter names to leave out."
+    )
+
+
+class ActivationConfig(_Section):
+    """Statistics of selected modules' forward outputs (all floating tensors in the output)."""
+
+    enabled: bool = Field(True, description="Collect forward-output statistics.")
+    every: PositiveInt = Field(
+        10, description="Steps between sampled forwards; steps where step % every == 0 are sampled."
+    )
+    modules: list[str] = Field(
+        default_factory=lambda: ["*"],
+        description="Glob patterns over model.named_modules() names (the root model is excluded).",
+    )
+    module_types: list[str] = Field(
+        default_factory=list,
+        description="Only modules of these class names (e.g. 'Linear' or 'torch.nn.Linear'); "
+        "empty = any type.",
+    )
+    exclude: list[str] = Field(
+        default_factory=list, description="Glob patterns of module names to leave out."
+    )
+    training_only: bool = Field(
+        True, description="Skip forwards of modules in eval mode (validation passes)."
+    )
+
+
+class JsonlSinkConfig(_Section):
+    """The JSONL run log: one JSON object per flush (schema in README, 'JSONL schema')."""
+
+    enabled: bool = Field(True, description="Write the JSONL run log.")
+    path: str = Field(
+        "numwatch-runs/{run_name}.rank{rank}.jsonl",
+        description="File path; {run_name} and {rank} are filled in. Parent folders are created.",
+    )
+
+
+class ConsoleSinkConfig(_Section):
+    """A one-line summary per flush on stderr (Rich on a terminal, plain lines otherwise)."""
+
+    enabled: bool = Field(True, description="Print flush summaries (rank 0 only).")
+    every: PositiveInt = Field(1, description="Flushes between printed summaries.")
+
+
+class SinksConfig(_Section):
+    jsonl: JsonlSinkConfig = Field(default_factory=JsonlSinkConfig)
+    console: ConsoleSinkConfig = Field(default_factory=ConsoleSinkConfig)
+
+
+class MonitorConfig(_Section):
+    """Everything a ``Monitor`` can be told. Every field has a safe default."""
+
+    enabled: bool = Field(True, description="False makes attach() a no-op (no hooks at all).")
+    run_name: str | None = Field(
+        None, description="Name of the run in logs; default: a UTC timestamp at attach()."
+    )
+    flush_every: PositiveInt = Field(
+        10, description="Steps between host reads of the device-side statistics."
+    )
+    strict: bool = Field(
+        False, description="Re-raise exceptions from probes and sinks instead of counting them."
+    )
+    kernel_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="'triton' = fused Triton kernels, 'torch' = reference ops, 'auto' = Triton "
+        "on CUDA tensors and torch elsewhere.",
+    )
+    underflow_dtype: Literal["float16", "bfloat16", "float32"] | None = Field(
+        None,
+        description="Dtype whose smallest normal defines *_underflow_fraction; default: each "
+        "tensor's own dtype. Set 'float16' to see fp32 values an fp16 cast would flush.",
+    )
+    gradients: GradientConfig = Field(default_factory=GradientConfig)
+    activations: ActivationConfig = Field(default_factory=ActivationConfig)
+    sinks: SinksConfig = Field(default_factory=SinksConfig)
+
+    @classmethod
+    def load(
+        cls,
+        config: MonitorConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        **overrides: Any,
+    ) -> MonitorConfig:
+        """Build a config from ``config`` (object, dict or YAML path), env and keyword overrides."""
+        if config is None:
+            base: dict[str, Any] = {}
+        elif isinstance(config, MonitorConfig):
+            base = config.model_dump(exclude_unset=True)
+        elif isinstance(config, Mapping):
+            base = dict(config)
+        elif isinstance(config, (str, os.PathLike)):
+            base = _read_yaml(Path(config))
+        else:
+            raise NumwatchConfigError(
+                f"config must be a MonitorConfig, a dict or a path to a YAML file, "
+                f"got {type(config).__name__}"
+            )
+        merged = _deep_merge(
+            _expand_dunder(base), _env_overrides(os.environ if env is None else env)
+        )
+        merged = _deep_merge(merged, _expand_dunder(overrides))
+        return cls.validated(merged)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> MonitorConfig:
+        """Config from a YAML file alone (no env, no overrides)."""
+        return cls.validated(_read_yaml(Path(path)))
+
+    @classmethod
+    def validated(cls, data: Mapping[str, Any]) -> MonitorConfig:
+        """Validate ``data``, turning pydantic's report into one readable NumwatchConfigError."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise NumwatchConfigError(_describe(exc)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise NumwatchConfigError(f"config file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise NumwatchConfigError(f"config file {str(path)!r} must hold a mapping at top level")
+    return data
+
+
+def _expand_dunder(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """{'sinks__jsonl__path': x} -> {'sinks': {'jsonl': {'path': x}}}."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        parts = key.split("__")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise NumwatchConfigError(f"config key {key!r} conflicts with a value at {part!r}")
+        leaf = parts[-1]
+        if isinstance(value, Mapping) and isinstance(node.get(leaf), dict):
+            node[leaf] = _deep_merge(node[leaf], _expand_dunder(value))
+        else:
+            node[leaf] = _expand_dunder(value) if isinstance(value, Mapping) else value
+    return out
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    flat = {}
+    for name, raw in env.items():
+        if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX):
+            key = name[len(ENV_PREFIX) :].lower()
+            try:
+                flat[key] = yaml.safe_load(raw) if raw.strip() else raw
+            except yaml.YAMLError:
+                flat[key] = raw
+    return _expand_dunder(flat)
+
+
+def _deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "<root>"
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            lines.append(f"{field}: unknown setting (check the spelling; env names use '__')")
+            continue
+        value = err.get("input")
+        hint = err["msg"]
+        if kind == "literal_error" and "expected" in err.get("ctx", {}):
+            hint = f"allowed values: {err['ctx']['expected']}"
+        lines.append(f"{field}: got {value!r}; {hint}")
+    return "invalid numwatch config: " + "; ".join(lines)

@@ -1,0 +1,238 @@
+"""Tensor probe: statistics of gradients (per parameter) and forward outputs (per module).
+
+Gradients are read at step time, after every backward of the step has accumulated into
+``.grad``; post-accumulate-grad hooks only record the backward order (used to name the first
+parameter whose gradient went non-finite). Forward outputs are read in forward hooks on sampled
+steps. Either way the statistics are merged into device-side tables; the host reads them at flush.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from numwatch.buffers import DeviceTables, NonfiniteOrigin, nonfinite_counts, reduce_rows
+from numwatch.config import ActivationConfig, GradientConfig
+from numwatch.kernels import tensor_stats as ts
+from numwatch.probes.base import ProbeContext
+from numwatch.selection import select_modules, select_parameters
+from numwatch.snapshot import MetricRecord
+
+__all__ = ["ActivationProbe", "GradientProbe", "stat_records"]
+
+
+def stat_records(
+    prefix: str, label: str, name: str, row: torch.Tensor, dtype: torch.dtype
+) -> list[MetricRecord]:
+    """Metrics ``{prefix}_*`` of one host-side stat row (see README, 'Metric reference')."""
+    r = row.tolist()
+    numel = r[ts.NUMEL]
+    nonfinite = r[ts.NAN] + r[ts.POSINF] + r[ts.NEGINF]
+    finite = numel - nonfinite
+    nonzero_finite = finite - r[ts.ZERO]
+    labels = {label: name}
+    values = {
+        "numel": numel,
+        "absmax": r[ts.ABSMAX],
+        "min": r[ts.MIN],
+        "max": r[ts.MAX],
+        "mean": r[ts.SUM] / finite if finite else math.nan,
+        "rms": math.sqrt(r[ts.SUMSQ] / finite) if finite else math.nan,
+        "nan": r[ts.NAN],
+        "posinf": r[ts.POSINF],
+        "neginf": r[ts.NEGINF],
+        "nonfinite": nonfinite,
+        "zeros": r[ts.ZERO],
+        "zero_fraction": r[ts.ZERO] / numel if numel else 0.0,
+        "subnormal": r[ts.SUBNORMAL],
+        "underflow_fraction": r[ts.UNDERFLOW] / nonzero_finite if nonzero_finite else 0.0,
+        "headroom": r[ts.ABSMAX] / torch.finfo(dtype).max,
+    }
+    return [MetricRecord(f"{prefix}_{k}", labels, v) for k, v in values.items()]
+
+
+def _floating_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Floating tensors with data inside a (nested) module output; others are not statistics."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and obj.numel() > 0 and not obj.is_meta:
+            yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _floating_tensors(item)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from _floating_tensors(item)
+
+
+class GradientProbe:
+    """Per-parameter statistics of the accumulated gradient, once per (sampled) step."""
+
+    component = "gradients"
+
+    def __init__(self, model: nn.Module, cfg: GradientConfig, ctx: ProbeContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.params = select_parameters(model, cfg.params, cfg.exclude)
+        self._handles: list[Any] = []
+        self._fired: list[int] = []
+        self._fired_set: set[int] = set()
+        self._tables = DeviceTables("grad_table", len(self.params))
+        self._dtypes: dict[int, torch.dtype] = {}
+        self._index_cache: dict[tuple[torch.device, tuple[int, ...]], tuple[Any, Any]] = {}
+        self._norm_sq_last: torch.Tensor | None = None
+        self._norm_max: torch.Tensor | None = None
+
+    def attach(self) -> None:
+        for i, (_, p) in enumerate(self.params):
+            self._handles.append(p.register_post_accumulate_grad_hook(partial(self._on_grad, i)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _on_grad(self, index: int, _param: torch.Tensor) -> None:
+        self.ctx.activity = True
+        if index not in self._fired_set:
+            self._fired_set.add(index)
+            self._fired.append(index)
+
+    def on_step(self) -> None:
+        """Read every gradient of the closing step (called by Monitor.step, guarded)."""
+        fired, fired_set = self._fired, self._fired_set
+        self._fired, self._fired_set = [], set()
+        if self.ctx.step % self.cfg.every:
+            return
+        # Backward order first (closest to the loss first), then gradients no hook saw.
+        rest = [i for i in reversed(range(len(self.params))) if i not in fired_set]
+        groups: dict[torch.device, list[int]] = {}
+        for i in fired + rest:
+            g = self.params[i][1].grad
+            if g is None or not g.is_floating_point() or g.numel() == 0 or g.is_meta:
+                continue
+            groups.setdefault(g.device, []).append(i)
+            self._dtypes.setdefault(i, g.dtype)
+        norm_sq = []
+        for device, indices in groups.items():
+            grads = [self.params[i][1].grad for i in indices]
+            stats = ts.tensor_stats(grads, self.ctx.underflow_dtype, self.ctx.backend)
+            rows, rel_order = self._indices(device, indices)
+            self._tables[device].add_rows(rows, stats)
+            first = self.ctx.tracker.reserve(
+                [
+                    NonfiniteOrigin("backward", "param", self.params[i][0], self.ctx.step)
+                    for i in indices
+                ]
+            )
+            self.ctx.tracker.observe_many(rel_order + first, nonfinite_counts(stats))
+            # A non-finite gradient makes the global norm NaN, as in clip_grad_norm_.
+            bad = nonfinite_counts(stats).sum() > 0
+            norm_sq.append(stats[:, ts.SUMSQ].sum().masked_fill(bad, float("nan")))
+        if norm_sq:
+            total = norm_sq[0]
+            for t in norm_sq[1:]:  # model split over devices
+                total = total + t.to(total.device, non_blocking=True)
+            self._norm_sq_last = total
+            self._norm_max = (
+                total if self._norm_max is None else torch.maximum(self._norm_max, total)
+            )
+
+    def _indices(self, device: torch.device, indices: list[int]) -> tuple[Any, Any]:
+        key = (device, tuple(indices))
+        cached = self._index_cache.get(key)
+        if cached is None:
+            if len(self._index_cache) > 64:
+                self._index_cache.clear()
+            rows = torch.tensor(indices, dtype=torch.long, device=device)
+            rel = torch.arange(len(indices), dtype=torch.float64, device=device)
+            cached = self._index_cache[key] = (rows, rel)
+        return cached
+
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        out = self._tables.device_tensors()
+        if self._norm_sq_last is not None:
+            out["grad_norm_sq_last"] = self._norm_sq_last
+            out["grad_norm_sq_max"] = self._norm_max
+        return out
+
+    def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
+        merged = self._tables.merged(host)
+        out: list[MetricRecord] = []
+        for i, (name, _) in enumerate(self.params):
+            if merged is not None and merged[i, ts.NUMEL] > 0:
+                out += stat_records("grad", "param", name, merged[i], self._dtypes[i])
+        if "grad_norm_sq_last" in host:
+            out.append(MetricRecord("grad_norm", {}, math.sqrt(float(host["grad_norm_sq_last"]))))
+            out.append(
+                MetricRecord("grad_norm_max", {}, math.sqrt(float(host["grad_norm_sq_max"])))
+            )
+        return out
+
+    def reset(self) -> None:
+        self._tables.reset()
+        self._norm_sq_last = self._norm_max = None
+
+
+class ActivationProbe:
+    """Per-module statistics of forward outputs on sampled steps."""
+
+    component = "activations"
+
+    def __init__(self, model: nn.Module, cfg: ActivationConfig, ctx: ProbeContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.modules = select_modules(model, cfg.modules, cfg.exclude, cfg.module_types)
+        self._handles: list[Any] = []
+        self._tables = DeviceTables("act_table", len(self.modules))
+        self._dtypes: dict[int, torch.dtype] = {}
+
+    def attach(self) -> None:
+        for i, (_, m) in enumerate(self.modules):
+            self._handles.append(m.register_forward_hook(partial(self._hook, i)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, index: int, module: nn.Module, _inputs: Any, output: Any) -> None:
+        self.ctx.activity = True
+        if self.ctx.step % self.cfg.every or (self.cfg.training_only and not module.training):
+            return
+        self.ctx.guard.run(self.component, self._observe, index, output)
+
+    @torch.no_grad()
+    def _observe(self, index: int, output: Any) -> None:
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for t in _floating_tensors(output):
+            by_device.setdefault(t.device, []).append(t)
+        if not by_device:
+            return
+        name = self.modules[index][0]
+        order = self.ctx.tracker.next_order(
+            NonfiniteOrigin("forward", "module", name, self.ctx.step)
+        )
+        for device, tensors in by_device.items():
+            self._dtypes.setdefault(index, tensors[0].dtype)
+            row = reduce_rows(ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend))
+            self._tables[device].add_row(index, row)
+            self.ctx.tracker.observe(order, nonfinite_counts(row))
+
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        return self._tables.device_tensors()
+
+    def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
+        merged = self._tables.merged(host)
+        out: list[MetricRecord] = []
+        for i, (name, _) in enumerate(self.modules):
+            if merged is not None and merged[i, ts.NUMEL] > 0:
+                out += stat_records("activation", "module", name, merged[i], self._dtypes[i])
+        return out
+
+    def reset(self) -> None:
+        self._tables.reset()

@@ -1,0 +1,75 @@
+"""A one-line health summary per flush on stderr.
+
+On a terminal the line is coloured with Rich; elsewhere (CI logs, files) it is a plain line.
+Lines are printed whole, so they interleave cleanly with tqdm bars and logging output.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from numwatch.events import Event
+from numwatch.snapshot import Snapshot
+
+__all__ = ["ConsoleSink", "summary_line"]
+
+
+def _worst(snapshot: Snapshot, metric: str, label: str) -> tuple[float, str] | None:
+    series = snapshot.series(metric)
+    if not series:
+        return None
+    best = max(series, key=lambda r: r.value)
+    return best.value, best.labels.get(label, "")
+
+
+def summary_line(snapshot: Snapshot, events: Sequence[Event]) -> str:
+    """Rich-markup summary of one flush (plain text once markup is stripped)."""
+    parts = [f"[bold]numwatch[/] step {snapshot.step}"]
+    loss = snapshot.get("loss")
+    if loss is not None:
+        parts.append(f"loss {loss:.4g}")
+    norm = snapshot.get("grad_norm")
+    if norm is not None:
+        parts.append(f"grad_norm {norm:.3g}")
+    worst = _worst(snapshot, "grad_absmax", "param")
+    if worst:
+        parts.append(f"grad_absmax {worst[0]:.3g} ({worst[1]})")
+    worst = _worst(snapshot, "activation_absmax", "module")
+    if worst:
+        parts.append(f"act_absmax {worst[0]:.3g} ({worst[1]})")
+    nonfinite = sum(r.value for r in snapshot.series("grad_nonfinite"))
+    nonfinite += sum(r.value for r in snapshot.series("activation_nonfinite"))
+    style = "bold red" if nonfinite else "green"
+    parts.append(f"[{style}]nonfinite {int(nonfinite)}[/]")
+    overhead = snapshot.get("monitor_overhead_seconds")
+    step_s = snapshot.get("step_seconds")
+    if overhead is not None:
+        text = f"overhead {overhead * 1e3:.2f} ms/step"
+        if step_s:
+            text += f" ({100 * overhead / step_s:.1f}%)"
+        parts.append(text)
+    if events:
+        kinds = Counter(e.kind for e in events)
+        listed = ", ".join(f"{n} {k}" for k, n in kinds.items())
+        parts.append(f"[bold yellow]events: {listed}[/] — {events[0].message}")
+    return " | ".join(parts)
+
+
+class ConsoleSink:
+    name = "console"
+
+    def __init__(self, every: int = 1, console: Console | None = None) -> None:
+        self.every = every
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True)
+        self._flushes = 0
+
+    def emit(self, snapshot: Snapshot, events: Sequence[Event]) -> None:
+        self._flushes += 1
+        if events or self._flushes % self.every == 0:
+            self.console.print(summary_line(snapshot, events))
+
+    def close(self) -> None:
+        """Nothing to release: the console belongs to the process."""

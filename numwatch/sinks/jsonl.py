@@ -1,0 +1,64 @@
+"""The JSONL run log: the embedded default sink that needs no server.
+
+One JSON object per flush and line (schema in README, 'JSONL schema'), flushed to the OS at once,
+so a crash loses at most the record being written. Non-finite numbers, which JSON cannot hold,
+are written as the strings "nan", "inf" and "-inf".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from numwatch.events import Event
+from numwatch.snapshot import Snapshot
+
+__all__ = ["SCHEMA_VERSION", "JsonlSink", "read_jsonl"]
+
+SCHEMA_VERSION = 1
+
+
+def _finite_or_str(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite_or_str(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_str(v) for v in value]
+    return value
+
+
+class JsonlSink:
+    name = "jsonl"
+
+    def __init__(self, path: str | Path, run_name: str) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run_name = run_name
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def emit(self, snapshot: Snapshot, events: Sequence[Event]) -> None:
+        record = {"schema": SCHEMA_VERSION, "run": self.run_name, **snapshot.to_dict()}
+        record["events"] = [e.to_dict() for e in events]
+        self._file.write(json.dumps(_finite_or_str(record), allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a run log, with the non-finite strings turned back into floats."""
+    out = []
+    with Path(path).open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                for m in record["metrics"]:
+                    if isinstance(m["value"], str):
+                        m["value"] = float(m["value"])
+                out.append(record)
+    return out

@@ -1,0 +1,68 @@
+"""The host-side view of one flush: metric records with labels, read by rules and sinks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+
+__all__ = ["MetricRecord", "Snapshot"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricRecord:
+    name: str
+    labels: Mapping[str, str]
+    value: float
+
+    def __iter__(self) -> Iterator[object]:
+        return iter((self.name, self.labels, self.value))
+
+
+class Snapshot:
+    """Metrics of one flush; ``step`` is the last training step the flush covers."""
+
+    def __init__(self, step: int, records: list[MetricRecord], *, time: float, rank: int = 0):
+        self.step = step
+        self.time = time
+        self.rank = rank
+        self._records = records
+        self._index = {(r.name, _key(r.labels)): r.value for r in records}
+
+    def __iter__(self) -> Iterator[MetricRecord]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def value(self, name: str, **labels: str) -> float:
+        """The value of metric ``name`` with exactly these labels; KeyError names what exists."""
+        try:
+            return self._index[(name, _key(labels))]
+        except KeyError:
+            have = [dict(r.labels) for r in self._records if r.name == name][:5]
+            hint = f"series of {name!r} include {have}" if have else f"no metric named {name!r}"
+            raise KeyError(f"{name}{labels} not in snapshot of step {self.step}; {hint}") from None
+
+    def get(self, name: str, default: float | None = None, **labels: str) -> float | None:
+        return self._index.get((name, _key(labels)), default)
+
+    def series(self, name: str) -> list[MetricRecord]:
+        """Every record of metric ``name`` (all label sets)."""
+        return [r for r in self._records if r.name == name]
+
+    def names(self) -> list[str]:
+        return sorted({r.name for r in self._records})
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "step": self.step,
+            "time": self.time,
+            "rank": self.rank,
+            "metrics": [
+                {"name": r.name, "labels": dict(r.labels), "value": r.value} for r in self._records
+            ],
+        }
+
+
+def _key(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, str(v)) for k, v in labels.items()))

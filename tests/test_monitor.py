@@ -1,0 +1,511 @@
+"""Monitor core: planted statistics, first non-finite origin, step closing, detach, robustness."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import numwatch
+from numwatch.sinks.console import ConsoleSink
+from numwatch.sinks.jsonl import read_jsonl
+from numwatch.testing import planted_tensor
+
+
+@pytest.fixture
+def make_monitor(tmp_path):
+    def make(model, **overrides):
+        overrides.setdefault("sinks__console__enabled", False)
+        overrides.setdefault("sinks__jsonl__path", str(tmp_path / "run.jsonl"))
+        return numwatch.Monitor(model, **overrides)
+
+    return make
+
+
+class Emit(nn.Module):
+    """Returns whatever it was told to, ignoring its input: planted forward outputs."""
+
+    def __init__(self, output=None):
+        super().__init__()
+        self.output = output
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.output
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def train_steps(model, monitor, n, *, opt=None, plant=None):
+    """n steps; without ``opt`` the weights stay put (so a planted NaN does not spread)."""
+    for step in range(n):
+        loss = model(torch.randn(5, 4)).square().mean()
+        loss.backward()
+        if plant is not None:
+            plant(step)
+        monitor.step(loss)
+        if opt is not None:
+            opt.step()
+        model.zero_grad()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_planted_gradient_statistics_exact(make_monitor, dtype):
+    grad, _ = planted_tensor(dtype, nan=2, posinf=3, neginf=1, zeros=4, subnormal=5, normal=11)
+    model = nn.Linear(26, 1, bias=False).to(dtype)
+    monitor = make_monitor(model, flush_every=1, activations__enabled=False).attach()
+    model.weight.grad = grad.reshape(1, 26).clone()
+    monitor.step()
+    snap = monitor.snapshot()
+    p = {"param": "weight"}
+    assert snap.step == 0
+    assert snap.value("grad_numel", **p) == 26
+    assert snap.value("grad_nan", **p) == 2
+    assert snap.value("grad_posinf", **p) == 3
+    assert snap.value("grad_neginf", **p) == 1
+    assert snap.value("grad_nonfinite", **p) == 6
+    assert snap.value("grad_zeros", **p) == 4
+    assert snap.value("grad_subnormal", **p) == 5
+    assert snap.value("grad_underflow_fraction", **p) == pytest.approx(5 / 16)
+    assert snap.value("grad_absmax", **p) == 8.0
+    assert snap.value("grad_min", **p) == -8.0
+    assert snap.value("grad_headroom", **p) == pytest.approx(8.0 / torch.finfo(dtype).max)
+    finite = grad[torch.isfinite(grad)].double()
+    assert snap.value("grad_mean", **p) == pytest.approx(finite.mean().item(), rel=1e-6)
+    assert snap.value("grad_rms", **p) == pytest.approx(finite.square().mean().sqrt().item())
+    assert math.isnan(snap.value("grad_norm"))  # non-finite gradients poison the global norm
+
+
+def test_underflow_dtype_counts_values_an_fp16_cast_would_flush(make_monitor):
+    model = nn.Linear(4, 1, bias=False)
+    monitor = make_monitor(model, flush_every=1, underflow_dtype="float16").attach()
+    model.weight.grad = torch.tensor([[1e-6, -3e-5, 1.0, 0.0]])  # two below fp16's 6.1e-5
+    monitor.step()
+    snap = monitor.snapshot()
+    assert snap.value("grad_underflow_fraction", param="weight") == pytest.approx(2 / 3)
+    assert snap.value("grad_subnormal", param="weight") == 0  # none subnormal in fp32
+
+
+def test_planted_activation_outputs_of_any_structure(make_monitor):
+    a, want_a = planted_tensor(torch.bfloat16, nan=1, zeros=2, normal=5, absmax=4.0)
+    b, _ = planted_tensor(torch.float32, posinf=1, normal=3, absmax=2.0, seed=1)
+    model = nn.ModuleDict(
+        {
+            "tup": Emit((a, torch.arange(3), None)),  # ints and None are not statistics
+            "dct": Emit({"x": b, "mask": torch.ones(2, dtype=torch.bool)}),
+            "none": Emit(None),
+            "empty": Emit(torch.empty(0, 3)),
+        }
+    )
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    for m in model.values():
+        m(None)
+    monitor.step()
+    snap = monitor.snapshot()
+    assert snap.value("activation_numel", module="tup") == want_a.numel
+    assert snap.value("activation_nan", module="tup") == 1
+    assert snap.value("activation_zeros", module="tup") == 2
+    assert snap.value("activation_absmax", module="tup") == 4.0
+    assert snap.value("activation_headroom", module="tup") == pytest.approx(
+        4.0 / torch.finfo(torch.bfloat16).max
+    )
+    assert snap.value("activation_posinf", module="dct") == 1
+    assert snap.value("activation_absmax", module="dct") == 2.0
+    assert snap.get("activation_numel", module="none") is None
+    assert snap.get("activation_numel", module="empty") is None
+
+
+def test_fp8_activation_statistics(make_monitor):
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("torch without float8")
+    out = torch.tensor([0.0, 1.0, -448.0, 2.0]).to(torch.float8_e4m3fn)
+    model = nn.Sequential(Emit(out))
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    model(None)
+    monitor.step()
+    snap = monitor.snapshot()
+    assert snap.value("activation_absmax", module="0") == 448.0
+    assert snap.value("activation_headroom", module="0") == 1.0
+    assert snap.value("activation_zeros", module="0") == 1
+
+
+def test_activation_sampling_every_and_training_only(make_monitor):
+    model = nn.Sequential(Emit(torch.ones(3)))
+    monitor = make_monitor(model, flush_every=4, activations__every=2).attach()
+    for _ in range(4):
+        model(None)
+        monitor.step()
+    assert monitor.snapshot().value("activation_numel", module="0") == 6  # steps 0 and 2
+    model.eval()
+    for _ in range(4):
+        model(None)
+        monitor.step()
+    assert monitor.snapshot().get("activation_numel", module="0") is None
+
+
+@pytest.mark.parametrize("flush_every", [1, 5])
+def test_nan_gradient_named_at_its_step(make_monitor, flush_every):
+    torch.manual_seed(0)
+    model = Net()
+    seen = []
+    monitor = make_monitor(model, flush_every=flush_every).attach()
+    monitor.on("nonfinite", seen.append)
+
+    def plant(step):
+        if step == 3:
+            model.b.weight.grad[2, 1] = float("nan")
+
+    train_steps(model, monitor, 5, plant=plant)
+    monitor.detach()
+    assert len(seen) == 1 and monitor.events == seen
+    event = seen[0]
+    assert (event.kind, event.step, event.labels) == ("nonfinite", 3, {"param": "b.weight"})
+    assert event.evidence["phase"] == "backward"
+    records = read_jsonl(monitor.jsonl_path)
+    nan_steps = [
+        r["step"]
+        for r in records
+        for m in r["metrics"]
+        if m["name"] == "grad_nonfinite" and m["labels"] == {"param": "b.weight"} and m["value"]
+    ]
+    assert nan_steps == ([3] if flush_every == 1 else [4])  # the window that holds step 3
+    others = [
+        m["value"]
+        for r in records
+        for m in r["metrics"]
+        if m["name"] == "grad_nonfinite" and m["labels"] != {"param": "b.weight"}
+    ]
+    assert sum(others) == 0
+
+
+def test_first_nonfinite_in_forward_order(make_monitor):
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(4, 4)
+            self.second = nn.Linear(4, 4)
+            self.third = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.third(self.second(self.first(x)))
+
+    model = Chain()
+    monitor = make_monitor(model, flush_every=2, activations__every=1).attach()
+    with torch.no_grad():
+        model.second.bias[0] = float("inf")  # second's output is the first non-finite tensor
+    model(torch.randn(2, 4)).sum().backward()
+    monitor.step()
+    event = monitor.flush() and monitor.events[-1]
+    assert event.labels == {"module": "second"}
+    assert event.evidence["phase"] == "forward"
+    assert event.step == 0
+
+
+def test_nonfinite_loss_event(make_monitor):
+    model = nn.Linear(2, 1)
+    monitor = make_monitor(model, flush_every=1, gradients__enabled=False).attach()
+    monitor.step(torch.tensor(float("nan")))
+    assert monitor.events[0].metric == "loss"
+    assert math.isnan(monitor.snapshot().value("loss"))
+
+
+def test_optimizer_pre_hook_closes_each_step_once(make_monitor):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = make_monitor(model, flush_every=100).attach(opt)
+    for _ in range(3):  # no explicit step(): the pre-hook closes
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    assert monitor.steps == 3
+    for _ in range(2):  # step(loss) before optimizer.step(): the pre-hook stays quiet
+        loss = model(torch.randn(2, 4)).sum()
+        loss.backward()
+        monitor.step(loss)
+        opt.step()
+    assert monitor.steps == 5
+    for _ in range(2):  # step(loss) after optimizer.step(): only records the loss
+        loss = model(torch.randn(2, 4)).sum()
+        loss.backward()
+        opt.step()
+        monitor.step(loss)
+    assert monitor.steps == 7
+    assert monitor.flush().value("loss") == pytest.approx(loss.item())
+
+
+def test_gradient_accumulation_reads_the_accumulated_gradient(make_monitor):
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    monitor = make_monitor(model, flush_every=1).attach()
+    for x in (2.0, 3.0):  # two micro-batches: grad = 2 + 3
+        model(torch.tensor([[x]])).sum().backward()
+    monitor.step()
+    assert monitor.snapshot().value("grad_absmax", param="weight") == 5.0
+
+
+def _hook_state(model):
+    return [
+        (
+            dict(m._forward_hooks),
+            dict(m._forward_pre_hooks),
+            dict(m._backward_hooks),
+        )
+        for m in model.modules()
+    ] + [dict(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters()]
+
+
+def test_detach_restores_model_exactly(make_monitor):
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(3, 4)
+    before_hooks = _hook_state(model)
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    before_out = model(x)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with make_monitor(model, flush_every=2) as monitor:
+        monitor.attach(opt)
+        assert monitor.attach() is monitor  # idempotent
+        train_steps(model, monitor, 3, opt=opt)
+    assert not monitor.attached
+    assert _hook_state(model) == before_hooks
+    assert all(torch.equal(before_state[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(model(x), before_out)
+    assert not opt._optimizer_step_pre_hooks
+    assert read_jsonl(monitor.jsonl_path)[-1]["step"] == 2  # the partial window was flushed
+
+
+def test_probe_failure_is_counted_and_survived(make_monitor, monkeypatch, caplog):
+    from numwatch.kernels import tensor_stats
+
+    def boom(*a, **k):
+        raise RuntimeError("planted probe failure")
+
+    torch.manual_seed(0)
+    model = Net()
+    monitor = make_monitor(model, flush_every=2, activations__every=1).attach()
+    monkeypatch.setattr(tensor_stats, "tensor_stats", boom)
+    train_steps(model, monitor, 4)
+    snap = monitor.snapshot()
+    assert snap.step == 3
+    assert snap.value("monitor_errors_total", component="gradients") == 4
+    assert snap.value("monitor_errors_total", component="activations") == 4 * 3  # 3 Linears
+    assert (
+        sum(
+            "planted probe failure" in r.getMessage() or r.exc_info is not None
+            for r in caplog.records
+        )
+        == 2
+    )  # one traceback per component, logged once
+
+
+def test_strict_mode_reraises(make_monitor, monkeypatch):
+    from numwatch.kernels import tensor_stats
+
+    monkeypatch.setattr(tensor_stats, "tensor_stats", lambda *a, **k: 1 / 0)
+    model = Net()
+    monitor = make_monitor(model, strict=True, activations__enabled=False).attach()
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(ZeroDivisionError):
+        monitor.step()
+
+
+def test_failing_sink_and_callback_do_not_break_training(make_monitor):
+    model = Net()
+    monitor = make_monitor(model, flush_every=1).attach()
+
+    class BadSink:
+        name = "bad"
+
+        def emit(self, snapshot, events):
+            raise OSError("disk full")
+
+        def close(self):
+            pass
+
+    monitor._sinks.append(BadSink())
+    monitor.on("*", lambda e: 1 / 0)
+
+    def plant(step):
+        model.a.weight.grad[0, 0] = float("nan")
+
+    train_steps(model, monitor, 2, plant=plant)
+    assert monitor.errors["sinks"] == 2
+    assert monitor.errors["callbacks"] == 2
+
+
+def test_models_without_trainable_parameters_or_attention(make_monitor):
+    frozen = Net().requires_grad_(False)
+    monitor = make_monitor(frozen, flush_every=1, activations__every=1).attach()
+    frozen(torch.randn(2, 4))
+    monitor.step()
+    snap = monitor.snapshot()
+    assert snap.series("grad_absmax") == []
+    assert len(snap.series("activation_absmax")) == 3
+
+    partly = Net()
+    partly.a.requires_grad_(False)
+    monitor = make_monitor(partly, flush_every=1).attach()
+    train_steps(partly, monitor, 1)
+    params = {r.labels["param"] for r in monitor.snapshot().series("grad_absmax")}
+    assert params == {"b.weight", "b.bias", "c.weight", "c.bias"}
+
+
+def test_meta_device_model_is_skipped_not_broken(make_monitor):
+    with torch.device("meta"):
+        model = Net()
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    model(torch.randn(2, 4, device="meta"))
+    monitor.step()
+    assert monitor.snapshot().series("activation_absmax") == []
+    assert monitor.errors == {}
+
+
+def test_bad_inputs_get_clear_errors(make_monitor):
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        numwatch.Monitor(object())
+    monitor = make_monitor(Net())
+    with pytest.raises(numwatch.NumwatchError, match="attach"):
+        monitor.step()
+    monitor.attach()
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
+        monitor.attach(optimizer="sgd")
+    with pytest.raises(ValueError, match="unknown event kind"):
+        monitor.on("nan", print)
+    with pytest.raises(ValueError, match="scalar loss"):
+        make_monitor(Net(), strict=True).attach().step(torch.ones(3))
+
+
+def test_disabled_monitor_adds_nothing(make_monitor):
+    model = Net()
+    before = _hook_state(model)
+    monitor = make_monitor(model, enabled=False).attach()
+    assert _hook_state(model) == before
+    train_steps(model, monitor, 2)
+    assert monitor.flush() is None
+
+
+def test_jsonl_schema(make_monitor):
+    torch.manual_seed(0)
+    model = Net()
+    monitor = make_monitor(model, flush_every=2, run_name="t").attach()
+
+    def plant(step):
+        if step == 1:
+            model.c.bias.grad[0] = float("-inf")
+
+    train_steps(model, monitor, 4, plant=plant)
+    monitor.detach()
+    with open(monitor.jsonl_path) as f:
+        lines = f.read().splitlines()
+    assert len(lines) == 2
+    first = json.loads(lines[0])
+    assert set(first) == {"schema", "run", "step", "time", "rank", "metrics", "events"}
+    assert (first["schema"], first["run"], first["step"], first["rank"]) == (1, "t", 1, 0)
+    assert first["events"][0]["kind"] == "nonfinite"
+    assert first["events"][0]["labels"] == {"param": "c.bias"}
+    norm = [m for m in first["metrics"] if m["name"] == "grad_norm"]
+    assert norm == [{"name": "grad_norm", "labels": {}, "value": "nan"}]  # JSON has no NaN
+    assert all(set(m) == {"name", "labels", "value"} for m in first["metrics"])
+
+
+def test_console_plain_lines_when_not_a_terminal():
+    from rich.console import Console
+
+    buf = io.StringIO()
+    sink = ConsoleSink(every=2, console=Console(file=buf, force_terminal=False, width=300))
+    snap = numwatch.Snapshot(
+        7,
+        [numwatch.MetricRecord("loss", {}, 1.5), numwatch.MetricRecord("grad_norm", {}, 0.25)],
+        time=0.0,
+    )
+    sink.emit(snap, [])
+    assert buf.getvalue() == ""  # every=2: the first flush prints nothing
+    sink.emit(snap, [])
+    line = buf.getvalue()
+    assert line.startswith("numwatch step 7 | loss 1.5 | grad_norm 0.25")
+    assert "\x1b[" not in line and "[bold" not in line
+
+
+SYNC_CALLS = {
+    "item",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__index__",
+    "tolist",
+    "cpu",
+    "numpy",
+    "nonzero",
+    "masked_select",
+    "unique",
+    "__array__",
+}
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts tensor calls that would wait for a GPU, on any device.
+
+    The result of ``.cpu()`` is host data; everything computed from host data alone is host
+    data too (tracked by taint), and reading it later is no sync.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+        self.host = weakref.WeakSet()
+
+    def _tensors(self, obj):
+        if isinstance(obj, torch.Tensor):
+            yield obj
+        elif isinstance(obj, (list, tuple)):
+            for o in obj:
+                yield from self._tensors(o)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        inputs = list(self._tensors(list(args) + list(kwargs.values())))
+        from_host = bool(inputs) and all(t in self.host for t in inputs)
+        to_cpu = name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device")))
+        if (name in SYNC_CALLS or to_cpu) and not from_host:
+            self.calls.append(name)
+        out = func(*args, **kwargs)
+        if name == "cpu" or from_host:
+            for t in self._tensors(out if isinstance(out, (list, tuple)) else [out]):
+                self.host.add(t)
+        return out
+
+
+def test_hooks_and_steps_do_no_host_sync(make_monitor):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = make_monitor(model, flush_every=4, activations__every=1).attach(opt)
+    train_steps(model, monitor, 1, opt=opt)  # first step builds tables and index caches
+    with SyncCounter() as counter:
+        for _ in range(2):  # steps 1 and 2: no flush
+            loss = model(torch.randn(5, 4)).square().mean()
+            loss.backward()
+            monitor.step(loss)
+            opt.step()
+            opt.zero_grad()
+    assert counter.calls == []
+    with SyncCounter() as counter:
+        monitor.step()  # step 3 closes the window: exactly one device read
+    assert counter.calls == ["cpu"]
