@@ -10,7 +10,12 @@ implementation: the CPU path and the oracle of the fused kernel.
 
 from __future__ import annotations
 
+import functools
+import os
+from collections import OrderedDict
 from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 
@@ -136,6 +141,406 @@ def tensor_stats_reference(
     return torch.stack(rows)
 
 
+# --- fused Triton kernel -------------------------------------------------------------------------
+#
+# Work split (fixed, so results are bitwise reproducible): each tensor is cut into chunks of
+# ``iters * BLOCK`` elements, ``iters`` a function of its numel only; one program per chunk reads
+# it once and writes ten fp32 partials (min, max, sum, sumsq and six counts, each count <= 2**24 so
+# exact in fp32). A second launch reduces each tensor's partials in float64, in a fixed order,
+# and writes the row. No atomics. One partials launch per storage format, one finalize launch.
+#
+# Classification works on the fp32 bit pattern of each value (after an exact upcast), with integer
+# compares, so the counts do not depend on how the GPU treats subnormal floats. fp8 is decoded from
+# its bytes with integer ops (the Triton 3.9 interpreter mis-converts fp8 NaN).
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference path needs no triton
+    triton = None
+
+_FMT_FP32, _FMT_BF16, _FMT_FP16, _FMT_E4M3FN, _FMT_E5M2 = range(5)
+_FORMATS = {torch.float32: _FMT_FP32, torch.bfloat16: _FMT_BF16, torch.float16: _FMT_FP16}
+for _name, _fmt in (("float8_e4m3fn", _FMT_E4M3FN), ("float8_e5m2", _FMT_E5M2)):
+    if hasattr(torch, _name):
+        _FORMATS[getattr(torch, _name)] = _fmt
+_N_PARTIALS = 10  # min, max, sum, sumsq, non-finite, nan, -inf, zero, below own tiny, below uf tiny
+
+
+class _Config(NamedTuple):
+    """Launch shape of the fused kernel (it also fixes the work split, hence the exact sums)."""
+
+    block: int = 1024  # elements per tile: 4 per thread at 8 warps keeps registers near 70
+    num_warps: int = 8
+    min_iters: int = 16  # tiles per program at least, to amortize its table reads and reductions
+    target_chunks: int = 4096  # a large tensor is split into about this many programs
+    final_block: int = 512  # partial rows per step of the finalize loop
+
+
+_CONFIG = _Config()
+_MAX_CHUNK = 1 << 24  # elements per program: fp32 partial counts stay exact
+
+
+def _chunk_iters(numel: int, cfg: _Config) -> int:
+    """Tiles per program for a tensor of ``numel`` elements (depends on the shape only)."""
+    iters = max(cfg.min_iters, -(-numel // (cfg.block * cfg.target_chunks)))
+    return min(iters, _MAX_CHUNK // cfg.block, 0xFFFF)  # a lane's count must fit 16 bits
+
+
+def _fp32_bits(value: float) -> int:
+    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
+
+
+@functools.cache
+def _threshold_bits(dtype: torch.dtype) -> int:
+    """fp32 bit pattern of ``dtype``'s smallest normal; 1 where no fp32 value lies below it."""
+    return max(1, _fp32_bits(torch.finfo(dtype).tiny))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _load_bits(ptr, offs, mask, FMT: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr):
+        """fp32 bit patterns (int32) of the values at ``ptr + offs``; masked lanes give +0."""
+        if FMT == 0:
+            p = ptr.to(tl.pointer_type(tl.float32))
+        elif FMT == 1:
+            p = ptr.to(tl.pointer_type(tl.uint16))
+        elif FMT == 2:
+            p = ptr.to(tl.pointer_type(tl.float16))
+        else:
+            p = ptr.to(tl.pointer_type(tl.uint8))
+        if ALIGNED:
+            p = tl.multiple_of(p, 16)
+        v = tl.load(p + offs, mask=mask, other=0) if MASKED else tl.load(p + offs)
+        if FMT == 0:
+            bits = v.to(tl.int32, bitcast=True)
+        elif FMT == 1:
+            bits = v.to(tl.int32) << 16  # bf16 is the top half of fp32
+        elif FMT == 2:
+            bits = v.to(tl.float32).to(tl.int32, bitcast=True)
+        elif FMT == 3:
+            # e4m3fn: s eeee mmm, bias 7, no inf, NaN = s1111111, subnormal = m * 2**-9
+            b = v.to(tl.int32)
+            sign = (b & 0x80) << 24
+            e = (b >> 3) & 0xF
+            m = b & 7
+            normal = sign | ((e + 120) << 23) | (m << 20)
+            sub = sign | (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+            bits = tl.where(e == 0, sub, normal)
+            bits = tl.where((b & 0x7F) == 0x7F, 0x7FC00000, bits)
+        else:
+            # e5m2 is the top byte of fp16
+            h = (v.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+            bits = h.to(tl.float32).to(tl.int32, bitcast=True)
+        return bits
+
+    @triton.jit
+    def _accumulate(
+        bits, valid, mn, mx, s, sq, c_zero_own, c_nonfin_uf, c_nan_ninf,
+        T_OWN, T_UF, SAME_UF: tl.constexpr, MASKED: tl.constexpr,
+    ):  # fmt: skip
+        """Fold one tile into the per-lane accumulators.
+
+        Counts are threshold tests on the absolute bit pattern ``ab`` (0 <= ab < 2**31), written as
+        ``(ab - t) >> 31`` (-1 where ab < t, else 0): two integer ops per count, and two counts
+        share one int32 (a lane sees one value per tile and a program reads at most 0xFFFF tiles).
+        Non-finite values become NaN for min/max, which ignore NaN.
+        """
+        if MASKED:
+            bits = tl.where(valid, bits, 0x3F800000)  # 1.0: counted nowhere, excluded below
+        x = bits.to(tl.float32, bitcast=True)
+        ab = bits & 0x7FFFFFFF
+        fin = ab < 0x7F800000
+        if MASKED:
+            fin = fin & valid
+        xf = tl.where(fin, x, 0.0)
+        s += xf
+        sq += xf * xf
+        xn = tl.where(fin, x, float("nan"))
+        mn = tl.minimum(mn, xn)
+        mx = tl.maximum(mx, xn)
+        zero = (ab - 1) >> 31
+        low_own = (ab - T_OWN) >> 31  # zeros included; subtracted at the end
+        nonfin = (0x7F7FFFFF - ab) >> 31
+        nan = (0x7F800000 - ab) >> 31
+        c_zero_own -= zero + (low_own << 16)
+        if SAME_UF:
+            c_nonfin_uf -= nonfin
+        else:
+            c_nonfin_uf -= nonfin + (((ab - T_UF) >> 31) << 16)
+        c_nan_ninf += tl.where(bits == -8388608, 65536, 0) - nan
+        return mn, mx, s, sq, c_zero_own, c_nonfin_uf, c_nan_ninf
+
+    # sizes vary with the tensor list: no value specialization, so one compile per format serves all
+    @triton.jit(do_not_specialize=["n_tensors", "n_chunks_total", "chunk_base"])
+    def _stats_partials_kernel(
+        table_ptr,  # int64 sections: ptr, numel, iters, first, n_chunks, out_row; chunk t, start
+        partials_ptr,  # (N_PARTIALS, n_chunks_total) fp32
+        n_tensors,
+        n_chunks_total,
+        chunk_base,  # first global chunk of this launch
+        T_OWN,  # fp32 bits of the own dtype's smallest normal
+        T_UF,  # fp32 bits of the underflow dtype's smallest normal
+        T_HI,  # max(T_OWN, T_UF)
+        FMT: tl.constexpr,
+        SAME_UF: tl.constexpr,
+        ALIGNED: tl.constexpr,  # every tensor of this launch starts at a multiple of 16 bytes
+        BLOCK: tl.constexpr,
+    ):
+        row = chunk_base + tl.program_id(0)
+        chunk_sec = table_ptr + 6 * n_tensors
+        t = tl.load(chunk_sec + row)
+        start = tl.load(chunk_sec + n_chunks_total + row)  # int64 element offset
+        base = tl.load(table_ptr + t)
+        numel = tl.load(table_ptr + n_tensors + t)
+        iters = tl.load(table_ptr + 2 * n_tensors + t)
+        if ALIGNED:
+            start = tl.multiple_of(start, BLOCK)
+        offs = tl.arange(0, BLOCK)
+        remaining = numel - start
+        n_full = tl.minimum(iters, remaining // BLOCK)
+        # Fast pass over the full tiles: moments and extremes as if every value were finite and
+        # normal, plus a flag whose sign bit is set by any value below T_HI or non-finite.
+        mn = tl.full([BLOCK], float("inf"), tl.float32)
+        mx = tl.full([BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        sq = tl.zeros([BLOCK], tl.float32)
+        flag = tl.zeros([BLOCK], tl.int32)
+        for it in range(n_full):
+            bits = _load_bits(base, start + it * BLOCK + offs, None, FMT, False, ALIGNED)
+            ab = bits & 0x7FFFFFFF
+            flag |= (ab - T_HI) | (0x7F7FFFFF - ab)
+            x = bits.to(tl.float32, bitcast=True)
+            s += x
+            sq += x * x
+            mn = tl.minimum(mn, x)
+            mx = tl.maximum(mx, x)
+        # Exact pass: the partial tail tile always, the full tiles again when the flag is set
+        # (zeros, subnormals, values below the underflow threshold, Inf or NaN in this chunk).
+        mn_e = tl.full([BLOCK], float("inf"), tl.float32)
+        mx_e = tl.full([BLOCK], float("-inf"), tl.float32)
+        s_e = tl.zeros([BLOCK], tl.float32)
+        sq_e = tl.zeros([BLOCK], tl.float32)
+        c_zero_own = tl.zeros([BLOCK], tl.int32)
+        c_nonfin_uf = tl.zeros([BLOCK], tl.int32)
+        c_nan_ninf = tl.zeros([BLOCK], tl.int32)
+        if tl.min(flag, 0) < 0:
+            mn = tl.full([BLOCK], float("inf"), tl.float32)
+            mx = tl.full([BLOCK], float("-inf"), tl.float32)
+            s = tl.zeros([BLOCK], tl.float32)
+            sq = tl.zeros([BLOCK], tl.float32)
+            for it in range(n_full):
+                bits = _load_bits(base, start + it * BLOCK + offs, None, FMT, False, ALIGNED)
+                mn_e, mx_e, s_e, sq_e, c_zero_own, c_nonfin_uf, c_nan_ninf = _accumulate(
+                    bits, None, mn_e, mx_e, s_e, sq_e, c_zero_own, c_nonfin_uf, c_nan_ninf,
+                    T_OWN, T_UF, SAME_UF, False,
+                )  # fmt: skip
+        tail = start + n_full * BLOCK
+        if (n_full < iters) & (tail < numel):  # the tensor's last, partial tile
+            idx = tail + offs
+            valid = idx < numel
+            bits = _load_bits(base, idx, valid, FMT, True, False)
+            mn_e, mx_e, s_e, sq_e, c_zero_own, c_nonfin_uf, c_nan_ninf = _accumulate(
+                bits, valid, mn_e, mx_e, s_e, sq_e, c_zero_own, c_nonfin_uf, c_nan_ninf,
+                T_OWN, T_UF, SAME_UF, True,
+            )  # fmt: skip
+        mn = tl.minimum(mn, mn_e)
+        mx = tl.maximum(mx, mx_e)
+        s += s_e
+        sq += sq_e
+        out = partials_ptr + row
+        tl.store(out, tl.min(mn, 0))
+        tl.store(out + n_chunks_total, tl.max(mx, 0))
+        tl.store(out + 2 * n_chunks_total, tl.sum(s, 0))
+        tl.store(out + 3 * n_chunks_total, tl.sum(sq, 0))
+        zero = tl.sum(c_zero_own & 0xFFFF, 0)
+        low_own = tl.sum(c_zero_own >> 16, 0)
+        low_uf = low_own if SAME_UF else tl.sum(c_nonfin_uf >> 16, 0)
+        tl.store(out + 4 * n_chunks_total, tl.sum(c_nonfin_uf & 0xFFFF, 0).to(tl.float32))
+        tl.store(out + 5 * n_chunks_total, tl.sum(c_nan_ninf & 0xFFFF, 0).to(tl.float32))
+        tl.store(out + 6 * n_chunks_total, tl.sum(c_nan_ninf >> 16, 0).to(tl.float32))
+        tl.store(out + 7 * n_chunks_total, zero.to(tl.float32))
+        tl.store(out + 8 * n_chunks_total, low_own.to(tl.float32))
+        tl.store(out + 9 * n_chunks_total, low_uf.to(tl.float32))
+
+    @triton.jit(do_not_specialize=["n_tensors", "n_chunks_total"])
+    def _stats_finalize_kernel(
+        table_ptr, partials_ptr, out_ptr, n_tensors, n_chunks_total, FINAL_BLOCK: tl.constexpr
+    ):
+        t = tl.program_id(0)
+        numel = tl.load(table_ptr + n_tensors + t)
+        first = tl.load(table_ptr + 3 * n_tensors + t)
+        n_chunks = tl.load(table_ptr + 4 * n_tensors + t)
+        out_row = tl.load(table_ptr + 5 * n_tensors + t)
+        offs = tl.arange(0, FINAL_BLOCK)
+        mn = tl.full([FINAL_BLOCK], float("inf"), tl.float32)
+        mx = tl.full([FINAL_BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([FINAL_BLOCK], tl.float64)
+        sq = tl.zeros([FINAL_BLOCK], tl.float64)
+        nonfin = tl.zeros([FINAL_BLOCK], tl.float64)
+        nan = tl.zeros([FINAL_BLOCK], tl.float64)
+        ninf = tl.zeros([FINAL_BLOCK], tl.float64)
+        zero = tl.zeros([FINAL_BLOCK], tl.float64)
+        low_own = tl.zeros([FINAL_BLOCK], tl.float64)
+        low_uf = tl.zeros([FINAL_BLOCK], tl.float64)
+        for c0 in range(0, n_chunks, FINAL_BLOCK):
+            m = c0 + offs < n_chunks
+            p = partials_ptr + first + c0 + offs
+            mn = tl.minimum(mn, tl.load(p, mask=m, other=float("inf")))
+            mx = tl.maximum(mx, tl.load(p + n_chunks_total, mask=m, other=float("-inf")))
+            s += tl.load(p + 2 * n_chunks_total, mask=m, other=0.0).to(tl.float64)
+            sq += tl.load(p + 3 * n_chunks_total, mask=m, other=0.0).to(tl.float64)
+            nonfin += tl.load(p + 4 * n_chunks_total, mask=m, other=0.0).to(tl.float64)
+            nan += tl.load(p + 5 * n_chunks_total, mask=m, other=0.0).to(tl.float64)
+            ninf += tl.load(p + 6 * n_chunks_total, mask=m, other=0.0).to(tl.float64)
+            zero += tl.load(p + 7 * n_chunks_total, mask=m, other=0.0).to(tl.float64)
+            low_own += tl.load(p + 8 * n_chunks_total, mask=m, other=0.0).to(tl.float64)
+            low_uf += tl.load(p + 9 * n_chunks_total, mask=m, other=0.0).to(tl.float64)
+        lo = tl.min(mn, 0).to(tl.float64)
+        hi = tl.max(mx, 0).to(tl.float64)
+        n_nan = tl.sum(nan, 0)
+        n_ninf = tl.sum(ninf, 0)
+        n_zero = tl.sum(zero, 0)
+        o = out_ptr + out_row * 12
+        tl.store(o + 0, numel.to(tl.float64))
+        tl.store(o + 1, tl.maximum(tl.maximum(-lo, hi), 0.0))
+        tl.store(o + 2, lo)
+        tl.store(o + 3, hi)
+        tl.store(o + 4, tl.sum(s, 0))
+        tl.store(o + 5, tl.sum(sq, 0))
+        tl.store(o + 6, n_nan)
+        tl.store(o + 7, tl.sum(nonfin, 0) - n_nan - n_ninf)
+        tl.store(o + 8, n_ninf)
+        tl.store(o + 9, n_zero)
+        tl.store(o + 10, tl.sum(low_own, 0) - n_zero)
+        tl.store(o + 11, tl.sum(low_uf, 0) - n_zero)
+
+
+class _Plan(NamedTuple):
+    """Device table and launch list of one list of tensors (a pure function of their metadata)."""
+
+    table: torch.Tensor  # int64, layout in _stats_partials_kernel
+    n_chunks: int
+    launches: tuple[tuple[torch.dtype, int, int, bool], ...]  # dtype, chunk_base, n_chunks, aligned
+    kernel_rows: int  # tensors handled by the kernel (the others go through the reference)
+
+
+_PLAN_CACHE: OrderedDict[tuple, _Plan] = OrderedDict()
+_PLAN_CACHE_SIZE = 64
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """True when ``t`` covers ``numel`` consecutive elements from ``data_ptr`` (any dim order)."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def _build_plan(
+    kernel_tensors: list[tuple[int, torch.Tensor]], device: torch.device, cfg: _Config
+) -> _Plan:
+    """Group by storage format, biggest chunks first (they start first), and lay out the table."""
+    order = sorted(
+        kernel_tensors,
+        key=lambda it: (_FORMATS[it[1].dtype], -_chunk_iters(it[1].numel(), cfg), it[0]),
+    )
+    n = len(order)
+    ptr, numel, iters, first, n_chunks, out_row = ([0] * n for _ in range(6))
+    chunk_tensor: list[int] = []
+    chunk_start: list[int] = []
+    launches = []
+    for j, (row, t) in enumerate(order):
+        ptr[j], numel[j], out_row[j] = t.data_ptr(), t.numel(), row
+        iters[j] = _chunk_iters(numel[j], cfg)
+        chunk = iters[j] * cfg.block
+        first[j] = len(chunk_tensor)
+        n_chunks[j] = -(-numel[j] // chunk)
+        chunk_tensor.extend([j] * n_chunks[j])
+        chunk_start.extend(range(0, numel[j], chunk))
+        if j == 0 or order[j - 1][1].dtype != t.dtype:
+            launches.append([t.dtype, first[j], 0, True])
+        launches[-1][2] += n_chunks[j]
+        launches[-1][3] &= ptr[j] % 16 == 0
+    host = torch.tensor(
+        ptr + numel + iters + first + n_chunks + out_row + chunk_tensor + chunk_start,
+        dtype=torch.int64,
+    )
+    # pinned + non_blocking: building a table never waits for the GPU (the caching host allocator
+    # keeps the pinned block until the copy has run)
+    table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    return _Plan(table, len(chunk_tensor), tuple(tuple(lch) for lch in launches if lch[2] > 0), n)
+
+
+def _tensor_stats_triton(
+    tensors: Sequence[torch.Tensor],
+    underflow_dtype: torch.dtype | None = None,
+    cfg: _Config = _CONFIG,
+) -> torch.Tensor:
+    """Fused path of ``tensor_stats``: one launch per storage format plus one finalize launch.
+
+    Dtypes without a kernel format (fp64, fnuz fp8) go through the reference, row by row.
+    Non-dense views (slices with gaps, overlapping strides) are copied with ``.contiguous()``.
+    Tables are cached by (pointer, numel, dtype) of every tensor: gradients reallocated by
+    ``zero_grad(set_to_none=True)`` usually get the same addresses back from the caching
+    allocator, so a step costs no table build; a miss builds one (host work, no sync).
+    """
+    if triton is None:
+        raise RuntimeError("tensor_stats backend='triton' needs triton installed; use 'torch'")
+    if not tensors:
+        raise ValueError("tensor_stats needs at least one tensor")
+    device = tensors[0].device
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            f"tensor_stats backend='triton' runs on CUDA tensors (got {device}); on a CPU it "
+            "needs TRITON_INTERPRET=1 (tests), otherwise use backend='torch' or 'auto'"
+        )
+    views = []
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"tensor_stats needs one device, got {device} and {t.device}")
+        if not t.is_floating_point():
+            raise TypeError(f"tensor_stats needs floating-point tensors, got {t.dtype}")
+        views.append(t if _is_dense(t) else t.contiguous())  # the copy lives until launch
+    key = (device, cfg, *[(t.data_ptr(), t.numel(), t.dtype) for t in views])
+    plan = _PLAN_CACHE.get(key)
+    if plan is None:
+        kernel_tensors = [(i, t) for i, t in enumerate(views) if t.dtype in _FORMATS]
+        plan = _build_plan(kernel_tensors, device, cfg)
+        _PLAN_CACHE[key] = plan
+        if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.popitem(last=False)
+    else:
+        _PLAN_CACHE.move_to_end(key)
+    out = torch.empty(len(views), N_STATS, dtype=torch.float64, device=device)
+    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        if plan.kernel_rows:
+            partials = torch.empty(_N_PARTIALS, max(plan.n_chunks, 1), device=device)
+            for dtype, chunk_base, n_chunks, aligned in plan.launches:
+                t_own = _threshold_bits(dtype)
+                t_uf = t_own if underflow_dtype is None else _threshold_bits(underflow_dtype)
+                _stats_partials_kernel[(n_chunks,)](
+                    plan.table, partials, plan.kernel_rows, plan.n_chunks, chunk_base,
+                    t_own, t_uf, max(t_own, t_uf), FMT=_FORMATS[dtype], SAME_UF=t_own == t_uf,
+                    ALIGNED=aligned, BLOCK=cfg.block, num_warps=cfg.num_warps,
+                )  # fmt: skip
+            _stats_finalize_kernel[(plan.kernel_rows,)](
+                plan.table, partials, out, plan.kernel_rows, max(plan.n_chunks, 1),
+                FINAL_BLOCK=cfg.final_block, num_warps=4,
+            )  # fmt: skip
+    if plan.kernel_rows < len(views):
+        for i, t in enumerate(views):
+            if t.dtype not in _FORMATS:
+                out[i] = tensor_stats_reference([t], underflow_dtype)[0]
+    return out
+
+
 def tensor_stats(
     tensors: Sequence[torch.Tensor],
     underflow_dtype: torch.dtype | None = None,
@@ -143,14 +548,17 @@ def tensor_stats(
 ) -> torch.Tensor:
     """Statistics of each tensor (see ``tensor_stats_reference``) with the chosen backend.
 
-    ``backend``: ``"torch"`` (reference), ``"triton"`` (fused kernel), ``"auto"`` (the fused kernel
-    on CUDA, the reference elsewhere).
+    ``backend``: ``"torch"`` (reference), ``"triton"`` (fused kernel; on a CPU only under
+    ``TRITON_INTERPRET=1``), ``"auto"`` (the fused kernel on CUDA when triton is installed, the
+    reference elsewhere). Returns ``(len(tensors), N_STATS)`` float64 on the tensors' device
+    without a host sync. The kernel's sums accumulate in fp32 within a program (at most 2**24
+    elements) and in float64 across programs; its counts, extremes and numel are exact.
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "auto":
+        on_cuda = bool(tensors) and tensors[0].device.type == "cuda"
+        backend = "triton" if on_cuda and triton is not None else "torch"
     if backend == "triton":
-        raise NotImplementedError(
-            "the fused Triton tensor-statistics kernel is not yet supported; "
-            "use kernel_backend='torch' or 'auto'"
-        )
+        return _tensor_stats_triton(tensors, underflow_dtype)
     return tensor_stats_reference(tensors, underflow_dtype)

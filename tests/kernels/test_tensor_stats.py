@@ -1,0 +1,239 @@
+"""Fused tensor statistics against planted answers and the float64 reference.
+
+On a CPU the Triton kernel runs in the interpreter (conftest sets TRITON_INTERPRET=1); on a GPU
+the same tests run the compiled kernel. Counts, numel and extremes must match exactly; sums
+within the fp32-accumulation bound below.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from numwatch.kernels import tensor_stats as ts
+from numwatch.kernels.tensor_stats import (
+    ABSMAX,
+    MAX,
+    MIN,
+    N_STATS,
+    NAN,
+    NEGINF,
+    NUMEL,
+    POSINF,
+    SUBNORMAL,
+    SUM,
+    SUMSQ,
+    UNDERFLOW,
+    ZERO,
+    tensor_stats,
+    tensor_stats_reference,
+)
+
+from numwatch.testing import kernel_devices, requires_gpu
+
+FP8 = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d]
+KERNEL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, *FP8]
+EXACT = [NUMEL, ABSMAX, MIN, MAX, NAN, POSINF, NEGINF, ZERO, SUBNORMAL, UNDERFLOW]
+
+# Within a program each lane adds at most 0xFFFF tiles' worth of values in fp32 (here <= 64) and
+# a tree of <= 2**12 lanes combines them: |error| <= (64 + 12 + 2) * 2**-24 * sum|x|. Programs are
+# combined in float64. The tests use 2e-6 * sum|x| (about 33 units of that bound's 2**-24).
+SUM_RTOL = 2e-6
+
+pytestmark = pytest.mark.skipif(not kernel_devices(), reason="no device can run Triton kernels")
+
+
+def _device() -> str:
+    return kernel_devices()[0]
+
+
+def _subnormal(dtype: torch.dtype) -> float:
+    """A value that is subnormal in ``dtype`` (and exactly representable there)."""
+    return torch.finfo(dtype).tiny / 4
+
+
+def _planted(dtype: torch.dtype, n: int, seed: int) -> tuple[torch.Tensor, dict[int, int]]:
+    """``n`` values of ``dtype`` with known special-value counts, specials in the first third.
+
+    Returns the tensor and the expected counts per column for ``underflow_dtype=torch.float16``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(n, generator=g) + 0.5) * torch.where(torch.rand(n, generator=g) < 0.5, -1, 1)
+    pos = torch.randperm(n // 3, generator=g)
+    has_inf = dtype not in (getattr(torch, "float8_e4m3fn", None),)
+    plan = {"nan": 5, "posinf": 3 if has_inf else 0, "neginf": 2 if has_inf else 0}
+    plan.update({"pzero": 4, "nzero": 3, "sub": 6})
+    # normal in fp32/bf16, below fp16's smallest normal (2**-14): counted as underflow only
+    below_fp16 = 1e-6 if dtype in (torch.float32, torch.bfloat16) else 0.0
+    plan["below_fp16"] = 7 if below_fp16 else 0
+    values = {
+        "nan": float("nan"),
+        "posinf": float("inf"),
+        "neginf": float("-inf"),
+        "pzero": 0.0,
+        "nzero": -0.0,
+        "sub": -_subnormal(dtype),
+        "below_fp16": below_fp16,
+    }
+    k = 0
+    for name, count in plan.items():
+        x[pos[k : k + count]] = values[name]
+        k += count
+    x = x.to(dtype)
+    sub_below_fp16 = _subnormal(dtype) < torch.finfo(torch.float16).tiny
+    counts = {
+        NUMEL: n,
+        NAN: plan["nan"],
+        POSINF: plan["posinf"],
+        NEGINF: plan["neginf"],
+        ZERO: plan["pzero"] + plan["nzero"],
+        SUBNORMAL: plan["sub"],
+        UNDERFLOW: plan["below_fp16"] + (plan["sub"] if sub_below_fp16 else 0),
+    }
+    return x, counts
+
+
+def _oracle_moments(x: torch.Tensor) -> dict[int, float]:
+    """Extremes and moments of the finite values, in float64."""
+    v = x.double().reshape(-1)
+    v = v[torch.isfinite(v)]
+    return {
+        ABSMAX: v.abs().max().item(),
+        MIN: v.min().item(),
+        MAX: v.max().item(),
+        SUM: v.sum().item(),
+        SUMSQ: v.square().sum().item(),
+        -1: v.abs().sum().item(),  # scale of the sum tolerance
+    }
+
+
+def _assert_rows_match(got: torch.Tensor, want: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Exact columns bitwise; SUM within SUM_RTOL * sum|x|, SUMSQ within SUM_RTOL relative."""
+    got, want = got.cpu(), want.cpu()
+    assert got.shape == want.shape == (len(tensors), N_STATS)
+    assert torch.equal(got[:, EXACT], want[:, EXACT])
+    for i, t in enumerate(tensors):
+        v = t.detach().double().reshape(-1).cpu()
+        scale = v[torch.isfinite(v)].abs().sum().item()
+        assert abs(got[i, SUM] - want[i, SUM]) <= SUM_RTOL * scale + 1e-300, i
+        assert abs(got[i, SUMSQ] - want[i, SUMSQ]) <= SUM_RTOL * want[i, SUMSQ] + 1e-300, i
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_planted_counts_and_moments(dtype: torch.dtype) -> None:
+    # 3 programs of 16384 and a tail: the last ones see no special value (fast pass only)
+    x, counts = _planted(dtype, 3 * 16384 + 1000, seed=1)
+    x = x.to(_device())
+    row = tensor_stats([x], underflow_dtype=torch.float16, backend="triton")[0].cpu()
+    for col, want in counts.items():
+        assert row[col].item() == want, ts.STAT_NAMES[col]
+    oracle = _oracle_moments(x.cpu())
+    for col in (ABSMAX, MIN, MAX):
+        assert row[col].item() == oracle[col], ts.STAT_NAMES[col]
+    assert abs(row[SUM].item() - oracle[SUM]) <= SUM_RTOL * oracle[-1]
+    assert abs(row[SUMSQ].item() - oracle[SUMSQ]) <= SUM_RTOL * oracle[SUMSQ]
+    # without underflow_dtype the threshold is the tensor's own: UNDERFLOW == SUBNORMAL
+    own = tensor_stats([x], backend="triton")[0].cpu()
+    assert own[UNDERFLOW].item() == own[SUBNORMAL].item() == counts[SUBNORMAL]
+    # an underflow dtype with a lower threshold than anything in fp32: nothing underflows
+    assert tensor_stats([x], torch.float64, backend="triton")[0, UNDERFLOW].item() == 0
+
+
+def test_planted_counts_reference_agrees() -> None:
+    """The oracle itself gives the planted answer (both paths are checked against the plan)."""
+    for dtype in KERNEL_DTYPES:
+        x, counts = _planted(dtype, 5000, seed=2)
+        row = tensor_stats_reference([x], underflow_dtype=torch.float16)[0]
+        for col, want in counts.items():
+            assert row[col].item() == want, (dtype, ts.STAT_NAMES[col])
+
+
+def test_many_odd_sizes_mixed_dtypes_one_call() -> None:
+    g = torch.Generator().manual_seed(3)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, *FP8]
+    sizes = [0, 1, 3, 17, 255, 1000, 1025, 4097, 16385, 20000, (7, 13), (3, 5, 11), (0, 4)]
+    tensors = []
+    for i, size in enumerate(sizes * 2):
+        shape = size if isinstance(size, tuple) else (size,)
+        x = torch.randn(shape, generator=g) * 10 ** float(i % 5 - 2)
+        flat = x.view(-1)
+        if flat.numel() > 10 and i % 3 == 0:  # some tensors carry specials, others do not
+            flat[1], flat[5], flat[-1] = float("nan"), float("-inf"), 0.0
+        tensors.append(x.to(dtypes[i % len(dtypes)]).to(_device()))
+    got = tensor_stats(tensors, underflow_dtype=torch.float16, backend="triton")
+    want = tensor_stats_reference(tensors, underflow_dtype=torch.float16)
+    _assert_rows_match(got, want, tensors)
+
+
+def test_empty_tensors_give_identity_rows() -> None:
+    dev = _device()
+    tensors = [torch.empty(0, device=dev), torch.empty(0, 3, dtype=torch.bfloat16, device=dev)]
+    got = tensor_stats(tensors, backend="triton").cpu()
+    assert torch.equal(got, ts.empty_stats(2, "cpu"))
+
+
+def test_strided_views() -> None:
+    """Dense permutations are read in place; views with gaps are copied; both are correct."""
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(96, 80, generator=g).to(_device())
+    base[3, 7] = float("inf")
+    views = [base.t(), base[:, ::3], base[10:50, 5:70], base.view(12, 8, 80).permute(2, 0, 1)]
+    got = tensor_stats(views, backend="triton")
+    _assert_rows_match(got, tensor_stats_reference(views), views)
+
+
+def test_deterministic_and_cache_tracks_data() -> None:
+    """Same input, bitwise same row; new values at the same address are seen (cache = layout)."""
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(40000, generator=g).to(_device()), torch.randn(77, generator=g).to(_device())]
+    first = tensor_stats(xs, backend="triton")
+    assert torch.equal(first, tensor_stats(xs, backend="triton"))
+    xs[0].mul_(2.0)
+    xs[0][123] = float("nan")
+    again = tensor_stats(xs, backend="triton")
+    _assert_rows_match(again, tensor_stats_reference(xs), xs)
+    assert again[0, NAN].item() == 1
+
+
+def test_sum_accuracy_float64_oracle_many_programs() -> None:
+    """A small launch shape forces many programs and a multi-step finalize."""
+    cfg = ts._Config(block=64, num_warps=1, min_iters=2, target_chunks=8, final_block=4)
+    g = torch.Generator().manual_seed(6)
+    x = (1.0 + torch.randn(9000, generator=g) * 1e-3).to(_device())  # large sum, no cancellation
+    x[4444] = 0.0
+    row = ts._tensor_stats_triton([x], cfg=cfg)[0].cpu()
+    oracle = _oracle_moments(x.cpu())
+    assert abs(row[SUM].item() - oracle[SUM]) <= SUM_RTOL * oracle[-1]
+    assert math.isclose(row[SUMSQ].item(), oracle[SUMSQ], rel_tol=SUM_RTOL)
+    assert (row[ZERO].item(), row[MIN].item()) == (1, 0.0)
+
+
+def test_backend_selection_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.tensor([1.0, float("nan")])
+    assert torch.equal(tensor_stats([x], backend="auto"), tensor_stats_reference([x]))
+    with pytest.raises(ValueError, match="backend must be"):
+        tensor_stats([x], backend="cuda")
+    with pytest.raises(TypeError, match="floating-point"):
+        tensor_stats([torch.ones(3, dtype=torch.int32)], backend="triton")
+    with pytest.raises(ValueError, match="at least one"):
+        tensor_stats([], backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        tensor_stats([x], backend="triton")
+
+
+@requires_gpu
+def test_gpu_auto_is_triton_and_never_syncs() -> None:
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(s, generator=g).cuda() for s in (3000, 5, 70000)]
+    xs[2][9] = float("-inf")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):  # table build (miss), then cached (hit)
+            xs.append(torch.randn(100, device="cuda", dtype=torch.bfloat16))
+            got = tensor_stats(xs, underflow_dtype=torch.float16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _assert_rows_match(got, tensor_stats_reference(xs, torch.float16), xs)
