@@ -1,0 +1,164 @@
+"""Warm-started power iteration against planted spectra and torch.linalg.matrix_norm(ord=2).
+
+Every test runs the torch path and, where a device can run Triton kernels (the CPU interpreter or
+a GPU), the Triton path too. Matrices are small: the interpreter runs each program in Python.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from numwatch.kernels.power_iteration import PowerIteration, head_views, qk_logit_bound
+
+from numwatch.testing import kernel_devices, requires_gpu
+
+BACKENDS = [("torch", "cpu")] + [("triton", d) for d in kernel_devices()[:1]]
+
+
+def _planted(m: int, k: int, spectrum: list[float], seed: int) -> torch.Tensor:
+    """U diag(s) V^T with orthonormal U (m, r), V (k, r): singular values exactly ``spectrum``."""
+    g = torch.Generator().manual_seed(seed)
+    r = len(spectrum)
+    u, _ = torch.linalg.qr(torch.randn(m, r, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(k, r, generator=g, dtype=torch.float64))
+    return (u * torch.tensor(spectrum, dtype=torch.float64)) @ v.T
+
+
+def _sigma(a: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.matrix_norm(a.double().cpu(), ord=2)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_planted_spectra_converge(backend: str, device: str) -> None:
+    a = _planted(48, 40, [5.0, 1.5, 1.0, 0.2], seed=1).float()
+    b = _planted(33, 70, [2.0, 0.6, 0.5], seed=2).to(torch.bfloat16)  # odd sizes, bf16
+    c = _planted(40, 64, [0.7, 0.2], seed=3).float().t()  # column-major view (read transposed)
+    # pass 1 splits these rows in 2 segments (1024 + 76); the top direction lives in the second
+    tall = torch.cat([_planted(1024, 8, [0.5, 0.3], seed=4), _planted(76, 8, [2.0, 0.2], seed=9)])
+    tall = tall.half()
+    wide = _planted(8, 1500, [4.0, 1.0], seed=5).float()  # 24 column blocks
+    mats = [m.to(device) for m in (a, b, c, tall, wide)]
+    est = PowerIteration(backend=backend).step(mats, iters=6).cpu()
+    want = torch.stack([_sigma(m) for m in mats]).float()
+    assert est.dtype == torch.float32 and est.shape == (5,)
+    # gap s2/s1 <= 0.3: the error after 6 iterations is ~0.3**24, below fp32 rounding
+    torch.testing.assert_close(est, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_warm_start_tracks_slow_drift(backend: str, device: str) -> None:
+    """Trained-like matrix (noise + close top directions): one iteration per step suffices once
+    warm, while one iteration from scratch is far off."""
+    g = torch.Generator().manual_seed(4)
+    signal = _planted(64, 48, [6.0, 5.4, 2.0], seed=5)
+    noise = torch.randn(64, 48, generator=g, dtype=torch.float64) * 0.1
+    drift = torch.randn(64, 48, generator=g, dtype=torch.float64) * 2e-3
+    warm = PowerIteration(iters=1, backend=backend)
+    errors = []
+    for t in range(30):
+        a = (signal + noise + t * drift).float().to(device)
+        est = warm.step([a])[0].item()
+        errors.append(abs(est - _sigma(a).item()) / _sigma(a).item())
+    cold = PowerIteration(iters=1, backend=backend, seed=1).step([a])[0].item()
+    assert abs(cold - _sigma(a).item()) / _sigma(a).item() > 0.01
+    assert max(errors[15:]) < 0.01  # within 1% after warm-up, every step
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_shape_change_reinitializes_only_that_entry(backend: str, device: str) -> None:
+    a = _planted(24, 20, [3.0, 1.0], seed=6).float().to(device)
+    b = _planted(16, 16, [2.0, 0.5], seed=7).float().to(device)
+    c = _planted(30, 12, [4.0, 3.5, 1.0], seed=8).float().to(device)
+    p, q = PowerIteration(backend=backend), PowerIteration(backend=backend)
+    p.step([a, b], iters=2)
+    q.step([a, b], iters=2)
+    after_change = p.step([a, c], iters=1).cpu()
+    continued = q.step([a, b], iters=1).cpu()
+    torch.testing.assert_close(after_change[0], continued[0], rtol=1e-6, atol=0)  # a kept its u
+    est = p.step([a, c], iters=30).cpu()
+    torch.testing.assert_close(est[1], _sigma(c).float(), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_per_head_norms_of_fused_qkv_and_linear(backend: str, device: str) -> None:
+    d, n_head = 32, 4
+    dh = d // n_head
+    # GPT-2 Conv1D c_attn weight (d, 3d): y = x @ W; head h of Q is the column block h
+    w = torch.zeros(d, 3 * d, dtype=torch.float64)
+    for h in range(2 * n_head + n_head):  # Q, K, V heads with distinct spectra
+        w[:, h * dh : (h + 1) * dh] = _planted(d, dh, [1.0 + h, 0.4 + 0.1 * h], seed=10 + h)
+    w = w.float().to(device)
+    qk = head_views(w[:, : 2 * d], 2 * n_head, out_dim=1)  # (8, d, dh), strided, no copy
+    assert qk.data_ptr() == w.data_ptr()
+    # nn.Linear q_proj weight (d_out, d_in): head h is the row block h
+    wq = torch.cat([_planted(dh, d, [2.0 + h, 1.0], seed=30 + h) for h in range(n_head)])
+    wq = wq.float().to(device)
+    # top-two gaps >= 2: eight iterations from scratch converge below fp32 rounding
+    est = PowerIteration(backend=backend).step([qk, head_views(wq, n_head, out_dim=0)], iters=8)
+    want_qk = [_sigma(w[:, h * dh : (h + 1) * dh]) for h in range(2 * n_head)]
+    want_q = [_sigma(wq[h * dh : (h + 1) * dh]) for h in range(n_head)]
+    want = torch.stack(want_qk + want_q).float()
+    torch.testing.assert_close(est.cpu(), want, rtol=1e-4, atol=0)
+    bound = qk_logit_bound(est[:n_head], est[n_head : 2 * n_head], dh**-0.5).cpu()
+    want_bound = torch.tensor([(1.0 + h) * (5.0 + h) * dh**-0.5 for h in range(n_head)])
+    torch.testing.assert_close(bound, want_bound, rtol=2e-4, atol=0)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_zero_and_nonfinite_matrices_restart(backend: str, device: str) -> None:
+    good = _planted(20, 12, [3.0, 1.0], seed=40).float().to(device)
+    p = PowerIteration(backend=backend)
+    assert p.step([torch.zeros_like(good)]).item() == 0.0
+    bad = good.clone()
+    bad[3, 4] = float("nan")
+    assert torch.isnan(p.step([bad])).item()
+    # the vectors restarted from their initial values instead of staying NaN / zero
+    assert abs(p.step([good], iters=20).item() - 3.0) < 1e-4
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_view_with_no_contiguous_dim_is_copied(backend: str, device: str) -> None:
+    base = _planted(40, 36, [2.0, 0.5], seed=50).float().to(device)
+    view = base[::2, ::3]  # neither dim has stride 1
+    est = PowerIteration(backend=backend).step([view], iters=30)
+    torch.testing.assert_close(est.cpu()[0], _sigma(view).float(), rtol=1e-4, atol=0)
+
+
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="no device can run Triton kernels")
+def test_triton_and_torch_paths_agree() -> None:
+    device = BACKENDS[1][1]
+    mats = [
+        _planted(50, 30, [1.0, 0.9, 0.8], seed=60).float(),
+        torch.randn(2, 24, 40, generator=torch.Generator().manual_seed(61)),
+    ]
+    mats = [m.to(device) for m in mats]
+    p, q = PowerIteration(backend="torch"), PowerIteration(backend="triton")
+    for _ in range(3):  # same seed, same start: the paths differ only by fp32 rounding
+        torch.testing.assert_close(q.step(mats), p.step(mats), rtol=1e-5, atol=0)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="iters"):
+        PowerIteration(iters=0)
+    with pytest.raises(ValueError, match="backend"):
+        PowerIteration(backend="cuda")
+    with pytest.raises(ValueError, match="2-D matrices or 3-D"):
+        PowerIteration().step([torch.ones(3)])
+    with pytest.raises(ValueError, match="do not split"):
+        head_views(torch.ones(10, 6), 4)
+
+
+@requires_gpu
+def test_gpu_auto_is_triton_and_never_syncs() -> None:
+    w = torch.randn(256, 768, device="cuda")
+    mats = [w, head_views(torch.randn(256, 768, device="cuda")[:, :512], 8, out_dim=1)]
+    p = PowerIteration()
+    p.step(mats)  # vectors and table built
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        est = p.step(mats, iters=40)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = torch.linalg.matrix_norm(torch.cat([w[None], mats[1]]).double(), ord=2).float()
+    torch.testing.assert_close(est, want, rtol=1e-2, atol=0)
