@@ -18,13 +18,16 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 
 from numwatch.errors import NumwatchConfigError
+from numwatch.rules import RuleConfig
 
 __all__ = [
     "ActivationConfig",
+    "AttentionConfig",
     "ConsoleSinkConfig",
     "GradientConfig",
     "JsonlSinkConfig",
     "MonitorConfig",
+    "RulesConfig",
     "SinksConfig",
 ]
 
@@ -70,6 +73,54 @@ class ActivationConfig(_Section):
     )
     training_only: bool = Field(
         True, description="Skip forwards of modules in eval mode (validation passes)."
+    )
+
+
+class AttentionConfig(_Section):
+    """Per-head statistics of attention calls (SDPA and eager softmax attention)."""
+
+    enabled: bool = Field(True, description="Intercept attention calls on sampled steps.")
+    every: PositiveInt = Field(
+        10, description="Steps between sampled forwards; steps where step % every == 0 are sampled."
+    )
+    layers: list[str] = Field(
+        default_factory=lambda: ["*"],
+        description="Glob patterns over the module path that makes the attention call.",
+    )
+    exclude: list[str] = Field(default_factory=list, description="Layer globs to leave out.")
+    batch: int = Field(
+        1, ge=0, description="Batch elements sampled per call (the first ones); 0 = all."
+    )
+    rows: int = Field(
+        0, ge=0, description="Query rows sampled per call (uniformly at random); 0 = all."
+    )
+    entropy: bool = Field(True, description="Also compute the softmax-row entropy.")
+    output_error: bool = Field(
+        True,
+        description="Recompute the attention output in fp32 (float64 on CPU) on sampled SDPA "
+        "calls and measure the signed error of the real kernel's output.",
+    )
+    saturation_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="Dtype the kernel rounds P to, which sets the saturation threshold; 'auto' "
+        "= the attention input dtype (the autocast dtype under autocast).",
+    )
+    sdpa: bool = Field(True, description="Intercept F.scaled_dot_product_attention.")
+    eager_softmax: bool = Field(
+        True,
+        description="Intercept softmax over materialized scores: 4-D inputs over the last dim, "
+        "and 3-D inputs inside nn.MultiheadAttention.",
+    )
+
+
+class RulesConfig(_Section):
+    """Which rules run at each flush (README, 'Rules and actions')."""
+
+    defaults: bool = Field(True, description="Start from the default precursor rule set.")
+    disable: list[str] = Field(default_factory=list, description="Names of rules to turn off.")
+    add: list[RuleConfig] = Field(
+        default_factory=list,
+        description="Rules to add; one named like a default rule replaces it.",
     )
 
 
@@ -120,6 +171,9 @@ class MonitorConfig(_Section):
     )
     gradients: GradientConfig = Field(default_factory=GradientConfig)
     activations: ActivationConfig = Field(default_factory=ActivationConfig)
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    rules: RulesConfig = Field(default_factory=RulesConfig)
+    history: PositiveInt = Field(20, description="Recent flushes kept for halt reports/snapshots.")
     sinks: SinksConfig = Field(default_factory=SinksConfig)
 
     @classmethod

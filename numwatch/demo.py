@@ -34,13 +34,27 @@ class CausalSelfAttention(nn.Module):
         self.n_heads = cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.plant_sinks = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        if self.plant_sinks:
+            k = _planted_sinks(q, k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def _planted_sinks(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keys 0 and 1 become one shared "attention sink" aligned with the head's mean query.
+
+    Every row that sees both then has a repeated maximum (the paper's trigger), which the
+    attention probe reports as attn_repeated_max_rows. For the demo only.
+    """
+    sink = q.mean(dim=2, keepdim=True)  # (B, nh, 1, hs)
+    sink = sink / sink.norm(dim=-1, keepdim=True) * 4.0 * q.shape[-1] ** 0.5
+    return torch.cat([sink, sink, k[:, :, 2:]], dim=2)
 
 
 class Block(nn.Module):
@@ -101,6 +115,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--flush-every", type=int, default=10)
     p.add_argument("--jsonl", default=None, help="JSONL log path (default: numwatch-runs/...)")
     p.add_argument("--nan-at", type=int, default=None, help="plant a NaN gradient at this step")
+    p.add_argument(
+        "--plant-sinks",
+        action="store_true",
+        help="duplicate an attention-sink key in every layer (repeated row maxima)",
+    )
     p.add_argument("--no-monitor", action="store_true", help="train without numwatch (baseline)")
     return p.parse_args(argv)
 
@@ -112,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     cfg = GPTConfig()
     model = TinyGPT(cfg).to(args.device)
+    for block in model.blocks:
+        block.attn.plant_sinks = args.plant_sinks
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     data = bigram_batches(cfg, args.batch, args.seed, args.device)
     overrides = {"flush_every": args.flush_every, "run_name": "demo"}

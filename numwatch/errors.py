@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["NumwatchConfigError", "NumwatchError"]
+import json
+from typing import Any
+
+__all__ = ["NumwatchConfigError", "NumwatchError", "NumwatchHalt"]
 
 
 class NumwatchError(Exception):
@@ -11,3 +14,14 @@ class NumwatchError(Exception):
 
 class NumwatchConfigError(NumwatchError, ValueError):
     """A configuration value is invalid; the message names the field, the value and the fix."""
+
+
+class NumwatchHalt(NumwatchError):
+    """Raised by the ``halt`` action; ``report`` says which rule fired, where, and the history.
+
+    It is the one exception the monitor's guard never swallows: halting is the point.
+    """
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        self.report = report
+        super().__init__(json.dumps(report, indent=2, default=str))

@@ -14,6 +14,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from numwatch.errors import NumwatchHalt
+
 __all__ = ["Guard"]
 
 log = logging.getLogger("numwatch")
@@ -34,6 +36,8 @@ class Guard:
         self._depth += 1
         try:
             return fn(*args, **kwargs)
+        except NumwatchHalt:
+            raise
         except Exception:
             if self.strict:
                 raise

@@ -10,21 +10,30 @@ events, and hands both to the sinks. No host sync happens between flushes.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from numwatch.actions.base import Action
+from numwatch.actions.library import LrBackoff, QKClip, SkipStep, build_action
+from numwatch.actions.optimizer_control import OptimizerControl
+from numwatch.actions.swap_kernel import AttentionKernel
 from numwatch.buffers import NonfiniteOrigin, NonfiniteTracker, read_to_host
 from numwatch.config import MonitorConfig
 from numwatch.errors import NumwatchError
 from numwatch.events import Event, EventBus
 from numwatch.guard import Guard
+from numwatch.kernels.flash_attention import flash_attention_fallbacks
+from numwatch.probes.attention import AttentionProbe
 from numwatch.probes.base import ProbeContext
 from numwatch.probes.tensors import ActivationProbe, GradientProbe
+from numwatch.rules import Rule, RuleEngine, default_rules
 from numwatch.sinks.base import Sink
 from numwatch.sinks.console import ConsoleSink
 from numwatch.sinks.jsonl import JsonlSink
@@ -33,7 +42,18 @@ from numwatch.snapshot import MetricRecord, Snapshot
 __all__ = ["Monitor"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-_COMPONENTS = ("gradients", "activations", "step", "flush", "callbacks", "sinks")
+_COMPONENTS = (
+    "gradients",
+    "activations",
+    "attention",
+    "step",
+    "flush",
+    "rules",
+    "actions",
+    "callbacks",
+    "sinks",
+)
+_OPTIMIZER_ACTIONS = (SkipStep, LrBackoff, QKClip)
 
 
 def _rank() -> int:
@@ -83,6 +103,15 @@ class Monitor:
         self._loss: torch.Tensor | float | None = None
         self._window_steps = 0
         self._window_start = 0.0
+        self._attention: AttentionProbe | None = None
+        self._gradients: GradientProbe | None = None
+        # Kernel routing changes wait for a step boundary: (layer glob or None = all, kernel).
+        self._pending_routes: list[tuple[str | None, AttentionKernel | None]] = []
+        self._engine, self._actions = self._build_rules()
+        self._control: OptimizerControl | None = None
+        self._history: deque[Snapshot] = deque(maxlen=self.config.history)
+        self._event_counts: Counter[tuple[str, str]] = Counter()
+        self._unsent_events: list[Event] = []  # raised between flushes, for the next flush's sinks
 
     # ----------------------------------------------------------------------------- lifecycle
     @property
@@ -102,15 +131,22 @@ class Monitor:
             if self.config.enabled:
                 self._build_probes()
                 self._build_sinks()
-        if optimizer is not None and self.config.enabled and not self._optimizer_handles:
+        hooked = self._optimizer_handles or self._control is not None
+        if optimizer is not None and self.config.enabled and not hooked:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(
                     "attach(optimizer=...) needs a torch.optim.Optimizer, "
                     f"got {type(optimizer).__name__}"
                 )
-            self._optimizer_handles = [
-                optimizer.register_step_pre_hook(self._on_optimizer_step),
-            ]
+            uses_optimizer = any(
+                isinstance(a, _OPTIMIZER_ACTIONS) for acts in self._actions.values() for a in acts
+            )
+            if uses_optimizer:  # the step wrapper closes steps itself, before deciding a skip
+                self._control = OptimizerControl(optimizer, self._before_optimizer_update)
+            else:
+                self._optimizer_handles = [
+                    optimizer.register_step_pre_hook(self._on_optimizer_step),
+                ]
         return self
 
     def detach(self) -> None:
@@ -123,9 +159,14 @@ class Monitor:
             probe.detach()
         for handle in self._optimizer_handles:
             handle.remove()
+        if self._control is not None:
+            self._control.uninstall()
+            self._control = None
         for sink in self._sinks:
             self._guard.run("sinks", sink.close)
         self._probes, self._sinks, self._optimizer_handles = [], [], []
+        self._attention = self._gradients = None
+        self._pending_routes.clear()
         self._attached = False
 
     def __enter__(self) -> Monitor:
@@ -137,9 +178,13 @@ class Monitor:
     def _build_probes(self) -> None:
         cfg = self.config
         if cfg.gradients.enabled:
-            self._probes.append(GradientProbe(self.model, cfg.gradients, self._ctx))
+            self._gradients = GradientProbe(self.model, cfg.gradients, self._ctx)
+            self._probes.append(self._gradients)
         if cfg.activations.enabled:
             self._probes.append(ActivationProbe(self.model, cfg.activations, self._ctx))
+        # Always present: besides statistics it routes attention calls (kernel hot-swap).
+        self._attention = AttentionProbe(self.model, cfg.attention, self._ctx)
+        self._probes.append(self._attention)
         for probe in self._probes:
             probe.attach()
 
@@ -175,6 +220,9 @@ class Monitor:
         self._last_close = "user"
 
     def _on_optimizer_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._before_optimizer_update()
+
+    def _before_optimizer_update(self) -> None:
         if self._last_close == "user" and not self._ctx.activity:
             return  # the user closed this step already
         self._close_step(None)
@@ -183,6 +231,7 @@ class Monitor:
     def _close_step(self, loss: torch.Tensor | float | None) -> None:
         self._guard.run("step", self._close_step_body, loss)
         self._ctx.activity = False
+        self._apply_routes()
         self._ctx.step += 1
         self._window_steps += 1
         if self._window_steps >= self.config.flush_every:
@@ -193,6 +242,27 @@ class Monitor:
             if hasattr(probe, "on_step"):
                 self._guard.run(probe.component, probe.on_step)
         self._record_loss(loss)
+        if self._engine.step_rules:
+            self._check_step()
+
+    def _check_step(self) -> None:
+        """Step-level rules (their actions decide before this step's optimizer update).
+
+        SYNC: one read of two scalars per step, only when such a rule is configured (skip_step).
+        """
+        norm_sq = self._gradients.step_norm_sq() if self._gradients is not None else None
+        named = {"grad_norm": norm_sq, "loss": self._loss}
+        on_device = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
+        values = {k: float(v) for k, v in named.items() if isinstance(v, float)}
+        if on_device:
+            host = torch.stack([t.to(torch.float64) for t in on_device.values()]).tolist()
+            values.update(zip(on_device, host, strict=True))
+        if "grad_norm" in values:
+            values["grad_norm"] = math.sqrt(values["grad_norm"])  # NaN stays NaN
+        values["nonfinite"] = sum(values.values())  # non-finite iff one of them is
+        fired = self._guard.run("rules", self._engine.evaluate_step, self._ctx.step, values) or []
+        self._publish([e for e, _ in fired])
+        self._run_actions(fired)
 
     @torch.no_grad()
     def _record_loss(self, loss: torch.Tensor | float | None) -> None:
@@ -212,6 +282,49 @@ class Monitor:
         else:
             self._loss = float(loss)
 
+    # ----------------------------------------------------------------------------- kernels
+    def swap_attention(
+        self,
+        layers: str | Iterable[str] | None = None,
+        *,
+        stabilize: bool = True,
+        beta: float = 2.0,
+        mode: Literal["stabilized", "plain", "paper_repro"] = "stabilized",
+    ) -> None:
+        """Route the SDPA calls of ``layers`` (globs over module paths; None = all) to numwatch's
+        flash-attention kernel, from the next step boundary on (now, if between steps)."""
+        kernel = AttentionKernel(stabilize=stabilize, beta=beta, mode=mode)
+        self._queue_routes(layers, kernel)
+
+    def restore_attention(self, layers: str | Iterable[str] | None = None) -> None:
+        """Send ``layers`` (None = all) back to native SDPA, from the next step boundary on."""
+        self._queue_routes(layers, None)
+
+    def _queue_routes(self, layers: str | Iterable[str] | None, kernel: Any) -> None:
+        if not self._attached or not self.config.enabled:
+            raise NumwatchError("attention routing needs an attached, enabled monitor")
+        patterns = [None] if layers is None else [layers] if isinstance(layers, str) else layers
+        self._pending_routes += [(p, kernel) for p in patterns]
+        if not self._ctx.activity:  # between steps: nothing of this step has run yet
+            self._apply_routes()
+
+    def _apply_routes(self) -> None:
+        if self._attention is None:
+            return
+        for pattern, kernel in self._pending_routes:
+            if pattern is None and kernel is None:
+                self._attention.clear_routes()
+            else:
+                self._attention.set_route(pattern or "*", kernel)
+        self._pending_routes.clear()
+
+    def attention_kernel(self, layer: str) -> AttentionKernel | None:
+        """The kernel ``layer``'s SDPA calls are routed to now (None = native SDPA)."""
+        if self._attention is None:
+            return None
+        kernel = self._attention.route_for(layer)
+        return kernel if isinstance(kernel, AttentionKernel) else None
+
     # ----------------------------------------------------------------------------- flush
     def flush(self) -> Snapshot | None:
         """Read the device-side statistics (one transfer per device), emit events and sinks."""
@@ -220,17 +333,23 @@ class Monitor:
         if not self.config.enabled:
             return None
         start = time.perf_counter()
-        snapshot, events = self._guard.run("flush", self._collect) or (None, [])
-        if snapshot is not None:
-            self._snapshot = snapshot
-            self._deliver(snapshot, events)
+        snapshot, fired = self._guard.run("flush", self._collect) or (None, [])
         # The flush's own cost is charged to the next window's overhead.
         self._window_steps = 0
         self._window_start = time.perf_counter()
         self._guard.overhead_seconds = self._window_start - start
+        if snapshot is not None:
+            self._snapshot = snapshot
+            self._history.append(snapshot)
+            events = [e for e, _ in fired]
+            self._publish(events)
+            unsent, self._unsent_events = self._unsent_events, []
+            for sink in self._sinks:
+                self._guard.run("sinks", sink.emit, snapshot, unsent)
+            self._run_actions(fired)  # after the sinks: a halt leaves the log complete
         return snapshot
 
-    def _collect(self) -> tuple[Snapshot, list[Event]]:
+    def _collect(self) -> tuple[Snapshot, list[tuple[Event, Rule | None]]]:
         ctx = self._ctx
         device_tensors: dict[str, torch.Tensor] = {}
         for probe in self._probes:
@@ -247,10 +366,8 @@ class Monitor:
         if self._loss is not None:
             loss = float(host["loss"]) if "loss" in host else float(self._loss)
             records.append(MetricRecord("loss", {}, loss))
-        events = []
         origin = ctx.tracker.first_origin(host)
-        if origin is not None:
-            events.append(self._nonfinite_event(origin, step))
+        nonfinite = [] if origin is None else [self._nonfinite_event(origin, step)]
         if self._window_steps:
             elapsed = time.perf_counter() - self._window_start
             records.append(MetricRecord("step_seconds", {}, elapsed / self._window_steps))
@@ -261,6 +378,15 @@ class Monitor:
                     self._guard.overhead_seconds / self._window_steps,
                 )
             )
+        if self._attention is not None:
+            for layer in sorted(self._attention.layers_seen):
+                kernel = self.attention_kernel(layer)
+                stabilized = float(kernel is not None and kernel.stabilized)
+                records.append(MetricRecord("attn_kernel_stabilized", {"layer": layer}, stabilized))
+            for reason, n in sorted(flash_attention_fallbacks().items()):
+                records.append(
+                    MetricRecord("attn_kernel_fallbacks_total", {"reason": reason}, float(n))
+                )
         for component in sorted({*_COMPONENTS, *self._guard.errors}):
             records.append(
                 MetricRecord(
@@ -272,7 +398,29 @@ class Monitor:
         for probe in self._probes:
             probe.reset()
         ctx.tracker.reset()
-        return Snapshot(step, records, time=time.time(), rank=self.rank), events
+        fired: list[tuple[Event, Rule | None]] = list(
+            self._guard.run("rules", self._engine.evaluate, step, records, nonfinite) or []
+        )
+        if nonfinite and not any(e.kind == "nonfinite" for e, _ in fired):
+            fired += [(e, None) for e in nonfinite]  # no nonfinite rule enabled: still report
+        for event, _ in fired:
+            self._event_counts[(event.kind, event.rule)] += 1
+        records += self._mitigation_records()
+        return Snapshot(step, records, time=time.time(), rank=self.rank), fired
+
+    def _mitigation_records(self) -> list[MetricRecord]:
+        out = [
+            MetricRecord("events_total", {"kind": kind, "rule": rule}, float(n))
+            for (kind, rule), n in sorted(self._event_counts.items())
+        ]
+        control = self._control
+        out.append(
+            MetricRecord(
+                "mitigation_skipped_steps_total", {}, float(control.skipped_steps if control else 0)
+            )
+        )
+        out.append(MetricRecord("mitigation_lr_factor", {}, control.lr_factor if control else 1.0))
+        return out
 
     def _nonfinite_event(self, origin: NonfiniteOrigin, flush_step: int) -> Event:
         where = f"{origin.label} {origin.name!r}" if origin.label else "the loss"
@@ -291,13 +439,66 @@ class Monitor:
             evidence={"phase": origin.phase, "flush_step": flush_step},
         )
 
-    def _deliver(self, snapshot: Snapshot, events: Sequence[Event]) -> None:
+    def _publish(self, events: Sequence[Event]) -> None:
+        """Events go to .events and callbacks now, and to the sinks at the next emit."""
         self.events.extend(events)
+        self._unsent_events.extend(events)
         for event in events:
             for callback in self._bus.callbacks_for(event):
                 self._guard.run("callbacks", callback, event)
-        for sink in self._sinks:
-            self._guard.run("sinks", sink.emit, snapshot, events)
+
+    # ----------------------------------------------------------------------------- rules
+    def _build_rules(self) -> tuple[RuleEngine, dict[str, list[Action]]]:
+        cfg = self.config.rules
+        rules = {r.name: r for r in (default_rules() if cfg.defaults else [])}
+        for name in cfg.disable:
+            if rules.pop(name, None) is None:
+                raise NumwatchError(
+                    f"rules.disable: no default rule {name!r}; have {sorted(rules)}"
+                )
+        for rule in cfg.add:  # a rule named like a default replaces it
+            rules[rule.name] = type(rule).model_validate(rule.model_dump())  # fresh state
+        actions = {
+            name: [build_action(a, f"rules[{name}].actions") for a in rule.actions]
+            for name, rule in rules.items()
+        }
+        step_level = [
+            n for n, acts in actions.items() if any(isinstance(a, SkipStep) for a in acts)
+        ]
+        return RuleEngine(rules.values(), step_level=step_level), actions
+
+    def _run_actions(self, fired: Sequence[tuple[Event, Rule | None]]) -> None:
+        done = []
+        for event, rule in fired:
+            for action in self._actions.get(rule.name, []) if rule is not None else []:
+                what = self._guard.run("actions", action.maybe_run, self, event)
+                if what:
+                    done.append(
+                        Event(
+                            kind="action",
+                            step=event.step,
+                            message=f"{action.type}: {what} (rule {event.rule})",
+                            severity="info",
+                            rule=event.rule,
+                            metric=event.metric,
+                            labels=event.labels,
+                            value=event.value,
+                            evidence={"action": action.type},
+                        )
+                    )
+        for event in done:
+            self._event_counts[(event.kind, event.rule)] += 1
+        self._publish(done)
+
+    @property
+    def optimizer_control(self) -> OptimizerControl | None:
+        """The optimizer wrapper actions use (None unless an action needs one)."""
+        return self._control
+
+    @property
+    def history(self) -> Sequence[Snapshot]:
+        """The most recent flushes (``config.history`` of them), oldest first."""
+        return list(self._history)
 
     # ----------------------------------------------------------------------------- queries
     def snapshot(self) -> Snapshot | None:

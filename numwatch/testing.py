@@ -100,3 +100,37 @@ def planted_tensor(
         values = values.reshape(shape)
     counts = PlantedCounts(values.numel(), nan, posinf, neginf, zeros, subnormal, absmax)
     return values.to(device), counts
+
+
+def planted_sink_attention(
+    B: int = 1,
+    H: int = 2,
+    T: int = 64,
+    D: int = 64,
+    *,
+    n_sink: int = 2,
+    gap: float = 14.0,
+    dtype: torch.dtype = torch.bfloat16,
+    v_range: tuple[float, float] = (-4.0, -2.0),
+    seed: int = 0,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K, V (B, H, T, D) where keys 0..n_sink-1 are identical "sinks" whose logit beats every
+    other key by at least ``gap`` (with the default scale 1/sqrt(D)), and V lies in ``v_range``.
+
+    This is the DESIGN.md setup: every row that sees two sinks has a repeated maximum, so the
+    unnormalised P̄ holds several exact 1.0 entries and a BF16-accumulating kernel errs one-signed.
+    """
+    g = torch.Generator().manual_seed(seed)
+    scale = D**-0.5
+    q = torch.zeros(B, H, T, D, dtype=torch.float64)
+    k = torch.zeros(B, H, T, D, dtype=torch.float64)
+    q[..., 0] = 1.0
+    q[..., 1:] = torch.rand(B, H, T, D - 1, generator=g, dtype=torch.float64) - 0.5
+    k[..., 1:] = (torch.rand(B, H, T, D - 1, generator=g, dtype=torch.float64) - 0.5) / D
+    # Other keys score |q·k| * scale < 1; the sinks score (gap + 1) exactly (q[..., 0] == 1).
+    k[:, :, :n_sink, :] = 0.0
+    k[:, :, :n_sink, 0] = (gap + 1.0) / scale
+    lo, hi = v_range
+    v = lo + (hi - lo) * torch.rand(B, H, T, D, generator=g, dtype=torch.float64)
+    return q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device)

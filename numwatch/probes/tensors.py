@@ -120,7 +120,7 @@ class GradientProbe:
         norm_sq = []
         for device, indices in groups.items():
             grads = [self.params[i][1].grad for i in indices]
-            stats = ts.tensor_stats(grads, self.ctx.underflow_dtype, self.ctx.backend)
+            stats = ts.tensor_stats(grads, self.ctx.underflow_dtype, self.ctx.backend_for(device))
             rows, rel_order = self._indices(device, indices)
             self._tables[device].add_rows(rows, stats)
             first = self.ctx.tracker.reserve(
@@ -152,6 +152,10 @@ class GradientProbe:
             rel = torch.arange(len(indices), dtype=torch.float64, device=device)
             cached = self._index_cache[key] = (rows, rel)
         return cached
+
+    def step_norm_sq(self) -> torch.Tensor | None:
+        """Squared global norm of the last step's gradients (NaN if any was non-finite)."""
+        return self._norm_sq_last
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         out = self._tables.device_tensors()
@@ -219,7 +223,8 @@ class ActivationProbe:
         )
         for device, tensors in by_device.items():
             self._dtypes.setdefault(index, tensors[0].dtype)
-            row = reduce_rows(ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend))
+            stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend_for(device))
+            row = reduce_rows(stats)
             self._tables[device].add_row(index, row)
             self.ctx.tracker.observe(order, nonfinite_counts(row))
 

@@ -40,6 +40,16 @@ def summary_line(snapshot: Snapshot, events: Sequence[Event]) -> str:
     worst = _worst(snapshot, "activation_absmax", "module")
     if worst:
         parts.append(f"act_absmax {worst[0]:.3g} ({worst[1]})")
+    rows = sum(r.value for r in snapshot.series("attn_rows"))
+    if rows:
+        repeated = sum(r.value for r in snapshot.series("attn_repeated_max_rows"))
+        saturated = sum(r.value for r in snapshot.series("attn_saturated_rows"))
+        logit = max(r.value for r in snapshot.series("attn_max_logit"))
+        style = "yellow" if repeated or saturated else "green"
+        parts.append(
+            f"[{style}]attn repeated-max {repeated / rows:.1%} saturated {saturated / rows:.1%}[/]"
+            f" max_logit {logit:.3g}"
+        )
     nonfinite = sum(r.value for r in snapshot.series("grad_nonfinite"))
     nonfinite += sum(r.value for r in snapshot.series("activation_nonfinite"))
     style = "bold red" if nonfinite else "green"

@@ -1,0 +1,286 @@
+"""Stabilized flash attention: a drop-in for ``F.scaled_dot_product_attention`` (arXiv 2510.04212).
+
+Why: when a row of attention logits has a repeated maximum (attention sinks, repeated tokens),
+several P̄ = exp(S - m) are exactly 1.0, and a kernel that rounds P̄V or the O accumulation to
+bf16 rounds them in one direction; the error is biased, flows into dQ through
+delta = rowsum(dO * O) and can end in a loss explosion. This kernel keeps that from happening and
+runs at flash-attention speed on CUDA (Triton), in the Triton interpreter on CPU
+(``TRITON_INTERPRET=1``), or as the pure-torch blockwise reference on plain CPU.
+
+Semantics are SDPA's: (B, H, T, D) layout, ``is_causal`` is the top-left aligned lower triangle,
+GQA/MQA when K/V have fewer heads (``enable_gqa=True``), ``attn_mask`` boolean (True = keep) or
+additive float, broadcastable to (B, H, Tq, Tk) (key padding (B,1,1,Tk), (B,1,Tq,Tk), dense
+per-head masks: all run in the kernel); with ``is_causal`` too, both apply (their AND, as torch's
+SDPA computes it on CPU). Rows whose keys are all masked give 0, like SDPA.
+bf16 and fp16 inputs, fp32 accumulators, head dims multiple of 8 up to 256 (64 and 128 are the
+fast ones), any Tq and Tk.
+
+Fallback: a call the kernel does not run (``dropout_p > 0``, fp32/fp64 inputs, other head dims,
+V head dim != QK head dim, a mask that needs a gradient, a
+non-positive scale, a GPU older than Hopper, ...) goes to ``F.scaled_dot_product_attention``
+unchanged and increments ``flash_attention_fallbacks()[reason]``. The decision reads arguments,
+shapes, dtypes and devices only, never tensor data (no host sync). ``mode="paper_repro"`` never
+falls back: it raises, since SDPA would not reproduce anything.
+
+Stabilization (``mode="stabilized"``, ``stabilize=True``). Per query row and key block, with m the
+running row maximum in fp32:
+
+* Trigger: count the entries whose exp(S - m) rounds to exactly 1.0 in the P̄ dtype, i.e.
+  S >= m + ln(1 - 2^-9) for bf16 and m + ln(1 - 2^-12) for fp16 (saturation, of which exact ties
+  are a special case). The count carries over earlier blocks while their maximum stays within
+  that window of the new one, so ties split across key blocks are caught too (this can count
+  entries up to twice the window below m: it may stabilize a near-tie row, never misses one).
+* Shift: where the count is >= 2, the softmax shift becomes m + delta instead of m, with the
+  paper's delta = (beta - 1) * m for m > 0 and -m for m <= 0 (shift beta*m, resp. 0), clamped to
+  [1/64, 8] for bf16 and [1/64, 2] for fp16 (natural-log units). The shift is carried through the
+  online softmax as its running maximum, so later blocks are rescaled consistently.
+* Why bounded: the paper's unbounded shift turns a healthy row into NaN once (beta - 1) * m
+  passes ~88 (fp32 row sum underflows to 0; fp16 P̄ tiles vanish past ~17), and for m <= 0 a
+  shift to 0 with m = -1e4 zeroes the row. With the clamp the largest P̄ is >= e^-8 (bf16) or
+  e^-2 (fp16): no NaN, no all-zero row, for any beta > 1 and any finite logits; the lower bound
+  takes P̄ off 1.0 where beta*m is close to m. Any shift in the window removes P̄ = 1 entries;
+  a larger one buys nothing and pushes the rest of the row toward underflow.
+* Why O is normalized by the rounded P̄: a bounded shift makes the dominant P̄ of every tied row
+  the same value e^-delta, whose rounding error would be shared by all rows; dividing by a row
+  sum of the *unrounded* P̄ turns it into a one-signed error (measured bias ratio -0.998 in
+  DESIGN.md). O = sum(round(P̄) V) / sum(round(P̄)) is an exact convex combination instead. The
+  row LSE for the backward uses the unrounded fp32 sum, so the backward stays the exact softmax
+  gradient (P = exp(S - LSE), delta = rowsum(dO * O)); it needs no stabilization.
+
+``mode="plain"`` runs the same kernel without the shift (``stabilize=False`` does the same in the
+default mode). ``mode="paper_repro"`` is for reproduction and tests only: it emulates the
+paper's failing kernel (github ucker/why-low-precision-training-fails, attention.py): S rounded
+to the input dtype, and the P̄V product, the O accumulation and the row sum rounded to the input
+dtype after every key block, no stabilization (``stabilize`` is ignored). Its output carries the
+biased rounding on planted ties; its backward is the exact one of this module, from an fp32 LSE.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .flash_attention_torch import (
+    MODE_PAPER,
+    MODE_PLAIN,
+    MODE_STABILIZED,
+    reference_backward,
+    reference_forward,
+)
+
+try:
+    from . import flash_attention_triton as _tri
+except ImportError:  # platforms without triton: the torch reference runs on CPU, CUDA falls back
+    _tri = None
+
+__all__ = ["flash_attention", "flash_attention_fallbacks", "flash_attention_reference"]
+
+_MODES = {"stabilized": MODE_STABILIZED, "plain": MODE_PLAIN, "paper_repro": MODE_PAPER}
+_DTYPES = (torch.bfloat16, torch.float16)
+_MASK_DTYPES = (torch.bool, torch.bfloat16, torch.float16, torch.float32)
+
+# Host-side fallback counter, keyed by reason (see flash_attention_fallbacks).
+_FALLBACKS: Counter[str] = Counter()
+
+
+def flash_attention_fallbacks() -> dict[str, int]:
+    """Calls handed to ``F.scaled_dot_product_attention`` since import, by reason."""
+    return dict(_FALLBACKS)
+
+
+def _kernel_mode(mode: str, stabilize: bool, beta: float) -> int:
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+    if not (math.isfinite(beta) and beta > 1.0):
+        raise ValueError(f"beta must be a finite number > 1, got {beta!r}; the paper uses 2 to 8")
+    if mode == "stabilized" and not stabilize:
+        return MODE_PLAIN
+    return _MODES[mode]
+
+
+def _fallback_reason(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> str | None:
+    """Why this call cannot run in our kernel (None if it can). Arguments and metadata only."""
+    if not all(isinstance(t, Tensor) and t.layout == torch.strided for t in (q, k, v)):
+        return "layout"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "ndim"
+    if not (q.device == k.device == v.device) or q.device.type not in ("cuda", "cpu"):
+        return "device"
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return "dtype"
+    if dropout_p > 0.0:
+        return "dropout"
+    b, h, tq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b or k.shape[1:3] != v.shape[1:3]:
+        return "shape"
+    if k.shape[3] != d or v.shape[3] != d:
+        return "head_dim_v"
+    if d % 8 != 0 or d > 256:
+        return "head_dim"
+    hk, tk = k.shape[1], k.shape[2]
+    if hk != h and hk != 1 and (not enable_gqa or h % hk != 0):  # SDPA broadcasts hk == 1
+        return "heads"
+    if tq == 0 or tk == 0:
+        return "empty"
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        return "scale"
+    if attn_mask is not None:
+        if attn_mask.device != q.device or attn_mask.layout != torch.strided:
+            return "mask_device"
+        if attn_mask.dtype not in _MASK_DTYPES:
+            return "mask_dtype"
+        if attn_mask.requires_grad:
+            return "mask_grad"
+        try:
+            if torch.broadcast_shapes(attn_mask.shape, (b, h, tq, tk)) != (b, h, tq, tk):
+                return "mask_shape"
+        except RuntimeError:
+            return "mask_shape"
+    if q.device.type == "cuda":
+        if _tri is None:
+            return "no_triton"
+        if torch.cuda.get_device_capability(q.device)[0] < 9:
+            return "gpu_arch"  # tensor descriptors (TMA) are only tested on Hopper
+    return None
+
+
+def _autocast_inputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Cast fp32 inputs to the autocast dtype when autocast is on, as SDPA does under autocast."""
+    device_type = q.device.type
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        if q.dtype == torch.float32 and dtype in _DTYPES:
+            return q.to(dtype), k.to(dtype), v.to(dtype)
+    return q, k, v
+
+
+def _use_triton(q: Tensor) -> bool:
+    """CUDA -> compiled Triton; CPU -> interpreter if TRITON_INTERPRET=1 was set at import."""
+    if _tri is None:
+        return False
+    return q.is_cuda or _tri.INTERPRET
+
+
+class _FlashFn(torch.autograd.Function):
+    """Forward/backward of one call; ``use_triton`` picks the kernels or the torch reference."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, sm_scale, mode, beta, use_triton):  # type: ignore[override]
+        if use_triton:
+            o, lse = _tri.triton_forward(q, k, v, mask, causal, sm_scale, mode, beta)
+        else:
+            o, lse = reference_forward(q, k, v, mask, causal, sm_scale, mode, beta)
+        ctx.save_for_backward(q, k, v, o, lse, mask)
+        ctx.causal, ctx.sm_scale, ctx.mode, ctx.use_triton = causal, sm_scale, mode, use_triton
+        return o
+
+    @staticmethod
+    def backward(ctx, do):  # type: ignore[override]
+        q, k, v, o, lse, mask = ctx.saved_tensors
+        args = (do, q, k, v, o, lse, mask, ctx.causal, ctx.sm_scale, ctx.mode)
+        with torch.autocast(q.device.type, enabled=False):
+            if ctx.use_triton:
+                dq, dk, dv = _tri.triton_backward(*args)
+            else:
+                dq, dk, dv = reference_backward(*args)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _run(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    mode: int,
+    beta: float,
+    use_triton: bool,
+) -> Tensor:
+    q, k, v = _autocast_inputs(q, k, v)
+    reason = _fallback_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if reason is not None:
+        if mode == MODE_PAPER:
+            raise ValueError(
+                f"mode='paper_repro' cannot run this call ({reason}); it has no SDPA fallback"
+            )
+        _FALLBACKS[reason] += 1
+        extra = {"enable_gqa": True} if enable_gqa else {}
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            **extra,
+        )  # fmt: skip
+    b, h, tq, d = q.shape
+    sm_scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    mask = None if attn_mask is None else attn_mask.expand(b, h, tq, k.shape[2])
+    if use_triton:  # TMA needs 16-byte strides: copy the rare layouts that lack them
+        q, k, v = (t if _tri.descriptor_ready(t) else t.contiguous() for t in (q, k, v))
+    with torch.autocast(q.device.type, enabled=False):
+        return _FlashFn.apply(q, k, v, mask, is_causal, sm_scale, mode, beta, use_triton)
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    stabilize: bool = True,
+    beta: float = 2.0,
+    mode: str = "stabilized",
+) -> Tensor:
+    """Attention like ``F.scaled_dot_product_attention``, stabilized against biased rounding.
+
+    q (B, H, Tq, D), k/v (B, Hk, Tk, D) -> (B, H, Tq, D) in q's dtype. ``stabilize``, ``beta`` and
+    ``mode`` are described in the module docstring; the rest are SDPA's arguments. Runs the Triton
+    kernel on CUDA and on CPU under ``TRITON_INTERPRET=1``, the torch reference on plain CPU.
+    """
+    kernel_mode = _kernel_mode(mode, stabilize, beta)
+    use_triton = _use_triton(q)
+    return _run(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernel_mode, beta, use_triton
+    )
+
+
+def flash_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    stabilize: bool = True,
+    beta: float = 2.0,
+    mode: str = "stabilized",
+) -> Tensor:
+    """The same attention through the pure-torch blockwise emulation (any device, autograd).
+
+    Same arguments, result and fallbacks as ``flash_attention``; it is the CPU path and the
+    oracle the Triton kernels are tested against.
+    """
+    kernel_mode = _kernel_mode(mode, stabilize, beta)
+    return _run(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernel_mode, beta, False
+    )

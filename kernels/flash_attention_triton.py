@@ -1,0 +1,1034 @@
+"""Triton kernels of numwatch's flash attention: forward, backward (dK/dV and dQ), launch configs.
+
+The algorithm, its stabilization and the ``paper_repro`` emulation are defined (and documented)
+by the pure-torch ``flash_attention_torch``; these kernels compute the same thing tile by tile.
+Every tile moves through tensor descriptors made per (batch, head) inside the kernel, so any
+strides with a unit last stride work, and rows past T (odd lengths) and columns past the head
+dim (32/80/96 padded to a power of two) are zero-filled on load and clipped on store.
+
+Two worlds (DESIGN.md §3): compiled on a GPU, and the interpreter on CPU (``TRITON_INTERPRET=1``),
+where ``INTERPRET`` upcasts dot operands to fp32 and rounds fp32 -> bf16 to nearest even by
+integer ops (the interpreter's cast truncates).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .flash_attention_torch import (
+    LOG2E,
+    MODE_PAPER,
+    MODE_PLAIN,
+    SATURATION_LN,
+    SHIFT_MAX_LN,
+    SHIFT_MIN_LN,
+)
+
+# triton.jit reads TRITON_INTERPRET when it decorates, so this is fixed at import time too.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Sizes that only bound loops and masks: not specialized on (divisibility by 16, == 1), so one
+# binary serves every length and head count.
+_RUNTIME_INTS = ["H", "GROUP", "T_Q", "T_K"]
+
+MASK_NONE = 0
+MASK_BOOL = 1
+MASK_ADD = 2
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _round_f32(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``x`` rounded to DTYPE (round-to-nearest-even), returned as fp32."""
+    if INTERPRET and DTYPE == tl.bfloat16:  # noqa: SIM300 (constexpr dtype compare)
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _to_lo(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> DTYPE, round-to-nearest-even in both worlds."""
+    if INTERPRET and DTYPE == tl.bfloat16:  # noqa: SIM300 (constexpr dtype compare)
+        return _round_f32(x, DTYPE, INTERPRET).to(DTYPE)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _mm(a, b, INTERPRET: tl.constexpr):
+    """a @ b with fp32 accumulation (bf16/fp16 dots are wrong in the interpreter: upcast)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _mm_acc(a, b, acc, INTERPRET: tl.constexpr):
+    """acc + a @ b, accumulated in place by the tensor cores on a GPU."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _head_desc(
+    X, b, h, stride_b, stride_h, stride_t, T, HEAD_DIM, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """2-D descriptor over one (batch, head) slice (T, HEAD_DIM) of a 4-D tensor."""
+    base = X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+    return tl.make_tensor_descriptor(
+        base, shape=[T, HEAD_DIM], strides=[stride_t, 1], block_shape=[BLOCK_T, BLOCK_D]
+    )
+
+
+@triton.jit
+def _logits(
+    qk,
+    offs_m,
+    offs_n,
+    MASK,
+    mask_base,
+    stride_mq,
+    stride_mk,
+    T_Q,
+    T_K,
+    sm_scale,
+    MODE: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    EDGE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Masked logits in log2 units from raw q.k products (rows = queries unless TRANSPOSED).
+
+    Returns (x, xs) with logits = x * xs: without an additive mask or the paper's rounding of S,
+    x is the raw product and the scale folds into the exp2's FMA (xs > 0 keeps max/compare valid).
+    """
+    if TRANSPOSED:
+        rows_q = offs_m[None, :]
+        cols_k = offs_n[:, None]
+    else:
+        rows_q = offs_m[:, None]
+        cols_k = offs_n[None, :]
+    PRESCALED: tl.constexpr = MODE == 2 or MASK_KIND == 2
+    if MASK_KIND != 0:
+        mv = tl.load(
+            MASK + mask_base + rows_q * stride_mq + cols_k * stride_mk,
+            mask=(rows_q < T_Q) & (cols_k < T_K),
+            other=0,
+        )
+    if PRESCALED:
+        s = qk * sm_scale
+        if MASK_KIND == 2:
+            s += mv.to(tl.float32)
+        if MODE == 2:  # the paper's kernel holds S in the input dtype
+            s = _round_f32(s, DTYPE, INTERPRET)
+        x = s * 1.4426950408889634
+        xs = 1.0
+    else:
+        x = qk
+        xs = sm_scale * 1.4426950408889634
+    if MASK_KIND == 1:
+        x = tl.where(mv != 0, x, float("-inf"))
+    if EDGE:
+        valid = cols_k < T_K
+        if CAUSAL:
+            valid = valid & (cols_k <= rows_q)
+        x = tl.where(valid, x, float("-inf"))
+    return x, xs
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_block(
+    acc,
+    l_r,
+    l_e,
+    m_raw,
+    m_sh,
+    cnt,
+    q,
+    k_desc,
+    v_desc,
+    n0,
+    offs_m,
+    arange_n,
+    MASK,
+    mask_base,
+    stride_mq,
+    stride_mk,
+    T_Q,
+    T_K,
+    sm_scale,
+    beta_m1,
+    dmin2,
+    dmax2,
+    SAT2: tl.constexpr,
+    MODE: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    EDGE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One key block of the online softmax (see flash_attention_torch.reference_forward)."""
+    k = k_desc.load([n0, 0])  # (BLOCK_N, BLOCK_D)
+    v = v_desc.load([n0, 0])
+    qk = _mm(q, tl.trans(k), INTERPRET)  # (BLOCK_M, BLOCK_N) fp32
+    x, xs = _logits(
+        qk,
+        offs_m,
+        n0 + arange_n,
+        MASK,
+        mask_base,
+        stride_mq,
+        stride_mk,
+        T_Q,
+        T_K,
+        sm_scale,
+        MODE,
+        MASK_KIND,
+        EDGE,
+        CAUSAL,
+        False,
+        DTYPE,
+        INTERPRET,
+    )
+    m_raw_new = tl.maximum(m_raw, tl.max(x, 1) * xs)  # (BLOCK_M,) log2 units
+    if MODE == 1:
+        # Entries whose exp2(s - m) rounds to 1.0 in DTYPE; the count carries across blocks
+        # while the earlier maximum stays within the saturation window of the new one.
+        thr = m_raw_new + SAT2
+        saturated = tl.sum((x >= (thr / xs)[:, None]).to(tl.int32), 1)
+        cnt = tl.where(m_raw >= thr, cnt, 0) + saturated
+        extra = tl.where(m_raw_new > 0, beta_m1 * m_raw_new, -m_raw_new)
+        extra = tl.minimum(tl.maximum(extra, dmin2), dmax2)
+        m_new = tl.maximum(m_sh, tl.where(cnt >= 2, m_raw_new + extra, m_raw_new))
+    else:
+        m_new = tl.maximum(m_sh, m_raw_new)
+    if MASK_KIND != 0:  # noqa: SIM108 (a row may have seen only masked keys so far)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.math.exp2(m_sh - m_use)
+    p = tl.math.exp2(x * xs - m_use[:, None])  # (BLOCK_M, BLOCK_N) fp32
+    p_lo = _to_lo(p, DTYPE, INTERPRET)
+    if MODE == 2:
+        # Emulation of the paper's failing kernel: P̄V, O and l rounded to DTYPE per block.
+        pv = _round_f32(_mm(p_lo, v, INTERPRET), DTYPE, INTERPRET)
+        alpha_r = _round_f32(alpha, DTYPE, INTERPRET)
+        acc = _round_f32(
+            _round_f32(acc * alpha_r[:, None], DTYPE, INTERPRET) + pv, DTYPE, INTERPRET
+        )
+        l_blk = _round_f32(tl.sum(p_lo.to(tl.float32), 1), DTYPE, INTERPRET)
+        l_r = _round_f32(_round_f32(l_r * alpha_r, DTYPE, INTERPRET) + l_blk, DTYPE, INTERPRET)
+    else:
+        # O is normalized by the sum of the same rounded P̄ that enter the P̄V product.
+        l_r = l_r * alpha + tl.sum(p_lo.to(tl.float32), 1)
+        acc = acc * alpha[:, None]
+        acc = _mm_acc(p_lo, v, acc, INTERPRET)
+    l_e = l_e * alpha + tl.sum(p, 1)
+    return acc, l_r, l_e, m_raw_new, m_new, cnt
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    MASK,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    stride_mb,
+    stride_mh,
+    stride_mq,
+    stride_mk,
+    H,
+    GROUP,
+    T_Q,
+    T_K,
+    HEAD_DIM,
+    sm_scale,
+    beta_m1,
+    dmin2,
+    dmax2,
+    SAT2: tl.constexpr,
+    MODE: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    DTYPE: tl.constexpr = Q.dtype.element_ty
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # longest rows first: fewer idle SMs at the tail
+        pid_m = tl.cdiv(T_Q, BLOCK_M) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    k_desc = _head_desc(K, b, hk, stride_kb, stride_kh, stride_kt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    v_desc = _head_desc(V, b, hk, stride_vb, stride_vh, stride_vt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    o_desc = _head_desc(Out, b, h, stride_ob, stride_oh, stride_ot, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    mask_base = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
+    q = q_desc.load([m0, 0])  # (BLOCK_M, BLOCK_D), stays on chip
+    m_raw = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m_sh = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    cnt = tl.zeros([BLOCK_M], tl.int32)
+    l_r = tl.zeros([BLOCK_M], tl.float32)
+    l_e = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Key blocks that need no causal/bounds mask, then the edge blocks (diagonal, tail).
+    full_hi = (T_K // BLOCK_N) * BLOCK_N
+    hi = T_K
+    if CAUSAL:
+        full_hi = tl.minimum(full_hi, m0)
+        hi = tl.minimum(T_K, m0 + BLOCK_M)
+    for n0 in tl.range(0, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        acc, l_r, l_e, m_raw, m_sh, cnt = _fwd_block(
+            acc,
+            l_r,
+            l_e,
+            m_raw,
+            m_sh,
+            cnt,
+            q,
+            k_desc,
+            v_desc,
+            n0,
+            offs_m,
+            arange_n,
+            MASK,
+            mask_base,
+            stride_mq,
+            stride_mk,
+            T_Q,
+            T_K,
+            sm_scale,
+            beta_m1,
+            dmin2,
+            dmax2,
+            SAT2,
+            MODE,
+            MASK_KIND,
+            False,
+            CAUSAL,
+            DTYPE,
+            INTERPRET,
+        )
+    for n0 in tl.range(full_hi, hi, BLOCK_N):
+        acc, l_r, l_e, m_raw, m_sh, cnt = _fwd_block(
+            acc,
+            l_r,
+            l_e,
+            m_raw,
+            m_sh,
+            cnt,
+            q,
+            k_desc,
+            v_desc,
+            n0,
+            offs_m,
+            arange_n,
+            MASK,
+            mask_base,
+            stride_mq,
+            stride_mk,
+            T_Q,
+            T_K,
+            sm_scale,
+            beta_m1,
+            dmin2,
+            dmax2,
+            SAT2,
+            MODE,
+            MASK_KIND,
+            True,
+            CAUSAL,
+            DTYPE,
+            INTERPRET,
+        )
+
+    m_fin = tl.where(m_sh == float("-inf"), 0.0, m_sh)
+    # Fully masked rows (attn_mask only) give O = 0 like SDPA, and LSE = +inf so that the
+    # backward's P = exp2(S - LSE) is 0 there.
+    o = acc / tl.where(l_r > 0, l_r, 1.0)[:, None]
+    lse = tl.where(l_e > 0, m_fin + tl.math.log2(tl.where(l_e > 0, l_e, 1.0)), float("inf"))
+    o_desc.store([m0, 0], _to_lo(o, DTYPE, INTERPRET))
+    tl.store(LSE + pid_bh.to(tl.int64) * T_Q + offs_m, lse, mask=offs_m < T_Q)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _bwd_delta_kernel(
+    Out,
+    DO,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    stride_db,
+    stride_dh,
+    stride_dt,
+    H,
+    T_Q,
+    HEAD_DIM,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """delta = rowsum(dO * O) in fp32, the softmax-gradient correction per query row."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    inb = (offs_m < T_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(
+        Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
+        mask=inb,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dt + offs_d[None, :],
+        mask=inb,
+        other=0.0,
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + pid_bh.to(tl.int64) * T_Q + offs_m, delta, mask=offs_m < T_Q)
+
+
+@triton.jit
+def _dkdv_block(
+    dk,
+    dv,
+    k,
+    v,
+    q_desc,
+    do_desc,
+    m0,
+    offs_n,
+    arange_m,
+    LSE_row,
+    DELTA_row,
+    MASK,
+    mask_base,
+    stride_mq,
+    stride_mk,
+    T_Q,
+    T_K,
+    sm_scale,
+    MODE: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    EDGE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Contribution of one query block to dK, dV of one key block (transposed tiles)."""
+    offs_m = m0 + arange_m
+    q = q_desc.load([m0, 0])  # (BLOCK_M, BLOCK_D)
+    do = do_desc.load([m0, 0])
+    # Rows past T_Q: LSE = +inf makes P = 0 there.
+    lse = tl.load(LSE_row + offs_m, mask=offs_m < T_Q, other=float("inf"))
+    dlt = tl.load(DELTA_row + offs_m, mask=offs_m < T_Q, other=0.0)
+    qk_t = _mm(k, tl.trans(q), INTERPRET)  # (BLOCK_N, BLOCK_M)
+    x, xs = _logits(
+        qk_t,
+        offs_m,
+        offs_n,
+        MASK,
+        mask_base,
+        stride_mq,
+        stride_mk,
+        T_Q,
+        T_K,
+        sm_scale,
+        MODE,
+        MASK_KIND,
+        EDGE,
+        CAUSAL,
+        True,
+        DTYPE,
+        INTERPRET,
+    )
+    p_t = tl.math.exp2(x * xs - lse[None, :])
+    dv = _mm_acc(_to_lo(p_t, DTYPE, INTERPRET), do, dv, INTERPRET)
+    dp_t = _mm(v, tl.trans(do), INTERPRET)
+    ds_t = p_t * (dp_t - dlt[None, :])
+    dk = _mm_acc(_to_lo(ds_t, DTYPE, INTERPRET), q, dk, INTERPRET)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    LSE,
+    DELTA,
+    MASK,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_dob,
+    stride_doh,
+    stride_dot,
+    stride_dkb,
+    stride_dkh,
+    stride_dkt,
+    stride_dvb,
+    stride_dvh,
+    stride_dvt,
+    stride_mb,
+    stride_mh,
+    stride_mq,
+    stride_mk,
+    H,
+    GROUP,
+    T_Q,
+    T_K,
+    HEAD_DIM,
+    sm_scale,
+    MODE: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """dK, dV of one key block for one query head (GQA: the host sums the group's heads)."""
+    DTYPE: tl.constexpr = Q.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    do_desc = _head_desc(
+        DO, b, h, stride_dob, stride_doh, stride_dot, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D
+    )
+    k_desc = _head_desc(K, b, hk, stride_kb, stride_kh, stride_kt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    v_desc = _head_desc(V, b, hk, stride_vb, stride_vh, stride_vt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    dk_desc = _head_desc(
+        DK, b, h, stride_dkb, stride_dkh, stride_dkt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D
+    )
+    dv_desc = _head_desc(
+        DV, b, h, stride_dvb, stride_dvh, stride_dvt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D
+    )
+    mask_base = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+    LSE_row = LSE + pid_bh.to(tl.int64) * T_Q
+    DELTA_row = DELTA + pid_bh.to(tl.int64) * T_Q
+
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    arange_m = tl.arange(0, BLOCK_M)
+    k = k_desc.load([n0, 0])  # (BLOCK_N, BLOCK_D), stays on chip; rows past T_K are zeros and
+    v = v_desc.load([n0, 0])  # only feed dK/dV rows that the store clips
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    lo = 0
+    if CAUSAL:
+        # Query rows < n0 see none of these keys; rows in [n0, n0 + BLOCK_N) need the mask.
+        lo = n0 + BLOCK_N
+        for m0 in tl.range(n0, tl.minimum(lo, T_Q), BLOCK_M):
+            dk, dv = _dkdv_block(
+                dk,
+                dv,
+                k,
+                v,
+                q_desc,
+                do_desc,
+                m0,
+                offs_n,
+                arange_m,
+                LSE_row,
+                DELTA_row,
+                MASK,
+                mask_base,
+                stride_mq,
+                stride_mk,
+                T_Q,
+                T_K,
+                sm_scale,
+                MODE,
+                MASK_KIND,
+                True,
+                CAUSAL,
+                DTYPE,
+                INTERPRET,
+            )
+    for m0 in tl.range(lo, T_Q, BLOCK_M):
+        dk, dv = _dkdv_block(
+            dk,
+            dv,
+            k,
+            v,
+            q_desc,
+            do_desc,
+            m0,
+            offs_n,
+            arange_m,
+            LSE_row,
+            DELTA_row,
+            MASK,
+            mask_base,
+            stride_mq,
+            stride_mk,
+            T_Q,
+            T_K,
+            sm_scale,
+            MODE,
+            MASK_KIND,
+            False,
+            CAUSAL,
+            DTYPE,
+            INTERPRET,
+        )
+    dk_desc.store([n0, 0], _to_lo(dk * sm_scale, DK.dtype.element_ty, INTERPRET))
+    dv_desc.store([n0, 0], _to_lo(dv, DV.dtype.element_ty, INTERPRET))
+
+
+@triton.jit
+def _dq_block(
+    dq,
+    q,
+    do,
+    lse,
+    dlt,
+    k_desc,
+    v_desc,
+    n0,
+    offs_m,
+    arange_n,
+    MASK,
+    mask_base,
+    stride_mq,
+    stride_mk,
+    T_Q,
+    T_K,
+    sm_scale,
+    MODE: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    EDGE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DTYPE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Contribution of one key block to dQ of one query block."""
+    k = k_desc.load([n0, 0])  # (BLOCK_N, BLOCK_D)
+    v = v_desc.load([n0, 0])
+    qk = _mm(q, tl.trans(k), INTERPRET)  # (BLOCK_M, BLOCK_N)
+    x, xs = _logits(
+        qk,
+        offs_m,
+        n0 + arange_n,
+        MASK,
+        mask_base,
+        stride_mq,
+        stride_mk,
+        T_Q,
+        T_K,
+        sm_scale,
+        MODE,
+        MASK_KIND,
+        EDGE,
+        CAUSAL,
+        False,
+        DTYPE,
+        INTERPRET,
+    )
+    p = tl.math.exp2(x * xs - lse[:, None])
+    dp = _mm(do, tl.trans(v), INTERPRET)
+    ds = p * (dp - dlt[:, None])
+    return _mm_acc(_to_lo(ds, DTYPE, INTERPRET), k, dq, INTERPRET)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    LSE,
+    DELTA,
+    MASK,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_dob,
+    stride_doh,
+    stride_dot,
+    stride_dqb,
+    stride_dqh,
+    stride_dqt,
+    stride_mb,
+    stride_mh,
+    stride_mq,
+    stride_mk,
+    H,
+    GROUP,
+    T_Q,
+    T_K,
+    HEAD_DIM,
+    sm_scale,
+    MODE: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """dQ of one query block, looping over the key blocks it sees."""
+    DTYPE: tl.constexpr = Q.dtype.element_ty
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.cdiv(T_Q, BLOCK_M) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    do_desc = _head_desc(
+        DO, b, h, stride_dob, stride_doh, stride_dot, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D
+    )
+    k_desc = _head_desc(K, b, hk, stride_kb, stride_kh, stride_kt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    v_desc = _head_desc(V, b, hk, stride_vb, stride_vh, stride_vt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    dq_desc = _head_desc(
+        DQ, b, h, stride_dqb, stride_dqh, stride_dqt, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D
+    )
+    mask_base = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    arange_n = tl.arange(0, BLOCK_N)
+    q = q_desc.load([m0, 0])
+    do = do_desc.load([m0, 0])
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * T_Q + offs_m, mask=offs_m < T_Q, other=float("inf"))
+    dlt = tl.load(DELTA + pid_bh.to(tl.int64) * T_Q + offs_m, mask=offs_m < T_Q, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    full_hi = (T_K // BLOCK_N) * BLOCK_N
+    hi = T_K
+    if CAUSAL:
+        full_hi = tl.minimum(full_hi, m0)
+        hi = tl.minimum(T_K, m0 + BLOCK_M)
+    for n0 in tl.range(0, full_hi, BLOCK_N):
+        dq = _dq_block(
+            dq,
+            q,
+            do,
+            lse,
+            dlt,
+            k_desc,
+            v_desc,
+            n0,
+            offs_m,
+            arange_n,
+            MASK,
+            mask_base,
+            stride_mq,
+            stride_mk,
+            T_Q,
+            T_K,
+            sm_scale,
+            MODE,
+            MASK_KIND,
+            False,
+            CAUSAL,
+            DTYPE,
+            INTERPRET,
+        )
+    for n0 in tl.range(full_hi, hi, BLOCK_N):
+        dq = _dq_block(
+            dq,
+            q,
+            do,
+            lse,
+            dlt,
+            k_desc,
+            v_desc,
+            n0,
+            offs_m,
+            arange_n,
+            MASK,
+            mask_base,
+            stride_mq,
+            stride_mk,
+            T_Q,
+            T_K,
+            sm_scale,
+            MODE,
+            MASK_KIND,
+            True,
+            CAUSAL,
+            DTYPE,
+            INTERPRET,
+        )
+    dq_desc.store([m0, 0], _to_lo(dq * sm_scale, DQ.dtype.element_ty, INTERPRET))
+
+
+# ----------------------------------------------------------------------------- launch configs
+
+
+class TileConfig(NamedTuple):
+    """Tile sizes and launch parameters of one kernel (BLOCK_M: query rows, BLOCK_N: keys)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    warp_specialize: bool = False
+
+
+# Tuning sweeps (bench/bench_flash_attention.py --sweep) put a config here per
+# (kernel, padded head dim, causal); the tables below are the defaults otherwise.
+CONFIG_OVERRIDES: dict[tuple[str, int, bool], TileConfig] = {}
+
+# Interpreter: small tiles, so that the short CPU test sequences still span several blocks.
+_INTERPRET_CONFIGS = {
+    "fwd": TileConfig(32, 32, 4, 1),
+    "dkdv": TileConfig(16, 32, 4, 1),
+    "dq": TileConfig(32, 16, 4, 1),
+}
+
+# Hopper defaults by padded head dim (BLOCK_M must be a multiple of BLOCK_N for fwd/dq, and
+# BLOCK_N of BLOCK_M for dkdv).
+_GPU_CONFIGS = {
+    "fwd": {
+        32: TileConfig(128, 64, 4, 3),
+        64: TileConfig(128, 64, 4, 3),
+        128: TileConfig(128, 128, 8, 2),
+        256: TileConfig(64, 64, 4, 2),
+    },
+    "dkdv": {
+        32: TileConfig(64, 128, 8, 3),
+        64: TileConfig(64, 128, 8, 3),
+        128: TileConfig(64, 128, 8, 2),
+        256: TileConfig(32, 64, 8, 1),
+    },
+    "dq": {
+        32: TileConfig(128, 64, 8, 3),
+        64: TileConfig(128, 64, 8, 3),
+        128: TileConfig(128, 64, 8, 2),
+        256: TileConfig(64, 32, 8, 1),
+    },
+}
+
+
+def padded_head_dim(d: int) -> int:
+    """Head dim rounded up to the power of two the tiles use (zero-filled past d)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def tile_config(kernel: str, block_d: int, causal: bool) -> TileConfig:
+    """Config for ``kernel`` in {"fwd", "dkdv", "dq"}: override, interpreter, or GPU default."""
+    if INTERPRET:
+        return _INTERPRET_CONFIGS[kernel]
+    key = (kernel, block_d, causal)
+    if key in CONFIG_OVERRIDES:
+        return CONFIG_OVERRIDES[key]
+    table = _GPU_CONFIGS[kernel]
+    return table[min(block_d, 256)] if block_d in table else table[128]
+
+
+# ----------------------------------------------------------------------------- host wrappers
+
+
+def _alloc_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
+    """Global scratch for the device-side tensor descriptors."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Device descriptors need a Triton allocator; set ours unless the user set one.
+
+    The allocator lives in a ContextVar, which autograd's backward thread does not inherit,
+    so this runs before every launch.
+    """
+    if INTERPRET:
+        return
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_alloc_scratch)
+
+
+def descriptor_ready(x: Tensor) -> bool:
+    """Whether ``x`` meets TMA's layout rules: unit last stride, 16-byte strides and base."""
+    item = x.element_size()
+    return (
+        x.stride(-1) == 1
+        and all((s * item) % 16 == 0 for s in x.stride()[:-1])
+        and x.data_ptr() % 16 == 0
+    )
+
+
+def _mask_args(mask: Tensor | None, like: Tensor) -> tuple[Tensor, int, tuple[int, ...]]:
+    """Mask pointer, kind and its 4 strides (0 on broadcast dims)."""
+    if mask is None:
+        return like, MASK_NONE, (0, 0, 0, 0)
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8), MASK_BOOL, mask.stride()
+    return mask, MASK_ADD, mask.stride()
+
+
+def _stab_args(dtype: torch.dtype, beta: float) -> dict:
+    return {
+        "beta_m1": beta - 1.0,
+        "dmin2": SHIFT_MIN_LN * LOG2E,
+        "dmax2": SHIFT_MAX_LN[dtype] * LOG2E,
+        "SAT2": SATURATION_LN[dtype] * LOG2E,
+    }
+
+
+def triton_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    sm_scale: float,
+    mode: int,
+    beta: float,
+) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel. q (B,H,Tq,D), k/v (B,Hk,Tk,D) descriptor-ready; mask None or
+    expanded to (B,H,Tq,Tk). Returns O like q and the row log2-sum-exp (B,H,Tq) fp32."""
+    _ensure_allocator()
+    b, h, tq, d = q.shape
+    hk, tk = k.shape[1], k.shape[2]
+    block_d = padded_head_dim(d)
+    cfg = tile_config("fwd", block_d, causal)
+    o = torch.empty_like(q)
+    lse = torch.empty((b, h, tq), device=q.device, dtype=torch.float32)
+    mask_t, mask_kind, ms = _mask_args(mask, q)
+    grid = (triton.cdiv(tq, cfg.block_m), b * h)
+    _fwd_kernel[grid](
+        q, k, v, o, lse, mask_t,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *ms,
+        h, h // hk, tq, tk, d, sm_scale,
+        **_stab_args(q.dtype, beta),
+        MODE=mode, MASK_KIND=mask_kind, CAUSAL=causal,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        WARP_SPECIALIZE=cfg.warp_specialize, INTERPRET=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return o, lse
+
+
+def triton_backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    sm_scale: float,
+    mode: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch delta, dK/dV and dQ kernels; returns (dq, dk, dv) in the input dtype."""
+    _ensure_allocator()
+    b, h, tq, d = q.shape
+    hk, tk = k.shape[1], k.shape[2]
+    group = h // hk
+    block_d = padded_head_dim(d)
+    if not descriptor_ready(do):
+        do = do.contiguous()
+    delta = torch.empty_like(lse)
+    _bwd_delta_kernel[(triton.cdiv(tq, 64), b * h)](
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], h, tq, d,
+        BLOCK_M=64, BLOCK_D=block_d,
+    )  # fmt: skip
+    mask_t, mask_kind, ms = _mask_args(mask, q)
+    # The backward only needs to know whether S was rounded (paper_repro): plain and stabilized
+    # share their backward kernels.
+    bwd_mode = MODE_PAPER if mode == MODE_PAPER else MODE_PLAIN
+    dq = torch.empty_like(q)
+    if group == 1:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    else:  # one fp32 slice per query head, summed over each group below
+        dk = torch.empty((b, h, tk, d), device=q.device, dtype=torch.float32)
+        dv = torch.empty_like(dk)
+    cfg = tile_config("dkdv", block_d, causal)
+    _bwd_dkdv_kernel[(triton.cdiv(tk, cfg.block_n), b * h)](
+        q, k, v, do, dk, dv, lse, delta, mask_t,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3], *ms,
+        h, group, tq, tk, d, sm_scale,
+        MODE=bwd_mode, MASK_KIND=mask_kind, CAUSAL=causal,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, INTERPRET=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    cfg = tile_config("dq", block_d, causal)
+    _bwd_dq_kernel[(triton.cdiv(tq, cfg.block_m), b * h)](
+        q, k, v, do, dq, lse, delta, mask_t,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+        *dq.stride()[:3], *ms,
+        h, group, tq, tk, d, sm_scale,
+        MODE=bwd_mode, MASK_KIND=mask_kind, CAUSAL=causal,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, INTERPRET=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if group != 1:
+        dk = dk.view(b, hk, group, tk, d).sum(2).to(k.dtype)
+        dv = dv.view(b, hk, group, tk, d).sum(2).to(v.dtype)
+    return dq, dk, dv

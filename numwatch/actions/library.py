@@ -1,0 +1,233 @@
+"""The actions a rule can take. Each is a small config class; ``run`` does one thing.
+
+- ``swap_attention_kernel``: route the event's layer (or all layers) to the stabilized kernel.
+- ``skip_step``: this step's optimizer update does not happen (step-level rules only).
+- ``lr_backoff``: multiply the learning rate by ``factor`` for ``steps`` optimizer steps.
+- ``qk_clip``: rescale the offending head's W_q and W_k rows so its max logit drops to ``tau``.
+- ``snapshot``: save the offending tensors and the recent history to a directory (forensics).
+- ``halt``: stop training with a report (raises ``NumwatchHalt``).
+- ``callback``: call a user function ``fn(event, monitor)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from numwatch.actions.base import Action, ActionContext
+from numwatch.errors import NumwatchConfigError, NumwatchError, NumwatchHalt
+from numwatch.events import Event
+from numwatch.probes.qk_layout import find_qk_layout
+
+__all__ = [
+    "ACTIONS",
+    "CallbackAction",
+    "ForensicSnapshot",
+    "Halt",
+    "LrBackoff",
+    "QKClip",
+    "SkipStep",
+    "SwapAttentionKernel",
+    "build_action",
+]
+
+
+class SwapAttentionKernel(Action):
+    type: Literal["swap_attention_kernel"] = "swap_attention_kernel"
+    scope: Literal["layer", "all"] = Field(
+        "layer", description="The event's layer only, or every attention layer."
+    )
+    beta: float = Field(2.0, gt=1.0, le=64.0, description="Stabilization factor of the kernel.")
+
+    def debounce_key(self, event: Event) -> tuple[tuple[str, str], ...]:
+        return (("layer", event.labels.get("layer", "")),) if self.scope == "layer" else ()
+
+    def run(self, ctx: ActionContext, event: Event) -> str | None:
+        layer = event.labels.get("layer")
+        target = layer if self.scope == "layer" and layer is not None else None
+        current = ctx.attention_kernel(target or "")
+        if target is not None and current is not None and current.stabilized:
+            return None  # already there
+        ctx.swap_attention(target, beta=self.beta)
+        return (
+            f"routed {'layer ' + repr(target) if target else 'all layers'} to the stabilized kernel"
+        )
+
+
+class SkipStep(Action):
+    type: Literal["skip_step"] = "skip_step"
+    min_interval_steps: int = 0
+
+    def run(self, ctx: ActionContext, event: Event) -> str | None:
+        control = ctx.optimizer_control
+        if control is None:
+            raise NumwatchError("skip_step needs the optimizer: monitor.attach(optimizer)")
+        control.skip_current_step()
+        return f"skipped the optimizer update of step {event.step}"
+
+
+class LrBackoff(Action):
+    type: Literal["lr_backoff"] = "lr_backoff"
+    factor: float = Field(0.5, gt=0.0, lt=1.0, description="LR multiplier while backed off.")
+    steps: int = Field(100, ge=1, description="Optimizer steps before the schedule's LR returns.")
+
+    def run(self, ctx: ActionContext, event: Event) -> str | None:
+        control = ctx.optimizer_control
+        if control is None:
+            raise NumwatchError("lr_backoff needs the optimizer: monitor.attach(optimizer)")
+        control.back_off_lr(self.factor, self.steps)
+        return f"LR x{self.factor:g} for {self.steps} steps"
+
+
+def qk_clip(model: torch.nn.Module, layer: str, head: int, max_logit: float, tau: float) -> float:
+    """Scale head ``head``'s W_q and W_k rows (and biases) of ``layer`` by sqrt(tau / max_logit)
+    each, so that its logits shrink by tau / max_logit (Kimi K2's QK-clip). Returns the factor."""
+    module = model.get_submodule(layer)
+    layout = find_qk_layout(module)
+    if layout is None:
+        raise NumwatchError(
+            f"qk_clip: no known Q/K projection layout in {layer!r} ({type(module).__name__}); "
+            "supported: q_proj/k_proj, fused qkv/c_attn/Wqkv, nn.MultiheadAttention"
+        )
+    ratio = tau / max_logit
+    q, k = layout.q[head], layout.k_for(head)
+    if len(layout.k) == len(layout.q):
+        q.scale_(math.sqrt(ratio))
+        k.scale_(math.sqrt(ratio))
+    else:  # a key head is shared by several query heads: clip the query side only
+        q.scale_(ratio)
+    return ratio
+
+
+class QKClip(Action):
+    type: Literal["qk_clip"] = "qk_clip"
+    tau: float = Field(100.0, gt=0, description="Target max logit after the clip.")
+    min_interval_steps: int = 0
+
+    def run(self, ctx: ActionContext, event: Event) -> str | None:
+        layer, head, value = event.labels.get("layer"), event.labels.get("head"), event.value
+        if layer is None or head is None or value is None or value <= self.tau:
+            return None
+        clip = lambda: qk_clip(ctx.model, layer, int(head), value, self.tau)
+        control = ctx.optimizer_control
+        if control is not None:
+            control.after_next_step(clip)  # as Kimi K2: right after the optimizer update
+            when = "after the next optimizer update"
+        else:
+            clip()
+            when = "now"
+        return f"QK-clip of {layer} head {head}: logits x{self.tau / value:.3g} {when}"
+
+
+class ForensicSnapshot(Action):
+    type: Literal["snapshot"] = "snapshot"
+    directory: str = Field("numwatch-forensics", description="Where snapshot files go.")
+    max_bytes: int = Field(256 * 2**20, ge=0, description="Cap on the tensors saved per event.")
+    flushes: int = Field(5, ge=0, description="Recent flushes saved with it.")
+
+    def run(self, ctx: ActionContext, event: Event) -> str | None:
+        out = Path(self.directory)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"step{event.step:08d}-{event.rule or event.kind}"
+        tensors: dict[str, torch.Tensor] = {}
+        budget = self.max_bytes
+        for name, t in _offending_tensors(ctx, event):
+            size = t.numel() * t.element_size()
+            if size <= budget:
+                tensors[name] = t.detach().to("cpu", copy=True)
+                budget -= size
+        torch.save(tensors, f"{stem}.pt")
+        history = [s.to_dict() for s in list(ctx.history)[-self.flushes :]] if self.flushes else []
+        record = {"event": event.to_dict(), "tensors": sorted(tensors), "history": history}
+        Path(f"{stem}.json").write_text(json.dumps(record, default=str))
+        return f"saved {len(tensors)} tensors and {len(history)} flushes to {stem}.pt/.json"
+
+
+def _offending_tensors(ctx: ActionContext, event: Event):
+    labels = event.labels
+    if "param" in labels:
+        p = ctx.model.get_parameter(labels["param"])
+        yield labels["param"], p
+        if p.grad is not None:
+            yield labels["param"] + ".grad", p.grad
+    for key in ("layer", "module"):
+        if key in labels:
+            module = ctx.model.get_submodule(labels[key])
+            for name, p in module.named_parameters():
+                yield f"{labels[key]}.{name}", p
+
+
+class Halt(Action):
+    type: Literal["halt"] = "halt"
+    flushes: int = Field(5, ge=0, description="Recent flushes summarised in the report.")
+    min_interval_steps: int = 0
+
+    def run(self, ctx: ActionContext, event: Event) -> str | None:
+        recent = list(ctx.history)[-self.flushes :] if self.flushes else []
+        report = {
+            "rule": event.rule,
+            "kind": event.kind,
+            "step": event.step,
+            "metric": event.metric,
+            "labels": event.labels,
+            "value": event.value,
+            "threshold": event.threshold,
+            "message": event.message,
+            "recent": [
+                {"step": s.step, event.metric: s.get(event.metric, **event.labels)} for s in recent
+            ],
+        }
+        raise NumwatchHalt(report)
+
+
+class CallbackAction(Action):
+    type: Literal["callback"] = "callback"
+    target: str | Callable[..., Any] = Field(
+        description="'package.module:function' or a callable, called as fn(event, monitor)."
+    )
+    min_interval_steps: int = 0
+
+    def run(self, ctx: ActionContext, event: Event) -> str | None:
+        fn = self.target
+        if isinstance(fn, str):
+            module, _, name = fn.partition(":")
+            fn = getattr(importlib.import_module(module), name)
+        fn(event, ctx)
+        return f"called {getattr(fn, '__qualname__', fn)}"
+
+
+ACTIONS: dict[str, type[Action]] = {
+    cls.model_fields["type"].default: cls
+    for cls in (
+        SwapAttentionKernel,
+        SkipStep,
+        LrBackoff,
+        QKClip,
+        ForensicSnapshot,
+        Halt,
+        CallbackAction,
+    )
+}
+
+
+def build_action(spec: str | dict[str, Any] | Action, where: str) -> Action:
+    """An Action from a rule's ``actions`` entry; errors name the rule and the known types."""
+    if isinstance(spec, Action):
+        return spec
+    data = {"type": spec} if isinstance(spec, str) else dict(spec)
+    cls = ACTIONS.get(data.get("type", ""))
+    if cls is None:
+        raise NumwatchConfigError(
+            f"{where}: unknown action {data.get('type')!r}; known: {', '.join(sorted(ACTIONS))}"
+        )
+    try:
+        return cls.model_validate(data)
+    except Exception as exc:
+        raise NumwatchConfigError(f"{where}: {exc}") from None

@@ -1,0 +1,94 @@
+"""The optimizer as actions see it: a wrapper around ``optimizer.step`` installed on demand.
+
+Installed only when a configured action needs it (skip_step, lr_backoff, qk_clip). It
+replaces the instance attribute ``optimizer.step``; ``uninstall`` restores the original unless
+something (an LR scheduler, say) wrapped it after us, in which case the wrapper stays as a
+pass-through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["OptimizerControl"]
+
+
+class OptimizerControl:
+    def __init__(self, optimizer: torch.optim.Optimizer, before_step: Callable[[], None]) -> None:
+        self.optimizer = optimizer
+        self.active = True
+        self.skipped_steps = 0
+        self._before_step = before_step
+        self._original = optimizer.step
+        self._skip = False
+        self._backoffs: list[tuple[float, int]] = []  # (factor, steps left)
+        self._after_step: list[Callable[[], None]] = []
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return self._step(*args, **kwargs)
+
+        # An LR scheduler built earlier marks the step it wrapped; keep the mark so it does not
+        # warn that optimizer.step() was overridden after it.
+        if getattr(self._original, "_wrapped_by_lr_sched", False):
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self._wrapper = step
+        optimizer.step = step  # type: ignore[method-assign]
+
+    # -------------------------------------------------------------- requests from actions
+    def skip_current_step(self) -> None:
+        """The next optimizer.step() does nothing and clears the gradients."""
+        self._skip = True
+
+    def back_off_lr(self, factor: float, steps: int) -> None:
+        """Multiply every group's LR by ``factor`` for the next ``steps`` optimizer steps."""
+        self._backoffs.append((factor, steps))
+
+    def after_next_step(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` right after the next optimizer update (e.g. QK-clip)."""
+        self._after_step.append(fn)
+
+    @property
+    def lr_factor(self) -> float:
+        factor = 1.0
+        for f, _ in self._backoffs:
+            factor *= f
+        return factor
+
+    # -------------------------------------------------------------- the wrapped step
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return self._original(*args, **kwargs)
+        self._before_step()
+        if self._skip:
+            self._skip = False
+            self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            self._tick()
+            return None
+        factor = self.lr_factor
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        if factor != 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * factor
+        try:
+            out = self._original(*args, **kwargs)
+        finally:
+            # The schedule never sees our factor: it composes with any LR scheduler.
+            for group, lr in zip(self.optimizer.param_groups, saved, strict=True):
+                group["lr"] = lr
+        self._tick()
+        pending, self._after_step = self._after_step, []
+        for fn in pending:
+            fn()
+        return out
+
+    def _tick(self) -> None:
+        self._backoffs = [(f, n - 1) for f, n in self._backoffs if n > 1]
+
+    def uninstall(self) -> None:
+        if self.optimizer.__dict__.get("step") is self._wrapper:
+            del self.optimizer.step
+        self.active = False

@@ -1,0 +1,54 @@
+"""Route attention layers to numwatch's flash-attention kernel (the stabilized one by default).
+
+The attention probe's interceptor calls an ``AttentionKernel`` instead of
+``F.scaled_dot_product_attention`` for the layers it is routed to; the kernel keeps SDPA's
+semantics (and falls back to SDPA, counted, for calls it does not support).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from numwatch.kernels.flash_attention import flash_attention
+from numwatch.probes.attention import SdpaCall
+
+__all__ = ["AttentionKernel"]
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """numwatch's flash attention with fixed options, called in place of SDPA."""
+
+    stabilize: bool = True
+    beta: float = 2.0
+    mode: Literal["stabilized", "plain", "paper_repro"] = "stabilized"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("stabilized", "plain", "paper_repro"):
+            raise ValueError(
+                f"mode must be 'stabilized', 'plain' or 'paper_repro', got {self.mode!r}"
+            )
+        if not 1.0 < self.beta <= 64.0:
+            raise ValueError(f"beta must be in (1, 64], got {self.beta}")
+
+    @property
+    def stabilized(self) -> bool:
+        return self.mode == "stabilized" and self.stabilize
+
+    def __call__(self, call: SdpaCall) -> torch.Tensor:
+        return flash_attention(
+            call.q,
+            call.k,
+            call.v,
+            attn_mask=call.attn_mask,
+            dropout_p=call.dropout_p,
+            is_causal=call.is_causal,
+            scale=call.scale,
+            enable_gqa=call.enable_gqa,
+            stabilize=self.stabilize,
+            beta=self.beta,
+            mode=self.mode,
+        )

@@ -1,0 +1,420 @@
+"""Attention probe: finds every attention call in any model and measures it per (layer, head).
+
+Interception is a ``TorchFunctionMode`` entered around the model's forward on sampled steps (or
+on every step while some layer is routed to another kernel, see ``routes``). It sees
+``F.scaled_dot_product_attention`` wherever it is called from (nanoGPT, ``nn.MultiheadAttention``
+with ``need_weights=False``, Hugging Face ``attn_implementation="sdpa"``) and softmax over
+materialized scores (eager attention: 4-D inputs over the last dim, or 3-D inputs inside
+``nn.MultiheadAttention``). The layer label is the ``named_modules()`` path of the innermost
+module whose ``forward`` is on the Python stack at the call.
+
+Outside sampled steps the mode is not entered at all: the model runs with zero interception.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from numwatch.config import AttentionConfig
+from numwatch.kernels import attention_stats as ats
+from numwatch.probes.base import ProbeContext
+from numwatch.selection import matches
+from numwatch.snapshot import MetricRecord
+
+__all__ = ["AttentionProbe", "SdpaCall"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_SDPA_FUNCS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+_SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax}
+_SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+
+@dataclass
+class SdpaCall:
+    """One SDPA call, arguments normalised to keywords (what a routed kernel receives)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    attn_mask: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_args(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> SdpaCall:
+        q, k, v, *rest = args
+        named = dict(zip(_SDPA_PARAMS, rest, strict=False))
+        named.update(kwargs)
+        known = {p: named.pop(p) for p in _SDPA_PARAMS if p in named}
+        return cls(q, k, v, **known, extra=named)
+
+
+@dataclass
+class _LayerStats:
+    heads: torch.Tensor  # (H, N_HEAD_STATS) float64, merged over the window's sampled calls
+    errors: torch.Tensor | None = None  # (H, N_ERR_STATS) float64
+    calls: int = 0
+
+
+# Columns merged with max/min; every other column adds.
+_MAX_COLS = (ats.MAX_LOGIT,)
+_MIN_COLS = (ats.MIN_LOGIT, ats.ENTROPY_MIN)
+
+
+def _merge_heads(acc: torch.Tensor, new: torch.Tensor) -> None:
+    for c in range(ats.N_HEAD_STATS):
+        if c in _MAX_COLS:
+            torch.maximum(acc[:, c], new[:, c], out=acc[:, c])
+        elif c in _MIN_COLS:
+            torch.minimum(acc[:, c], new[:, c], out=acc[:, c])
+        else:
+            acc[:, c] += new[:, c]
+
+
+class _Interceptor(TorchFunctionMode):
+    def __init__(self, probe: AttentionProbe) -> None:
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SDPA_FUNCS:
+            return self.probe.on_sdpa(func, args, kwargs)
+        if func is F.multi_head_attention_forward and self.probe.sampling:
+            # Ops inside MHA's forward run with this mode popped: measure from its arguments.
+            self.probe.on_mha(args, kwargs)
+        if func in _SOFTMAX_FUNCS and self.probe.sampling:
+            self.probe.on_softmax(args, kwargs)
+        return func(*args, **kwargs)
+
+
+class AttentionProbe:
+    """Per-(layer, head) precursor statistics of attention, on sampled steps."""
+
+    component = "attention"
+
+    def __init__(self, model: nn.Module, cfg: AttentionConfig, ctx: ProbeContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.model = model
+        self._names = {id(m): name for name, m in model.named_modules()}
+        self._selected: dict[str, bool] = {}
+        self._stats: dict[str, _LayerStats] = {}
+        self._handles: list[Any] = []
+        self._mode: _Interceptor | None = None
+        self._depth = 0
+        self.sampling = False
+        self.layers_seen: set[str] = set()
+        # Layer glob -> kernel replacing SDPA there (None = native); the last match wins.
+        self._routes: dict[str, Callable[[SdpaCall], torch.Tensor] | None] = {}
+        self._route_cache: dict[str, Callable[[SdpaCall], torch.Tensor] | None] = {}
+
+    # ------------------------------------------------------------------ kernel routing
+    def set_route(self, pattern: str, kernel: Callable[[SdpaCall], torch.Tensor] | None) -> None:
+        """Send SDPA calls of layers matching ``pattern`` to ``kernel`` (None = native SDPA)."""
+        self._routes.pop(pattern, None)
+        self._routes[pattern] = kernel
+        self._route_cache.clear()
+
+    def clear_routes(self) -> None:
+        self._routes.clear()
+        self._route_cache.clear()
+
+    @property
+    def routing(self) -> bool:
+        return any(k is not None for k in self._routes.values())
+
+    def route_for(self, layer: str) -> Callable[[SdpaCall], torch.Tensor] | None:
+        if layer not in self._route_cache:
+            hit = None
+            for pattern in reversed(self._routes):
+                if matches(layer, [pattern]):
+                    hit = self._routes[pattern]
+                    break
+            self._route_cache[layer] = hit
+        return self._route_cache[layer]
+
+    # ------------------------------------------------------------------ mode around forward
+    def attach(self) -> None:
+        self._handles = [
+            self.model.register_forward_pre_hook(self._enter),
+            self.model.register_forward_hook(self._exit, always_call=True),
+        ]
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _enter(self, _module: nn.Module, _inputs: Any) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        self.sampling = self.cfg.enabled and self.ctx.step % self.cfg.every == 0
+        if self.sampling or self.routing:
+            self._mode = _Interceptor(self)
+            self._mode.__enter__()
+
+    def _exit(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+            self.sampling = False
+
+    # ------------------------------------------------------------------ calls
+    def locate(self) -> tuple[str, nn.Module | None]:
+        """Innermost module of this model whose method is on the Python stack."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, nn.Module):
+                name = self._names.get(id(obj))
+                if name is not None:
+                    return name, obj
+            frame = frame.f_back
+        return "", None
+
+    def _wanted(self, layer: str) -> bool:
+        hit = self._selected.get(layer)
+        if hit is None:
+            hit = self._selected[layer] = matches(layer, self.cfg.layers, self.cfg.exclude)
+        return hit
+
+    def on_sdpa(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> torch.Tensor:
+        layer, _ = self.locate()
+        self.layers_seen.add(layer)
+        route = self.route_for(layer)
+        call = SdpaCall.from_args(args, kwargs) if route is not None else None
+        out = route(call) if call is not None and not call.extra else func(*args, **kwargs)
+        if self.sampling and self.cfg.sdpa and self._wanted(layer):
+            self.ctx.guard.run(self.component, self._observe_sdpa, layer, args, kwargs, out)
+        return out
+
+    def on_softmax(self, args: tuple, kwargs: dict) -> None:
+        if not self.cfg.eager_softmax:
+            return
+        x = args[0] if args else kwargs.get("input")
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return
+        if dim not in (-1, x.dim() - 1):
+            return
+        if x.dim() == 3:
+            layer, module = self.locate()
+            if not isinstance(module, nn.MultiheadAttention):
+                return
+            x = x.reshape(-1, module.num_heads, *x.shape[1:])  # (B*H, L, S) -> (B, H, L, S)
+        elif x.dim() == 4:
+            layer, _ = self.locate()
+        else:
+            return
+        if self._wanted(layer):
+            self.ctx.guard.run(self.component, self._observe_scores, layer, x)
+
+    def on_mha(self, args: tuple, kwargs: dict) -> None:
+        layer, _ = self.locate()
+        if self._wanted(layer):
+            self.ctx.guard.run(self.component, self._observe_mha, layer, args, kwargs)
+
+    # ------------------------------------------------------------------ statistics
+    def _saturation_dtype(self, x: torch.Tensor) -> torch.dtype:
+        if self.cfg.saturation_dtype != "auto":
+            return _DTYPES[self.cfg.saturation_dtype]
+        kind = x.device.type
+        if x.dtype == torch.float32 and torch.is_autocast_enabled(kind):
+            return torch.get_autocast_dtype(kind)
+        return x.dtype if x.dtype in _DTYPES.values() else torch.float32
+
+    def _samples(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        B, Tq = x.shape[0], x.shape[-2]
+        batch = None
+        if self.cfg.batch and self.cfg.batch < B:
+            batch = torch.arange(self.cfg.batch, device=x.device)
+        rows = None
+        if self.cfg.rows and self.cfg.rows < Tq:
+            rows = torch.randperm(Tq, device=x.device)[: self.cfg.rows]
+        return batch, rows
+
+    @torch.no_grad()
+    def _observe_sdpa(self, layer: str, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        call = SdpaCall.from_args(args, kwargs)
+        q, k = call.q.detach(), call.k.detach()
+        batch, rows = self._samples(q)
+        heads = ats.attention_head_stats(
+            q,
+            k,
+            attn_mask=call.attn_mask,
+            is_causal=call.is_causal,
+            scale=call.scale,
+            rows=rows,
+            batch=batch,
+            saturation_dtype=self._saturation_dtype(q),
+            entropy=self.cfg.entropy,
+            backend=self.ctx.backend_for(q.device),
+        )
+        errors = None
+        same_rows = isinstance(out, torch.Tensor) and out.shape[:-1] == q.shape[:-1]
+        if self.cfg.output_error and same_rows:
+            errors = ats.attention_output_error(
+                q,
+                k,
+                call.v.detach(),
+                out.detach(),
+                attn_mask=call.attn_mask,
+                is_causal=call.is_causal,
+                scale=call.scale,
+                rows=rows,
+                batch=batch,
+            )
+        self._accumulate(layer, heads, errors)
+
+    @torch.no_grad()
+    def _observe_mha(self, layer: str, args: tuple, kwargs: dict) -> None:
+        """Q and K as nn.MultiheadAttention builds them, in SDPA layout and mask convention."""
+        a = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
+        if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
+            raise NotImplementedError(
+                "nn.MultiheadAttention with add_bias_kv/add_zero_attn/static_k is not yet "
+                "supported by the attention probe"
+            )
+        H = a["num_heads"]
+        query, key = a["query"], a["key"]  # (L, N, E), (S, N, E)
+        E = query.shape[-1]
+        if a.get("use_separate_proj_weight"):
+            wq, wk = a["q_proj_weight"], a["k_proj_weight"]
+        else:
+            wq, wk = a["in_proj_weight"][:E], a["in_proj_weight"][E : 2 * E]
+        bias = a.get("in_proj_bias")
+        bq, bk = (None, None) if bias is None else (bias[:E], bias[E : 2 * E])
+
+        def heads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            y = F.linear(x, w, b)  # (T, N, E)
+            if y.dim() == 2:  # unbatched input
+                y = y.unsqueeze(1)
+            return y.reshape(y.shape[0], y.shape[1], H, E // H).permute(1, 2, 0, 3)  # (N, H, T, hd)
+
+        q, k = heads(query, wq, bq), heads(key, wk, bk)
+        N, _, L, _ = q.shape
+        S = k.shape[2]
+        keep = None  # MHA masks say True = masked; SDPA's say True = keep
+        mask = a.get("attn_mask")
+        if mask is not None:
+            mask = mask.view(N, H, L, S) if mask.dim() == 3 else mask.view(1, 1, L, S)
+            keep = ~mask if mask.dtype == torch.bool else mask
+        pad = a.get("key_padding_mask")
+        if pad is not None:
+            pad = pad.view(N, 1, 1, S)
+            pad = ~pad if pad.dtype == torch.bool else pad
+            if keep is None:
+                keep = pad
+            elif keep.dtype == torch.bool and pad.dtype == torch.bool:
+                keep = keep & pad
+            else:
+                keep = _additive(keep, q.dtype) + _additive(pad, q.dtype)
+        batch, rows = self._samples(q)
+        heads_stats = ats.attention_head_stats(
+            q,
+            k,
+            attn_mask=keep,
+            is_causal=bool(a.get("is_causal")) and mask is None,
+            rows=rows,
+            batch=batch,
+            saturation_dtype=self._saturation_dtype(q),
+            entropy=self.cfg.entropy,
+            backend=self.ctx.backend_for(q.device),
+        )
+        self._accumulate(layer, heads_stats, None)
+
+    @torch.no_grad()
+    def _observe_scores(self, layer: str, scores: torch.Tensor) -> None:
+        batch, rows = self._samples(scores)
+        heads = ats.score_head_stats(
+            scores.detach(),
+            rows=rows,
+            batch=batch,
+            saturation_dtype=self._saturation_dtype(scores),
+            entropy=self.cfg.entropy,
+        )
+        self._accumulate(layer, heads, None)
+
+    def _accumulate(self, layer: str, heads: torch.Tensor, errors: torch.Tensor | None) -> None:
+        st = self._stats.get(layer)
+        if st is None or st.heads.shape != heads.shape or st.heads.device != heads.device:
+            st = self._stats[layer] = _LayerStats(heads.clone())
+        else:
+            _merge_heads(st.heads, heads)
+        if errors is not None:
+            st.errors = errors.clone() if st.errors is None else st.errors.add_(errors)
+        st.calls += 1
+
+    # ------------------------------------------------------------------ flush
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for layer, st in self._stats.items():
+            out[f"attn/{layer}/heads"] = st.heads
+            if st.errors is not None:
+                out[f"attn/{layer}/errors"] = st.errors
+        return out
+
+    def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
+        out = []
+        for layer, st in self._stats.items():
+            out.append(MetricRecord("attn_calls", {"layer": layer}, float(st.calls)))
+            heads = host[f"attn/{layer}/heads"].tolist()
+            errors = host.get(f"attn/{layer}/errors")
+            errors = errors.tolist() if errors is not None else None
+            for h, row in enumerate(heads):
+                out += _head_records(
+                    layer, h, row, errors[h] if errors else None, entropy=self.cfg.entropy
+                )
+        return out
+
+    def reset(self) -> None:
+        self._stats.clear()
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+
+
+def _head_records(
+    layer: str, head: int, row: list[float], err: list[float] | None, *, entropy: bool
+) -> list[MetricRecord]:
+    labels = {"layer": layer, "head": str(head)}
+    n = row[ats.ROWS]
+    values = {
+        "attn_rows": n,
+        "attn_repeated_max_rows": row[ats.REPEATED_MAX_ROWS],
+        "attn_tie_entries": row[ats.TIE_ENTRIES],
+        "attn_saturated_rows": row[ats.SATURATED_ROWS],
+        "attn_saturated_entries": row[ats.SATURATED_ENTRIES],
+        "attn_repeated_max_fraction": row[ats.REPEATED_MAX_ROWS] / n if n else 0.0,
+        "attn_saturated_fraction": row[ats.SATURATED_ROWS] / n if n else 0.0,
+        "attn_max_logit": row[ats.MAX_LOGIT],
+        "attn_min_logit": row[ats.MIN_LOGIT],
+    }
+    if entropy:
+        values["attn_entropy_mean"] = row[ats.ENTROPY_SUM] / n if n else math.nan
+        values["attn_entropy_min"] = row[ats.ENTROPY_MIN]
+    if err is not None:
+        abs_sum, count = err[ats.ERR_ABS_SUM], err[ats.ERR_COUNT]
+        values["attn_output_bias"] = err[ats.ERR_SUM] / abs_sum if abs_sum else 0.0
+        values["attn_output_error_rms"] = math.sqrt(err[ats.ERR_SQ_SUM] / count) if count else 0.0
+    return [MetricRecord(name, labels, v) for name, v in values.items()]

@@ -1,0 +1,123 @@
+"""Where an attention layer keeps each head's query and key projection rows.
+
+Shared by the per-head spectral norms (weights probe) and QK-clip (actions): both need the rows
+of W_q and W_k that produce head h, whatever the model calls them. Known layouts: separate
+``q_proj``/``k_proj`` Linears (Llama, Mistral, most of transformers), one fused Linear
+``qkv``/``c_attn``/``Wqkv`` of 3*d outputs (nanoGPT), GPT-2's transposed Conv1D ``c_attn``, and
+``nn.MultiheadAttention``'s ``in_proj_weight`` or separate ``q/k_proj_weight``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["HeadSlice", "QKLayout", "find_qk_layout"]
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """Rows [start, stop) of a projection along ``dim`` (0 = Linear rows, 1 = Conv1D columns)."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    dim: int
+    start: int
+    stop: int
+
+    def matrix(self) -> torch.Tensor:
+        """The head's projection as a (head_dim, d_model) view."""
+        w = self.weight.narrow(self.dim, self.start, self.stop - self.start)
+        return w if self.dim == 0 else w.t()
+
+    @torch.no_grad()
+    def scale_(self, factor: float) -> None:
+        self.weight.narrow(self.dim, self.start, self.stop - self.start).mul_(factor)
+        if self.bias is not None:
+            self.bias[self.start : self.stop].mul_(factor)
+
+
+@dataclass(frozen=True)
+class QKLayout:
+    q: list[HeadSlice]  # one per query head
+    k: list[HeadSlice]  # one per key/value head
+
+    def k_for(self, q_head: int) -> HeadSlice:
+        """The key head that query head ``q_head`` attends with (GQA/MQA groups)."""
+        return self.k[q_head // (len(self.q) // len(self.k))]
+
+
+def _heads_of(module: nn.Module) -> tuple[int | None, int | None]:
+    cfg = getattr(module, "config", None)
+    for owner in (module, cfg):
+        if owner is None:
+            continue
+        for name in ("num_heads", "n_heads", "n_head", "num_attention_heads"):
+            h = getattr(owner, name, None)
+            if isinstance(h, int):
+                kv = getattr(owner, "num_key_value_heads", None) or getattr(
+                    owner, "n_kv_heads", None
+                )
+                return h, kv if isinstance(kv, int) else h
+    return None, None
+
+
+def _slices(weight: nn.Parameter, bias: nn.Parameter | None, dim: int, offset: int, heads: int,
+            head_dim: int) -> list[HeadSlice]:  # fmt: skip
+    return [
+        HeadSlice(weight, bias, dim, offset + h * head_dim, offset + (h + 1) * head_dim)
+        for h in range(heads)
+    ]
+
+
+def find_qk_layout(module: nn.Module, n_heads: int | None = None) -> QKLayout | None:
+    """The QK layout of an attention module, or None if it is not a known one.
+
+    ``n_heads`` overrides what the module's attributes (num_heads, n_head, config...) say.
+    """
+    heads, kv_heads = _heads_of(module)
+    heads = n_heads or heads
+    kv_heads = kv_heads if n_heads is None else n_heads
+    if not heads:
+        return None
+    q_proj, k_proj = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+    if isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear):
+        hd = q_proj.out_features // heads
+        kvh = k_proj.out_features // hd
+        return QKLayout(
+            _slices(q_proj.weight, q_proj.bias, 0, 0, heads, hd),
+            _slices(k_proj.weight, k_proj.bias, 0, 0, kvh, hd),
+        )
+    if isinstance(module, nn.MultiheadAttention):
+        d = module.embed_dim
+        hd = d // heads
+        if module.in_proj_weight is not None:
+            w, b = module.in_proj_weight, module.in_proj_bias
+            return QKLayout(_slices(w, b, 0, 0, heads, hd), _slices(w, b, 0, d, heads, hd))
+        if module.in_proj_bias is not None:  # one bias tensor beside two weights: unsupported
+            return None
+        return QKLayout(
+            _slices(module.q_proj_weight, None, 0, 0, heads, hd),
+            _slices(module.k_proj_weight, None, 0, 0, heads, hd),
+        )
+    for name in ("qkv", "c_attn", "Wqkv", "qkv_proj"):  # [q heads | k heads | v heads] layout
+        fused = getattr(module, name, None)
+        if fused is None:
+            continue
+        weight = getattr(fused, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            continue
+        bias = getattr(fused, "bias", None)
+        dim = 0 if isinstance(fused, nn.Linear) else 1  # GPT-2 Conv1D stores (in, out)
+        out = weight.shape[dim]
+        kvh = kv_heads or heads
+        hd = out // (heads + 2 * kvh)
+        if hd * (heads + 2 * kvh) != out:
+            continue
+        return QKLayout(
+            _slices(weight, bias, dim, 0, heads, hd),
+            _slices(weight, bias, dim, heads * hd, kvh, hd),
+        )
+    return None

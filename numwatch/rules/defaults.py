@@ -1,0 +1,75 @@
+"""The default rule set: conservative thresholds for the precursors of DESIGN.md §1.
+
+Each threshold is set well above what healthy runs show (DESIGN.md §1b): healthy small GPTs keep
+max logits at 10-120 and no exact ties in fp32 scores; the diverging ones pass 1e3 logits tens
+of steps before they blow up, and tie in 2-20 % of rows once logits reach 1e5.
+"""
+
+from __future__ import annotations
+
+from numwatch.rules.base import Rule
+from numwatch.rules.nonfinite import NonfiniteRule
+from numwatch.rules.persistence import PersistenceRule
+from numwatch.rules.threshold import ThresholdRule
+from numwatch.rules.trend import TrendRule
+from numwatch.rules.zscore import ZScoreRule
+
+__all__ = ["default_rules"]
+
+
+def default_rules() -> list[Rule]:
+    """Fresh instances (rules keep per-series history)."""
+    swap = ["swap_attention_kernel"]
+    return [
+        NonfiniteRule(name="nonfinite"),
+        ThresholdRule(
+            name="attn_repeated_max",
+            metric="attn_repeated_max_fraction",
+            threshold=0.01,
+            for_flushes=2,
+            actions=swap,
+        ),
+        ThresholdRule(
+            name="attn_saturated",
+            metric="attn_saturated_fraction",
+            threshold=0.05,
+            for_flushes=2,
+            actions=swap,
+        ),
+        PersistenceRule(
+            name="attn_output_bias_persistent",
+            metric="attn_output_bias",
+            flushes=5,
+            min_abs=0.5,
+            actions=swap,
+        ),
+        ThresholdRule(
+            name="attn_max_logit_high", metric="attn_max_logit", threshold=1e3, cooldown=10
+        ),
+        TrendRule(
+            name="attn_max_logit_growth",
+            metric="attn_max_logit",
+            window=10,
+            min_slope=0.1,
+            min_r2=0.8,
+            min_value=100.0,
+            cooldown=10,
+        ),
+        ZScoreRule(name="grad_norm_spike", metric="grad_norm", sigma=6.0, window=50),
+        ZScoreRule(name="loss_spike", metric="loss", sigma=6.0, window=50),
+        ThresholdRule(
+            name="activation_overflow_risk",
+            metric="activation_headroom",
+            threshold=0.5,
+            kind="anomaly",
+            cooldown=10,
+        ),
+        ThresholdRule(
+            name="grad_underflow",
+            metric="grad_underflow_fraction",
+            threshold=0.1,
+            for_flushes=3,
+            kind="anomaly",
+            cooldown=10,
+        ),
+    ]

@@ -1,0 +1,91 @@
+"""Runs the configured rules over each flush (and, for step-level rules, over each step)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from numwatch.errors import NumwatchConfigError
+from numwatch.events import Event
+from numwatch.rules.base import Rule, SeriesKey
+from numwatch.rules.nonfinite import NonfiniteRule
+from numwatch.snapshot import MetricRecord
+
+__all__ = ["STEP_METRICS", "RuleEngine"]
+
+# Metrics known at every step (without a flush), so rules on them can decide before the update.
+STEP_METRICS = ("grad_norm", "loss", "nonfinite")
+
+
+def _key(labels: Mapping[str, str]) -> SeriesKey:
+    return tuple(sorted((k, str(v)) for k, v in labels.items()))
+
+
+class RuleEngine:
+    def __init__(self, rules: Iterable[Rule], step_level: Iterable[str] = ()) -> None:
+        self.rules = [r for r in rules if r.enabled]
+        names = [r.name for r in self.rules]
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            raise NumwatchConfigError(f"rules: duplicate rule names {sorted(dupes)}; names are ids")
+        step_level = set(step_level)
+        for rule in self.rules:
+            if rule.name in step_level and rule.metric not in STEP_METRICS:
+                raise NumwatchConfigError(
+                    f"rules[{rule.name}]: its actions need a decision every step, but metric "
+                    f"{rule.metric!r} is only known at flush; use one of {STEP_METRICS}"
+                )
+        self.step_rules = [r for r in self.rules if r.name in step_level]
+        self.flush_rules = [r for r in self.rules if r.name not in step_level]
+
+    def evaluate(
+        self, step: int, records: Sequence[MetricRecord], nonfinite: Sequence[Event] = ()
+    ) -> list[tuple[Event, Rule]]:
+        """Events of one flush, each with the rule that fired."""
+        fired: list[tuple[Event, Rule]] = []
+        by_name: dict[str, list[MetricRecord]] = {}
+        for r in records:
+            by_name.setdefault(r.name, []).append(r)
+        for rule in self.flush_rules:
+            if isinstance(rule, NonfiniteRule):
+                fired += [(_adopt(e, rule), rule) for e in nonfinite]
+                continue
+            for rec in by_name.get(rule.metric, ()):
+                if rule.wants(rec.name, rec.labels):
+                    event = self._observe(rule, step, rec.labels, rec.value)
+                    if event is not None:
+                        fired.append((event, rule))
+            rule.end_flush()
+        return fired
+
+    def evaluate_step(self, step: int, values: Mapping[str, float]) -> list[tuple[Event, Rule]]:
+        """Events of one step from the step-level metrics (``STEP_METRICS``)."""
+        fired = []
+        for rule in self.step_rules:
+            if rule.metric in values:
+                event = self._observe(rule, step, {}, values[rule.metric])
+                if event is not None:
+                    fired.append((event, rule))
+            rule.end_flush()
+        return fired
+
+    @staticmethod
+    def _observe(rule: Rule, step: int, labels: Mapping[str, str], value: float) -> Event | None:
+        finding = rule.observe(_key(labels), value)
+        if finding is None:
+            return None
+        return Event(
+            kind=rule.kind,
+            step=step,
+            message=f"[{rule.name}] {finding.message}",
+            severity=rule.severity,
+            rule=rule.name,
+            metric=rule.metric,
+            labels=dict(labels),
+            value=finding.value,
+            threshold=finding.threshold,
+            evidence=finding.evidence,
+        )
+
+
+def _adopt(event: Event, rule: NonfiniteRule) -> Event:
+    return Event(**{**event.to_dict(), "rule": rule.name, "severity": rule.severity})

@@ -1,0 +1,41 @@
+"""Persistence of a signed quantity: the same sign, above a magnitude, for N flushes in a row.
+
+Rounding noise flips sign from flush to flush; the biased rounding of arXiv 2510.04212 does not.
+A sign run of length N under a fair coin has probability 2^(1-N), so N = 5 gives a 6% chance per
+series for pure noise, and the magnitude floor removes the small, noisy ratios.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Literal
+
+from pydantic import Field
+
+from numwatch.rules.base import Finding, Rule
+
+__all__ = ["PersistenceRule"]
+
+
+class PersistenceRule(Rule):
+    type: Literal["persistence"] = "persistence"
+    flushes: int = Field(5, ge=2, description="Consecutive flushes of one sign needed.")
+    min_abs: float = Field(0.5, ge=0, description="Each of them at least this large in magnitude.")
+
+    def check(self, history: deque[float], value: float) -> Finding | None:
+        recent = [*list(history)[-(self.flushes - 1) :], value]
+        if len(recent) < self.flushes or any(not math.isfinite(v) for v in recent):
+            return None
+        if not all(abs(v) >= self.min_abs for v in recent):
+            return None
+        signs = {math.copysign(1.0, v) for v in recent}
+        if len(signs) != 1:
+            return None
+        sign = "negative" if signs == {-1.0} else "positive"
+        return Finding(
+            value,
+            self.min_abs,
+            f"{self.metric} stayed {sign} (|v| >= {self.min_abs:g}) for {self.flushes} flushes",
+            {"recent": recent, "p_noise": 2.0 ** (1 - self.flushes)},
+        )

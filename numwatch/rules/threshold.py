@@ -1,0 +1,44 @@
+"""Absolute threshold, optionally held for several consecutive flushes."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import deque
+from typing import Literal
+
+from pydantic import Field
+
+from numwatch.rules.base import Finding, Rule
+
+__all__ = ["ThresholdRule"]
+
+_OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
+class ThresholdRule(Rule):
+    type: Literal["threshold"] = "threshold"
+    threshold: float = Field(description="Value the metric is compared with.")
+    op: Literal[">", ">=", "<", "<=", "abs>"] = Field(">", description="Comparison.")
+    for_flushes: int = Field(1, ge=1, description="Consecutive flushes the condition must hold.")
+
+    def _holds(self, v: float) -> bool:
+        if math.isnan(v):
+            return False
+        if self.op == "abs>":
+            return abs(v) > self.threshold
+        return _OPS[self.op](v, self.threshold)
+
+    def check(self, history: deque[float], value: float) -> Finding | None:
+        recent = (
+            [*list(history)[-(self.for_flushes - 1) :], value] if self.for_flushes > 1 else [value]
+        )
+        if len(recent) < self.for_flushes or not all(self._holds(v) for v in recent):
+            return None
+        held = f" for {self.for_flushes} flushes" if self.for_flushes > 1 else ""
+        return Finding(
+            value,
+            self.threshold,
+            f"{self.metric} = {value:.4g} {self.op} {self.threshold:g}{held}",
+            {"recent": recent},
+        )

@@ -1,0 +1,470 @@
+"""Attention statistics: the Triton kernel and the chunked torch path against a float64 oracle.
+
+Planted inputs are dyadic (small integers times powers of two) so that every score is exact in
+fp32 whatever the summation order, and planted gaps to the row max sit at least 2^-13 away from
+the saturation thresholds: fp32 rounding cannot flip a count, so counts are compared exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from numwatch.kernels import attention_stats as A
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from numwatch.testing import devices, kernel_devices, requires_gpu
+
+IMPLS = [("torch", d) for d in devices()] + [("triton", d) for d in kernel_devices()]
+COUNTS = [A.ROWS, A.REPEATED_MAX_ROWS, A.TIE_ENTRIES, A.SATURATED_ROWS, A.SATURATED_ENTRIES]
+THR64 = {
+    torch.bfloat16: math.log1p(-(2.0**-9)),
+    torch.float16: math.log1p(-(2.0**-12)),
+    torch.float32: 0.0,
+}
+# (inside, outside) planted gaps below the row max, in S units, per saturation dtype
+GAPS = {
+    torch.bfloat16: (2.0**-10, 2.0**-8),
+    torch.float16: (2.0**-13, 2.0**-11),
+    torch.float32: (None, 2.0**-12),
+}
+
+
+# ------------------------------------------------------------------------------------------
+# float64 oracle on materialized tensors
+# ------------------------------------------------------------------------------------------
+
+
+def oracle_from_scores(S: torch.Tensor, sat: torch.dtype, entropy: bool = True) -> torch.Tensor:
+    """S (B, H, Tq, Tk) float64 with -inf where masked -> (H, N_HEAD_STATS)."""
+    H, Tk = S.shape[1], S.shape[-1]
+    out = torch.zeros(H, A.N_HEAD_STATS, dtype=torch.float64)
+    for h in range(H):
+        Sh = S[:, h].reshape(-1, Tk).cpu()
+        mx = Sh.amax(-1)
+        ok = mx > float("-inf")
+        Sh, mx = Sh[ok], mx[ok]
+        ties = (Sh == mx[:, None]).sum(-1)
+        satn = (Sh - mx[:, None] >= THR64[sat]).sum(-1)
+        p = torch.softmax(Sh, -1)
+        ent = -torch.where(p > 0, p * p.log(), 0.0).sum(-1)
+        unmasked = Sh[Sh > float("-inf")]
+        out[h, A.ROWS] = ok.sum()
+        out[h, A.REPEATED_MAX_ROWS] = (ties >= 2).sum()
+        out[h, A.TIE_ENTRIES] = ties.sum()
+        out[h, A.SATURATED_ROWS] = (satn >= 2).sum()
+        out[h, A.SATURATED_ENTRIES] = satn[satn >= 2].sum()
+        out[h, A.MAX_LOGIT] = unmasked.max() if unmasked.numel() else float("-inf")
+        out[h, A.MIN_LOGIT] = unmasked.min() if unmasked.numel() else float("inf")
+        has = entropy and ent.numel() > 0
+        out[h, A.ENTROPY_SUM] = ent.sum() if entropy else 0.0
+        out[h, A.ENTROPY_MIN] = ent.min() if has else float("inf")
+    return out
+
+
+def oracle(q, k, *, mask=None, causal=False, scale=None, rows=None, batch=None, sat=None,
+           entropy=True):  # fmt: skip
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    kk = k.double().repeat_interleave(Hq // Hkv, 1)
+    S = scale * (q.double() @ kk.transpose(-1, -2))
+    valid = torch.ones(B, Hq, Tq, Tk, dtype=torch.bool, device=q.device)
+    if causal:
+        valid &= torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            valid &= mask
+        else:
+            valid &= mask > torch.finfo(mask.dtype).min
+            S = S + mask.double()
+    S = S.masked_fill(~valid, float("-inf"))
+    if batch is not None:
+        S = S[batch]
+    if rows is not None:
+        S = S[:, :, rows]
+    return oracle_from_scores(S, sat or torch.bfloat16, entropy)
+
+
+def assert_stats(got: torch.Tensor, want: torch.Tensor) -> None:
+    got = got.cpu()
+    assert got.dtype == torch.float64 and got.shape == want.shape
+    torch.testing.assert_close(got[:, COUNTS], want[:, COUNTS], rtol=0, atol=0)
+    lim = [A.MAX_LOGIT, A.MIN_LOGIT]
+    torch.testing.assert_close(got[:, lim], want[:, lim], rtol=1e-6, atol=0)
+    # entropy: fp32 running sums over a row vs float64 softmax
+    torch.testing.assert_close(got[:, A.ENTROPY_SUM], want[:, A.ENTROPY_SUM], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[:, A.ENTROPY_MIN], want[:, A.ENTROPY_MIN], rtol=0, atol=1e-4)
+
+
+def stats(impl, q, k, **kw):
+    backend, device = impl
+    move = {n: (v.to(device) if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
+    return A.attention_head_stats(q.to(device), k.to(device), backend=backend, **move)
+
+
+# ------------------------------------------------------------------------------------------
+# planted inputs
+# ------------------------------------------------------------------------------------------
+
+
+def planted(plan, *, B=2, Hq=4, Tq=48, Tk=48, D=16, dtype=torch.bfloat16, sat=torch.bfloat16,
+            seed=0):  # fmt: skip
+    """q (B, Hq, Tq, D), k (B, len(plan), Tk, D) with scale 1/sqrt(16) = 0.25.
+
+    Background entries are in {-1/4, 0, 1/4}: background scores stay below 0.25. Dim 0 carries
+    the planted top score 0.25 * (2 * 4) = 2; dim 1 (q = 1) shifts a planted key below it by an
+    exact gap. plan[kv_head] = {"tie": positions at the max, "in": positions inside the
+    saturation window of `sat`, "out": positions just outside it}.
+    """
+    g = torch.Generator().manual_seed(seed)
+    scale = 1.0 / math.sqrt(D)
+    q = torch.randint(-1, 2, (B, Hq, Tq, D), generator=g).double() / 4
+    k = torch.randint(-1, 2, (B, len(plan), Tk, D), generator=g).double() / 4
+    q[..., 0], q[..., 1] = 2.0, 1.0
+    k[..., 0], k[..., 1] = 0.0, 0.0
+    inside, outside = GAPS[sat]
+    for hk, p in enumerate(plan):
+        for kind, gap in (("tie", 0.0), ("in", inside), ("out", outside)):
+            for pos in p.get(kind, ()):
+                k[:, hk, pos] = 0.0
+                k[:, hk, pos, 0] = 4.0
+                k[:, hk, pos, 1] = -gap / scale
+    assert torch.equal(q.to(dtype).double(), q) and torch.equal(k.to(dtype).double(), k)
+    return q.to(dtype), k.to(dtype)
+
+
+PLAN = [
+    {"tie": [5], "in": [20, 33], "out": [40]},  # one max, two saturated companions
+    {"tie": [3, 17, 30], "out": [9, 44]},  # three tied maxima
+]
+
+
+# ------------------------------------------------------------------------------------------
+# head statistics
+# ------------------------------------------------------------------------------------------
+
+
+def test_columns_and_names_agree():
+    assert len(A.HEAD_STAT_NAMES) == A.N_HEAD_STATS and len(A.ERR_STAT_NAMES) == A.N_ERR_STATS
+    cols = [A.ROWS, *COUNTS[1:], A.MAX_LOGIT, A.MIN_LOGIT, A.ENTROPY_SUM, A.ENTROPY_MIN]
+    assert cols == list(range(A.N_HEAD_STATS))
+    assert list(range(A.N_ERR_STATS)) == [A.ERR_SUM, A.ERR_ABS_SUM, A.ERR_SQ_SUM, A.ERR_COUNT]
+    assert A.saturation_threshold(torch.float32) == 0.0
+    thr = A.saturation_threshold(torch.bfloat16)
+    assert torch.tensor(thr, dtype=torch.float32).item() == thr  # an fp32 constant
+    # the threshold is where exp() starts rounding to exactly 1.0 in bf16
+    e = torch.tensor([thr + 1e-6, thr - 1e-6], dtype=torch.float64).exp().to(torch.bfloat16)
+    assert e.tolist() == [1.0, 1.0 - 2.0**-8]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "dtype,sat",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float16),
+    ],
+)
+def test_planted_counts_exact(impl, dtype, sat):
+    plan = [dict(p) for p in PLAN]
+    if GAPS[sat][0] is None:  # fp32: only exact ties saturate
+        plan[0].pop("in")
+    q, k = planted(plan, dtype=dtype, sat=sat)
+    got = stats(impl, q, k, saturation_dtype=sat)
+    want = oracle(q, k, sat=sat)
+    n = 2 * 48  # B * Tq rows per head
+    n_sat0 = 1 + len(plan[0].get("in", ()))
+    hand = {  # closed form, per q head (heads 0, 1 -> kv 0; 2, 3 -> kv 1)
+        A.ROWS: [n] * 4,
+        A.REPEATED_MAX_ROWS: [0, 0, n, n],
+        A.TIE_ENTRIES: [n, n, 3 * n, 3 * n],
+        A.SATURATED_ROWS: [n if n_sat0 >= 2 else 0] * 2 + [n, n],
+        A.SATURATED_ENTRIES: [n * n_sat0 if n_sat0 >= 2 else 0] * 2 + [3 * n, 3 * n],
+        A.MAX_LOGIT: [2.0] * 4,
+    }
+    for col, vals in hand.items():
+        assert want[:, col].tolist() == vals  # the oracle agrees with the closed form
+    assert_stats(got, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_causal_gqa_odd_lengths_and_sampling(impl):
+    plan = [
+        {"tie": [2, 40], "in": [15, 70], "out": [33]},
+        {"tie": [36], "in": [37], "out": [1, 60]},
+    ]
+    q, k = planted(plan, B=2, Hq=4, Tq=77, Tk=77, seed=1)
+    q[:, 1, 10:20, 0] = 0.0  # rows whose max is a background score
+    got = stats(impl, q, k, is_causal=True)
+    assert_stats(got, oracle(q, k, causal=True))
+    rows = torch.tensor([76, 0, 39, 40, 41, 12, 75])
+    batch = torch.tensor([1])
+    got = stats(impl, q, k, is_causal=True, rows=rows, batch=batch)
+    assert_stats(got, oracle(q, k, causal=True, rows=rows, batch=batch))
+    assert got[:, A.ROWS].tolist() == [7.0] * 4
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padding_masks_and_fully_masked_rows(impl):
+    plan = [{"tie": [4, 45], "in": [30], "out": [8]}, {"tie": [60, 61], "in": [2]}]
+    q, k = planted(plan, B=2, Hq=2, Tq=40, Tk=70, seed=2)
+    keep = torch.ones(2, 1, 1, 70, dtype=torch.bool)
+    keep[1, ..., 50:] = False  # batch 1 pads keys 50..69: it loses a tie in head 0, both in head 1
+    for mask in (
+        keep,
+        torch.zeros(keep.shape).masked_fill(~keep, float("-inf")).to(torch.bfloat16),
+        torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min),
+    ):
+        assert_stats(stats(impl, q, k, attn_mask=mask), oracle(q, k, mask=mask))
+    # fully masked query rows are excluded from everything, ROWS included
+    rowmask = keep.expand(2, 1, 40, 70).clone()
+    rowmask[0, :, [3, 7]] = False
+    got = stats(impl, q, k, attn_mask=rowmask)
+    assert_stats(got, oracle(q, k, mask=rowmask))
+    assert got[:, A.ROWS].tolist() == [78.0, 78.0]
+    # an additive bias that is not a mask shifts the scores (dyadic, so still exact)
+    bias = (torch.arange(70) % 3 - 1).to(torch.float32) / 8
+    got = stats(impl, q, k, attn_mask=bias, batch=torch.tensor([0]))
+    assert_stats(got, oracle(q, k, mask=bias, batch=torch.tensor([0])))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_max_arriving_in_a_later_tile(impl):
+    """Entries saturated relative to an early, lower max must be recounted or dropped.
+
+    Per head, keys in the first tile sit just below the final max, which arrives at key 200
+    (a later tile for every tile width up to 128). u = 2^-13; bf16 window = 16u.
+    """
+    u = 2.0**-13
+    early = [
+        [(1, -10 * u), (3, -20 * u)],  # window held a non-tie below the old max: exact recount
+        [(1, -10 * u), (3, -10 * u)],  # old window = two ties, both inside the final window
+        [(1, -40 * u), (3, -40 * u)],  # old window outside the final one: dropped
+    ]
+    q, k = planted([{"tie": [200]}] * 3, B=1, Hq=3, Tq=8, Tk=260, seed=3)
+    k = k.double()
+    for h, keys in enumerate(early):
+        for pos, gap in keys:
+            k[:, h, pos] = 0.0
+            k[:, h, pos, 0] = 4.0
+            k[:, h, pos, 1] = gap / 0.25
+    k = k.to(torch.bfloat16)
+    got = stats(impl, q, k)
+    want = oracle(q, k)
+    assert want[:, A.SATURATED_ENTRIES].tolist() == [16.0, 24.0, 0.0]  # 8 rows x (2, 3, 1)
+    assert want[:, A.TIE_ENTRIES].tolist() == [8.0, 8.0, 8.0]
+    assert_stats(got, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_row_max_near_zero(impl):
+    """Scores of a few 2^-14: row maxima within 2|thr| of 0 (rows recounted entry by entry)."""
+    g = torch.Generator().manual_seed(4)
+    q = (torch.randint(-2, 3, (1, 2, 40, 16), generator=g) / 64).to(torch.bfloat16)
+    k = (torch.randint(-2, 3, (1, 2, 50, 16), generator=g) / 64).to(torch.bfloat16)
+    got = stats(impl, q, k)
+    want = oracle(q, k)
+    assert want[:, A.SATURATED_ROWS].min() > 0
+    assert_stats(got, want)
+
+
+def _next_up(x: torch.Tensor, n: int = 1) -> torch.Tensor:
+    for _ in range(abs(n)):
+        x = torch.nextafter(x, torch.tensor(math.copysign(math.inf, n), dtype=x.dtype))
+    return x
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp32_rounding_at_the_saturation_boundary(impl):
+    """Saturation is fp32(S - max) >= thr with thr an fp32 constant, also where that
+    subtraction rounds. Scores are planted as exact fp32 values (q = e0, k[j] = v_j e0,
+    scale 1) and the answer is that definition evaluated entry by entry in fp32.
+
+    Heads 0, 1: max +-48, where fp32(max + thr) rounds down: entries one float either side.
+    Head 2: max just above -thr, where S - max is inexact: 1.5 * 2^-33 < fp32(max + thr)
+    saturates, 2^-34 does not.
+    Head 3: two ties at thr, then the max 0 in a later tile (for any tile width): exactly at
+    the threshold, the old ties stay saturated.
+    """
+    thr = torch.tensor(A.saturation_threshold(torch.bfloat16), dtype=torch.float32)
+    rows = []
+    for m in (torch.tensor(48.0), torch.tensor(-48.0)):
+        c = m + thr
+        assert c.double() < m.double() + thr.double()  # rounded down
+        rows.append([m, _next_up(c, -1), c, _next_up(c), _next_up(c, 2)])
+    m = _next_up(-thr)
+    rows.append([m, torch.tensor(1.5 * 2.0**-33), torch.tensor(2.0**-34), m + thr])
+    rows.append([thr, thr, torch.tensor(0.0)])
+    Tk, D = 210, 16
+    k = torch.full((1, 4, Tk, D), 0.0)
+    k[..., 0] = -1000.0
+    want_sat = []
+    for h, vals in enumerate(rows):
+        v = torch.stack(vals).float()
+        k[0, h, [3, 9, 200, 33, 38][: len(v)], 0] = v
+        want_sat.append(((v - v.max()) >= thr).sum().item())
+    q = torch.zeros(1, 4, 5, D)
+    q[..., 0] = 1.0
+    got = stats(impl, q, k, scale=1.0).cpu()
+    assert want_sat == [3, 3, 3, 3]
+    assert got[:, A.SATURATED_ENTRIES].tolist() == [5.0 * n for n in want_sat]
+    assert got[:, A.TIE_ENTRIES].tolist() == [5.0] * 4
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scale", [None, -0.3])
+def test_dyadic_random_general_scale(impl, scale):
+    """D = 32: the default scale 1/sqrt(32) is no power of two (S is multiplied in the loop)."""
+    g = torch.Generator().manual_seed(5)
+    q = (torch.randint(-8, 9, (2, 2, 33, 32), generator=g) / 8).to(torch.bfloat16)
+    k = (torch.randint(-8, 9, (2, 1, 45, 32), generator=g) / 8).to(torch.bfloat16)
+    k[:, :, 20] = k[:, :, 7]  # a repeated key: ties wherever it holds the row max
+    for causal in (False, True):
+        got = stats(impl, q, k, scale=scale, is_causal=causal)
+        assert_stats(got, oracle(q, k, scale=scale, causal=causal))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_entropy_off_and_empty_sample(impl):
+    q, k = planted(PLAN)
+    full = stats(impl, q, k)
+    off = stats(impl, q, k, entropy=False).cpu()
+    torch.testing.assert_close(off[:, : A.ENTROPY_SUM], full[:, : A.ENTROPY_SUM].cpu())
+    assert off[:, A.ENTROPY_SUM].eq(0).all() and off[:, A.ENTROPY_MIN].eq(float("inf")).all()
+    empty = stats(impl, q, k, rows=torch.empty(0, dtype=torch.long)).cpu()
+    assert empty[:, COUNTS].eq(0).all() and empty[:, A.ENTROPY_SUM].eq(0).all()
+    assert empty[:, A.MAX_LOGIT].eq(float("-inf")).all()
+    assert empty[:, A.MIN_LOGIT].eq(float("inf")).all()
+
+
+def test_torch_path_chunks_give_the_same_answer():
+    q, k = planted(PLAN, Tq=33)
+    whole = A.attention_head_stats(q, k, backend="torch", is_causal=True)
+    one_row = A.attention_head_stats(q, k, backend="torch", is_causal=True, memory_budget=1)
+    assert torch.equal(whole, one_row)
+
+
+def test_score_head_stats_matches_oracle():
+    """Eager attention: statistics of the materialized softmax input, masks already added."""
+    q, k = planted(PLAN, Tq=20)
+    scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) / 4).float()
+    scores[:, :, :, 40:] = torch.finfo(torch.float32).min  # HF eager's masked value
+    scores[0, :, 5] = float("-inf")  # a fully masked row
+    S = scores.double().masked_fill(scores <= torch.finfo(torch.float32).min, float("-inf"))
+    assert_stats(A.score_head_stats(scores), oracle_from_scores(S, torch.bfloat16))
+    rows = torch.tensor([5, 6])
+    assert_stats(
+        A.score_head_stats(scores, rows=rows), oracle_from_scores(S[:, :, rows], torch.bfloat16)
+    )
+
+
+def test_argument_errors():
+    q, k = planted(PLAN)
+    with pytest.raises(ValueError, match="backend"):
+        A.attention_head_stats(q, k, backend="cuda")
+    with pytest.raises(ValueError, match="not both"):
+        A.attention_head_stats(q, k, attn_mask=torch.ones(48, 48, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ValueError, match="multiple"):
+        A.attention_head_stats(q[:, :3], k)
+    with pytest.raises(ValueError, match="saturation_dtype"):
+        A.attention_head_stats(q, k, saturation_dtype=torch.float64)
+
+
+@requires_gpu
+def test_gpu_autotuned_path_and_torch_memory_bound():
+    """Big enough to autotune (and to tune for every mode); the torch path at T = 8192 stays
+    within its memory budget instead of materializing B*H*T*T."""
+    g = torch.Generator().manual_seed(6)
+    q = (torch.randint(-8, 9, (4, 16, 1024, 64), generator=g) / 8).to(torch.bfloat16).cuda()
+    k = (torch.randint(-8, 9, (4, 16, 1024, 64), generator=g) / 8).to(torch.bfloat16).cuda()
+    for causal in (False, True):
+        got = A.attention_head_stats(q, k, is_causal=causal, backend="triton")
+        want = A.attention_head_stats(q, k, is_causal=causal, backend="torch")
+        torch.testing.assert_close(got[:, COUNTS], want[:, COUNTS], rtol=0, atol=0)
+        torch.testing.assert_close(got[:, 5:], want[:, 5:], rtol=1e-4, atol=1e-3)
+    q8 = torch.randn(1, 2, 8192, 64, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    A.attention_head_stats(q8, q8, is_causal=True, backend="torch")
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    full = 2 * 8192 * 8192 * 4  # S alone, fp32, if materialized
+    assert peak < 0.75 * full, peak
+
+
+# ------------------------------------------------------------------------------------------
+# output error
+# ------------------------------------------------------------------------------------------
+
+
+def reference_output(q, k, v, *, mask=None, causal=False):
+    _B, Hq, Tq, D = q.shape
+    g = Hq // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    S = (q.double() @ kk.transpose(-1, -2)) / math.sqrt(D)
+    valid = torch.ones_like(S, dtype=torch.bool)
+    if causal:
+        valid &= torch.ones(Tq, k.shape[2], dtype=torch.bool).tril()
+    if mask is not None:
+        valid &= mask
+    return torch.softmax(S.masked_fill(~valid, float("-inf")), -1).nan_to_num(0.0) @ vv
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("c", [0.5, -0.25])
+def test_output_error_planted_offset(device, c):
+    """out = O_ref + c: bias exactly sign(c), rms |c|; fully masked rows excluded."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 30, 16, generator=g) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]  # GQA
+    mask = torch.ones(2, 1, 30, 30, dtype=torch.bool)
+    mask[1, :, 4] = False  # one fully masked row in batch 1
+    out = reference_output(q, k, v, mask=mask) + c
+    e = A.attention_output_error(
+        *(t.to(device) for t in (q, k, v, out)), attn_mask=mask.to(device)
+    ).cpu()
+    assert e[:, A.ERR_COUNT].tolist() == [59 * 16.0] * 4
+    torch.testing.assert_close(
+        e[:, A.ERR_SUM] / e[:, A.ERR_ABS_SUM],
+        torch.full((4,), math.copysign(1.0, c), dtype=torch.float64),
+        rtol=0,
+        atol=1e-9,
+    )
+    rms = (e[:, A.ERR_SQ_SUM] / e[:, A.ERR_COUNT]).sqrt()
+    torch.testing.assert_close(
+        rms, torch.full((4,), abs(c), dtype=torch.float64), rtol=1e-6, atol=0
+    )
+    sampled = A.attention_output_error(
+        q, k, v, out, attn_mask=mask, rows=torch.tensor([4, 5]), batch=torch.tensor([1])
+    )
+    assert sampled[:, A.ERR_COUNT].tolist() == [16.0] * 4  # row 4 of batch 1 is masked
+
+
+def test_output_error_sees_the_cpu_flash_kernels_one_signed_error():
+    """DESIGN.md §1: torch's CPU flash SDPA in bf16 on planted sink ties has bias ~ -1, while
+    its math backend's error is not one-signed."""
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 1, 2, 256, 64
+    q = torch.randn(B, H, T, D, generator=g) * 0.5
+    k = torch.randn(B, H, T, D, generator=g) * 0.5
+    q[..., 0], k[..., 0] = 4.0, 0.0
+    k[:, :, :2] = 0.0  # two identical sink keys, 14 above the other logits
+    k[:, :, :2, 0] = 14 / (4.0 / math.sqrt(D))
+    v = torch.rand(B, H, T, D, generator=g) * 2 - 4  # V in [-4, -2)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    bias = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        e = A.attention_output_error(q, k, v, out, is_causal=True)
+        bias[backend] = e[:, A.ERR_SUM] / e[:, A.ERR_ABS_SUM]
+    assert (bias[SDPBackend.FLASH_ATTENTION] < -0.98).all(), bias
+    assert (bias[SDPBackend.MATH].abs() < 0.3).all(), bias
+    stats = A.attention_head_stats(q, k, is_causal=True, backend="torch")
+    assert stats[:, A.REPEATED_MAX_ROWS].tolist() == [255.0, 255.0]  # row 0 sees one sink

@@ -1,0 +1,214 @@
+"""Actions: the closed loop from a planted precursor to a response, checked bitwise."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import numwatch
+from numwatch.actions.library import qk_clip
+from numwatch.errors import NumwatchHalt
+
+
+class Attn(nn.Module):
+    def __init__(self, d=32, heads=2, plant=False):
+        super().__init__()
+        self.n_heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.plant = plant
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        if self.plant:  # two identical sink keys aligned with every query: repeated maxima
+            sink = q.mean(2, keepdim=True)
+            sink = sink / sink.norm(dim=-1, keepdim=True) * 50
+            k = torch.cat([sink, sink, k[:, :, 2:]], dim=2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(B, T, C)
+
+
+class Model(nn.Module):
+    def __init__(self, plant=(False, False)):
+        super().__init__()
+        self.a = Attn(plant=plant[0])
+        self.b = Attn(plant=plant[1])
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.head(self.b(self.a(x)))
+
+
+def only(rule_type, name, metric=None, *actions, **params):
+    """A rules config holding just this rule (no defaults)."""
+    rule = {"type": rule_type, "name": name, "actions": list(actions), **params}
+    if metric is not None:
+        rule["metric"] = metric
+    return {"defaults": False, "add": [rule]}
+
+
+def monitor_for(model, **kw):
+    kw.setdefault("sinks__console__enabled", False)
+    kw.setdefault("sinks__jsonl__enabled", False)
+    kw.setdefault("flush_every", 1)
+    return numwatch.Monitor(model, **kw)
+
+
+def test_nonfinite_gradient_skip_step_leaves_state_bitwise_unchanged():
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
+    monitor = monitor_for(model, rules=rules).attach(opt)
+    x = torch.randn(4, 6, 32)
+    for step in range(6):
+        model(x).square().mean().backward()
+        if step == 3:
+            model.b.qkv.weight.grad[0, 0] = float("nan")
+            before_params = copy.deepcopy(model.state_dict())
+            before_state = copy.deepcopy(opt.state_dict())
+        opt.step()
+        if step == 3:
+            assert all(torch.equal(before_params[k], v) for k, v in model.state_dict().items())
+            after = opt.state_dict()
+            for pid, st in before_state["state"].items():
+                for name, t in st.items():
+                    assert torch.equal(after["state"][pid][name], t), (pid, name)
+            assert all(p.grad is None for p in model.parameters())  # gradients cleared
+        opt.zero_grad()
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # training went on
+    kinds = [(e.kind, e.step) for e in monitor.events]
+    assert ("nonfinite", 3) in kinds and ("action", 3) in kinds
+    nonfinite = next(e for e in monitor.events if e.kind == "nonfinite" and e.labels)
+    assert nonfinite.labels == {"param": "b.qkv.weight"}  # named at the flush
+    assert monitor.optimizer_control.skipped_steps == 1
+    snap = monitor.snapshot()
+    assert snap.value("mitigation_skipped_steps_total") == 1
+    assert snap.value("events_total", kind="action", rule="nonfinite") == 1
+
+
+def test_planted_ties_swap_exactly_the_affected_layer():
+    torch.manual_seed(0)
+    model = Model(plant=(False, True))  # only layer b has repeated maxima
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = monitor_for(model, attention__every=1).attach(opt)
+    x = torch.randn(2, 8, 32)
+    for _ in range(3):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    fired = [e for e in monitor.events if e.rule == "attn_repeated_max"]
+    assert {e.labels["layer"] for e in fired if e.kind == "precursor"} == {"b"}
+    actions = [e for e in fired if e.kind == "action"]
+    assert len(actions) == 1  # debounced: one swap, not one per head and flush
+    assert monitor.attention_kernel("b").stabilized
+    assert monitor.attention_kernel("a") is None
+    assert monitor.snapshot().value("attn_kernel_stabilized", layer="b") == 1
+
+
+def test_lr_backoff_composes_with_a_scheduler_and_restores():
+    model = nn.Linear(1, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    backoff = {"type": "lr_backoff", "factor": 0.1, "steps": 3}
+    rules = only("threshold", "big_loss", "loss", backoff, threshold=100)
+    monitor = monitor_for(model, rules=rules).attach(opt)
+    used = []
+    for step in range(8):
+        before = model.weight.item()
+        model(torch.ones(1, 1)).sum().backward()  # d/dw = 1: the update is -lr exactly
+        monitor.step(1000.0 if step == 1 else 1.0)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        used.append(before - model.weight.item())
+    # schedule 1, 1, .5, .5, .25, .25, .125, .125; x0.1 for the 3 updates from step 1 on
+    assert used == pytest.approx([1.0, 0.1, 0.05, 0.05, 0.25, 0.25, 0.125, 0.125])
+    assert opt.param_groups[0]["lr"] == sched.get_last_lr()[0] == 0.0625
+    assert monitor.snapshot().value("mitigation_lr_factor") == 1.0
+
+
+def test_qk_clip_brings_max_logit_under_tau():
+    torch.manual_seed(0)
+    attn = Attn(d=16, heads=2)
+    with torch.no_grad():
+        attn.qkv.weight[:32] *= 30  # large queries and keys: logits in the hundreds
+    model = nn.Sequential()
+    model.add_module("attn", attn)
+    tau = 20.0
+    clip = {"type": "qk_clip", "tau": tau}
+    rules = only("threshold", "logit", "attn_max_logit", clip, threshold=tau)
+    monitor = monitor_for(model, rules=rules, attention__every=1).attach()
+    x = torch.randn(2, 6, 16)
+    model(x)
+    monitor.step()
+    before = monitor.snapshot()
+    logits = [before.value("attn_max_logit", layer="attn", head=str(h)) for h in (0, 1)]
+    assert min(logits) > tau
+    model(x)
+    monitor.step()
+    after = monitor.snapshot()
+    for h in (0, 1):
+        assert after.value("attn_max_logit", layer="attn", head=str(h)) <= tau * (1 + 1e-4)
+
+
+def test_qk_clip_layouts():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2)
+    w = mha.in_proj_weight.detach().clone()
+    ratio = qk_clip(nn.Sequential(mha), "0", 1, 400.0, 100.0)
+    assert ratio == 0.25
+    assert torch.equal(mha.in_proj_weight[4:8], w[4:8] * 0.5)  # q rows of head 1
+    assert torch.equal(mha.in_proj_weight[12:16], w[12:16] * 0.5)  # k rows of head 1
+    assert torch.equal(mha.in_proj_weight[:4], w[:4])
+    with pytest.raises(numwatch.NumwatchError, match="layout"):
+        qk_clip(nn.Sequential(nn.Linear(2, 2)), "0", 0, 10.0, 1.0)
+
+
+def test_halt_raises_with_a_report(tmp_path):
+    model = nn.Linear(4, 1)
+    rules = only("threshold", "loss_high", "loss", "halt", threshold=10)
+    monitor = monitor_for(
+        model, rules=rules, sinks__jsonl__enabled=True, sinks__jsonl__path=str(tmp_path / "r.jsonl")
+    ).attach()
+    monitor.step(1.0)
+    with pytest.raises(NumwatchHalt) as err:
+        monitor.step(50.0)
+    report = err.value.report
+    assert (report["rule"], report["step"], report["value"]) == ("loss_high", 1, 50.0)
+    assert [r["loss"] for r in report["recent"]] == [1.0, 50.0]
+    lines = (tmp_path / "r.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["events"][0]["rule"] == "loss_high"  # logged before halting
+
+
+def test_snapshot_action_saves_bounded_forensics(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    save = {"type": "snapshot", "directory": str(tmp_path), "max_bytes": 100}
+    rules = only("nonfinite", "nonfinite", None, save)
+    monitor = monitor_for(model, rules=rules).attach()
+    model(torch.randn(2, 4)).sum().backward()
+    model[1].weight.grad[0, 0] = float("inf")
+    monitor.step()
+    saved = torch.load(next(tmp_path.glob("*.pt")))
+    assert set(saved) == {"1.weight", "1.weight.grad"}  # 16 + 16 bytes, under the cap
+    record = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert record["event"]["labels"] == {"param": "1.weight"}
+
+
+def test_callback_action_and_bad_action_names():
+    got = []
+    model = nn.Linear(2, 1)
+    call = {"type": "callback", "target": lambda e, m: got.append(e)}
+    rules = only("threshold", "l", "loss", call, threshold=1)
+    monitor = monitor_for(model, rules=rules).attach()
+    monitor.step(5.0)
+    assert got[0].rule == "l" and got[0].value == 5.0
+    bad = only("threshold", "x", "loss", "reboot", threshold=1)
+    with pytest.raises(numwatch.NumwatchConfigError, match="unknown action 'reboot'"):
+        monitor_for(model, rules=bad)

@@ -1,0 +1,151 @@
+"""Kernel hot-swap: routing attention layers to numwatch's flash attention at step boundaries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import numwatch
+from numwatch.actions import swap_kernel
+from numwatch.testing import planted_sink_attention
+
+
+class Attn(nn.Module):
+    def __init__(self, d=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        return (
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
+        )
+
+
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = Attn()
+        self.b = Attn()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts calls of numwatch's kernel through the routing (and still runs it)."""
+    seen = []
+    real = swap_kernel.flash_attention
+
+    def spy(q, *args, **kwargs):
+        seen.append(kwargs["mode"])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(swap_kernel, "flash_attention", spy)
+    return seen
+
+
+def monitor_for(model, **kw):
+    kw.setdefault("sinks__console__enabled", False)
+    kw.setdefault("sinks__jsonl__enabled", False)
+    kw.setdefault("flush_every", 1)
+    return numwatch.Monitor(model, **kw).attach()
+
+
+def test_swap_routes_exactly_the_chosen_layers(calls):
+    torch.manual_seed(0)
+    model = Two().to(torch.bfloat16)
+    monitor = monitor_for(model)
+    x = torch.randn(2, 7, 32, dtype=torch.bfloat16)
+    native = model(x)
+    monitor.step()
+    snap = monitor.snapshot()
+    assert snap.value("attn_kernel_stabilized", layer="a") == 0
+    monitor.swap_attention("b", beta=4.0)  # between steps: applies at once
+    out = model(x)
+    monitor.step()
+    assert calls == ["stabilized"]  # one call: layer b only
+    assert monitor.attention_kernel("b") == swap_kernel.AttentionKernel(beta=4.0)
+    assert monitor.attention_kernel("a") is None
+    snap = monitor.snapshot()
+    assert snap.value("attn_kernel_stabilized", layer="b") == 1
+    assert snap.value("attn_kernel_stabilized", layer="a") == 0
+    # bf16 outputs of two correct kernels: within a few bf16 ulps of each other
+    torch.testing.assert_close(out, native, atol=3e-2, rtol=3e-2)
+
+    monitor.restore_attention()
+    model(x)
+    monitor.step()
+    assert len(calls) == 1
+    assert monitor.snapshot().value("attn_kernel_stabilized", layer="b") == 0
+
+
+def test_swap_mid_step_waits_for_the_step_boundary(calls):
+    torch.manual_seed(0)
+    model = Two().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = monitor_for(model)
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    model(x).float().square().mean().backward()  # micro-batch 1
+    monitor.swap_attention()  # requested in the middle of gradient accumulation
+    model(x).float().square().mean().backward()  # micro-batch 2: still native
+    assert calls == []
+    state_before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.zero_grad()
+    monitor.step()  # boundary: the swap takes effect now
+    assert all(torch.equal(v, state_before[k]) for k, v in model.state_dict().items())
+    assert opt.state == {}  # the swap touches no optimizer state
+    loss = model(x).float().square().mean()
+    loss.backward()
+    assert calls == ["stabilized", "stabilized"]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_swap_needs_an_attached_monitor():
+    monitor = numwatch.Monitor(Two(), sinks__console__enabled=False, sinks__jsonl__enabled=False)
+    with pytest.raises(numwatch.NumwatchError, match="attached"):
+        monitor.swap_attention()
+    monitor.attach()
+    with pytest.raises(ValueError, match="beta"):
+        monitor.swap_attention(beta=0.5)
+
+
+class Planted(nn.Module):
+    def __init__(self, q, k, v):
+        super().__init__()
+        self.q, self.k, self.v = q, k, v
+
+    def forward(self):
+        return F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=True)
+
+
+class Holder(nn.Module):
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self):
+        return self.attn()
+
+
+def test_probe_sees_paper_kernel_bias_and_stabilized_kernel_without_it():
+    """The closed loop in small: the probe measures the signed error of the routed kernel."""
+    q, k, v = planted_sink_attention(B=1, H=2, T=128, D=64, n_sink=2, gap=14.0)
+    model = Holder(Planted(q, k, v))
+    bias = {}
+    for mode in ("paper_repro", "stabilized"):
+        monitor = monitor_for(model, attention__every=1)
+        monitor.swap_attention(mode=mode)
+        model()
+        monitor.step()
+        snap = monitor.snapshot()
+        bias[mode] = [snap.value("attn_output_bias", layer="attn", head=str(h)) for h in (0, 1)]
+        monitor.detach()
+    assert all(b < -0.9 for b in bias["paper_repro"]), bias
+    assert all(abs(b) < 0.5 for b in bias["stabilized"]), bias
