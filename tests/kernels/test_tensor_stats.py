@@ -228,11 +228,11 @@ def test_gpu_auto_is_triton_and_never_syncs() -> None:
     g = torch.Generator().manual_seed(7)
     xs = [torch.randn(s, generator=g).cuda() for s in (3000, 5, 70000)]
     xs[2][9] = float("-inf")
+    xs.append(torch.randn(100, generator=g).to("cuda", torch.bfloat16))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(2):  # table build (miss), then cached (hit)
-            xs.append(torch.randn(100, device="cuda", dtype=torch.bfloat16))
+        for _ in range(2):  # table build (cache miss), then cached (hit)
             got = tensor_stats(xs, underflow_dtype=torch.float16)
     finally:
         torch.cuda.set_sync_debug_mode("default")
