@@ -907,7 +907,9 @@ def _ensure_allocator() -> None:
         return
     from triton.runtime import _allocation
 
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+    current = getattr(_allocation, "_allocator", None)
+    current = current.get() if current is not None else None
+    if current is None or isinstance(current, getattr(_allocation, "NullAllocator", ())):
         triton.set_allocator(_alloc_scratch)
 
 
