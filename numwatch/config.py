@@ -27,8 +27,11 @@ __all__ = [
     "GradientConfig",
     "JsonlSinkConfig",
     "MonitorConfig",
+    "OptimizerProbeConfig",
+    "PrometheusSinkConfig",
     "RulesConfig",
     "SinksConfig",
+    "WeightsConfig",
 ]
 
 ENV_PREFIX = "NUMWATCH_"
@@ -113,6 +116,41 @@ class AttentionConfig(_Section):
     )
 
 
+class WeightsConfig(_Section):
+    """Spectral norms by warm-started power iteration (weights and attention heads' W_Q, W_K)."""
+
+    enabled: bool = Field(True, description="Estimate spectral norms.")
+    every: PositiveInt = Field(10, description="Steps between power-iteration updates.")
+    iters: PositiveInt = Field(
+        1, description="Power iterations per update (warm-started: 1 tracks trained weights)."
+    )
+    params: list[str] = Field(
+        default_factory=lambda: ["*"], description="Globs of 2-D parameters to include."
+    )
+    exclude: list[str] = Field(
+        default_factory=lambda: ["*embed*", "*wte*", "*wpe*", "*tok*", "*pos*"],
+        description="Globs left out (embeddings by default: a lookup table's norm is not a "
+        "precursor, and it is the largest matrix).",
+    )
+    attention_heads: bool = Field(
+        True, description="Per-head norms of W_Q and W_K of recognised attention modules."
+    )
+    layers: list[str] = Field(
+        default_factory=lambda: ["*"], description="Globs of attention modules for per-head norms."
+    )
+
+
+class OptimizerProbeConfig(_Section):
+    """Update-to-weight ratios, absorbed updates and loss scale (needs attach(optimizer))."""
+
+    enabled: bool = Field(True, description="Measure optimizer updates.")
+    every: PositiveInt = Field(
+        10,
+        description="Optimizer steps between measured updates (each keeps a copy of the "
+        "parameters during that step: one model's worth of memory, briefly).",
+    )
+
+
 class RulesConfig(_Section):
     """Which rules run at each flush (README, 'Rules and actions')."""
 
@@ -141,9 +179,60 @@ class ConsoleSinkConfig(_Section):
     every: PositiveInt = Field(1, description="Flushes between printed summaries.")
 
 
+# --- sinks.prometheus (exporter; numwatch/sinks/prometheus.py) ---------------------------------
+# Per-parameter/per-module statistics left out of the exposition by default (cardinality): the
+# rest (absmax, rms, nonfinite, zero/underflow fractions, headroom) is what the dashboard shows.
+_PROMETHEUS_EXCLUDE = [
+    f"{prefix}_{stat}"
+    for prefix in ("grad", "activation")
+    for stat in ("numel", "min", "max", "mean", "nan", "posinf", "neginf", "zeros", "subnormal")
+]
+
+
+class PrometheusSinkConfig(_Section):
+    """Prometheus exporter: serves the latest flush on http://host:port/metrics (README,
+    'Prometheus'). Off by default: a library should not open a port unasked."""
+
+    enabled: bool = Field(False, description="Serve metrics over HTTP while attached.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Address to bind; '0.0.0.0' (or '::') exposes the metrics to the network.",
+    )
+    port: int = Field(
+        9710,
+        ge=0,
+        le=65535,
+        description="Port to bind; 0 = an ephemeral port (see Monitor.prometheus_url). With "
+        "ranks='each', rank LOCAL_RANK binds port + LOCAL_RANK.",
+    )
+    ranks: Literal["each", "rank0"] = Field(
+        "each",
+        description="'each': every process serves its own metrics (label rank); 'rank0': only "
+        "global rank 0 serves (the cross-rank aggregate once the monitor aggregates).",
+    )
+    heads: Literal["layer", "top_k", "all"] = Field(
+        "layer",
+        description="Per-head attention series: 'layer' = one series per layer, the worst "
+        "head's value (plus numwatch_worst_head); 'top_k' = the top_k worst heads of each "
+        "layer; 'all' = every head (48 layers x 64 heads = 3072 series per metric).",
+    )
+    top_k: PositiveInt = Field(4, description="Heads per layer kept with heads='top_k'.")
+    include: list[str] = Field(
+        default_factory=lambda: ["*"], description="Globs of metric names (no prefix) to export."
+    )
+    exclude: list[str] = Field(
+        default_factory=lambda: list(_PROMETHEUS_EXCLUDE),
+        description="Globs of metric names left out; [] exports everything.",
+    )
+
+
+# --- end sinks.prometheus ---------------------------------------------------------------------
+
+
 class SinksConfig(_Section):
     jsonl: JsonlSinkConfig = Field(default_factory=JsonlSinkConfig)
     console: ConsoleSinkConfig = Field(default_factory=ConsoleSinkConfig)
+    prometheus: PrometheusSinkConfig = Field(default_factory=PrometheusSinkConfig)
 
 
 class MonitorConfig(_Section):
@@ -172,6 +261,8 @@ class MonitorConfig(_Section):
     gradients: GradientConfig = Field(default_factory=GradientConfig)
     activations: ActivationConfig = Field(default_factory=ActivationConfig)
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    optimizer: OptimizerProbeConfig = Field(default_factory=OptimizerProbeConfig)
     rules: RulesConfig = Field(default_factory=RulesConfig)
     history: PositiveInt = Field(20, description="Recent flushes kept for halt reports/snapshots.")
     sinks: SinksConfig = Field(default_factory=SinksConfig)

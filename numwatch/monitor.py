@@ -32,11 +32,14 @@ from numwatch.guard import Guard
 from numwatch.kernels.flash_attention import flash_attention_fallbacks
 from numwatch.probes.attention import AttentionProbe
 from numwatch.probes.base import ProbeContext
+from numwatch.probes.optimizer import OptimizerProbe
 from numwatch.probes.tensors import ActivationProbe, GradientProbe
+from numwatch.probes.weights import WeightProbe
 from numwatch.rules import Rule, RuleEngine, default_rules
 from numwatch.sinks.base import Sink
 from numwatch.sinks.console import ConsoleSink
 from numwatch.sinks.jsonl import JsonlSink
+from numwatch.sinks.prometheus import PrometheusSink
 from numwatch.snapshot import MetricRecord, Snapshot
 
 __all__ = ["Monitor"]
@@ -44,6 +47,8 @@ __all__ = ["Monitor"]
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _COMPONENTS = (
     "gradients",
+    "weights",
+    "optimizer",
     "activations",
     "attention",
     "step",
@@ -123,8 +128,12 @@ class Monitor:
         """Number of steps closed so far (the index of the step in progress)."""
         return self._ctx.step
 
-    def attach(self, optimizer: torch.optim.Optimizer | None = None) -> Monitor:
-        """Add the hooks (idempotent). With ``optimizer``, its step pre-hook closes each step."""
+    def attach(
+        self, optimizer: torch.optim.Optimizer | None = None, *, scaler: Any = None
+    ) -> Monitor:
+        """Add the hooks (idempotent). With ``optimizer``, its step pre-hook closes each step
+        and the optimizer probe measures updates; ``scaler`` (a GradScaler) adds its loss scale.
+        """
         if not self._attached:
             self._attached = True
             self._window_start = time.perf_counter()
@@ -138,6 +147,11 @@ class Monitor:
                     "attach(optimizer=...) needs a torch.optim.Optimizer, "
                     f"got {type(optimizer).__name__}"
                 )
+            if self.config.optimizer.enabled:
+                cfg = self.config.optimizer
+                probe = OptimizerProbe(self.model, optimizer, cfg, self._ctx, scaler)
+                probe.attach()
+                self._probes.append(probe)
             uses_optimizer = any(
                 isinstance(a, _OPTIMIZER_ACTIONS) for acts in self._actions.values() for a in acts
             )
@@ -182,6 +196,8 @@ class Monitor:
             self._probes.append(self._gradients)
         if cfg.activations.enabled:
             self._probes.append(ActivationProbe(self.model, cfg.activations, self._ctx))
+        if cfg.weights.enabled:
+            self._probes.append(WeightProbe(self.model, cfg.weights, self._ctx))
         # Always present: besides statistics it routes attention calls (kernel hot-swap).
         self._attention = AttentionProbe(self.model, cfg.attention, self._ctx)
         self._probes.append(self._attention)
@@ -195,6 +211,25 @@ class Monitor:
             self._sinks.append(JsonlSink(self._jsonl_path, self.run_name))
         if cfg.console.enabled and self.rank == 0:
             self._sinks.append(ConsoleSink(every=cfg.console.every))
+        # --- sinks.prometheus: a taken port raises NumwatchError; attach() is undone first
+        try:
+            exporter = PrometheusSink.from_config(
+                cfg.prometheus,
+                rank=self.rank,
+                local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                run_name=self.run_name,
+            )
+        except NumwatchError:
+            self.detach()
+            raise
+        if exporter is not None:
+            self._sinks.append(exporter)
+
+    @property
+    def prometheus_url(self) -> str | None:
+        """Scrape URL of this process's Prometheus exporter while attached (sinks.prometheus)."""
+        urls = [s.url for s in self._sinks if isinstance(s, PrometheusSink)]
+        return urls[0] if urls else None
 
     @property
     def jsonl_path(self) -> str | None:

@@ -44,6 +44,16 @@ class QKLayout:
     q: list[HeadSlice]  # one per query head
     k: list[HeadSlice]  # one per key/value head
 
+    def views(self, side: str) -> torch.Tensor:
+        """All heads of one side ('q' or 'k') as one strided (heads, head_dim, d) or
+        (heads, d, head_dim) view, the batch ``PowerIteration`` takes."""
+        from numwatch.kernels.power_iteration import head_views
+
+        heads = self.q if side == "q" else self.k
+        first = heads[0]
+        block = first.weight.narrow(first.dim, first.start, heads[-1].stop - first.start)
+        return head_views(block, len(heads), out_dim=first.dim)
+
     def k_for(self, q_head: int) -> HeadSlice:
         """The key head that query head ``q_head`` attends with (GQA/MQA groups)."""
         return self.k[q_head // (len(self.q) // len(self.k))]

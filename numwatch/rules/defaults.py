@@ -22,19 +22,23 @@ def default_rules() -> list[Rule]:
     swap = ["swap_attention_kernel"]
     return [
         NonfiniteRule(name="nonfinite"),
+        # Small heads (d <= 32) at initialisation tie in a few % of rows by chance; the diverging
+        # runs of DESIGN.md tie in 2-20 %. Swapping kernels is harmless, so it acts, but only on
+        # a sustained 5 %.
         ThresholdRule(
             name="attn_repeated_max",
             metric="attn_repeated_max_fraction",
-            threshold=0.01,
-            for_flushes=2,
+            threshold=0.05,
+            for_flushes=3,
             actions=swap,
         ),
+        # Near-uniform rows (all logits within 0.002 of the max, e.g. at initialisation) are
+        # saturated without harm; report only.
         ThresholdRule(
             name="attn_saturated",
             metric="attn_saturated_fraction",
-            threshold=0.05,
-            for_flushes=2,
-            actions=swap,
+            threshold=0.1,
+            for_flushes=3,
         ),
         PersistenceRule(
             name="attn_output_bias_persistent",

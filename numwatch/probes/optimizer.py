@@ -1,0 +1,146 @@
+"""Optimizer probe: how the update compares with the weight, absorbed updates, loss scale.
+
+On sampled optimizer steps the probe keeps a copy of the parameters before the update and
+measures, per parameter, RMS(update) / RMS(weight) and the fraction of elements whose weight did
+not change although their gradient was non-zero: updates smaller than half an ULP of the weight
+are absorbed by rounding, so a bf16 weight stops learning without any error. With a GradScaler
+it also reports the loss scale and how often it dropped (overflow steps).
+
+The update of a step happens after that step closed (and maybe flushed), so a flush reports the
+latest update measured before it: at a step-closing flush, the previous step's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from numwatch.config import OptimizerProbeConfig
+from numwatch.probes.base import ProbeContext
+from numwatch.snapshot import MetricRecord
+
+__all__ = ["OptimizerProbe"]
+
+
+class OptimizerProbe:
+    component = "optimizer"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: OptimizerProbeConfig,
+        ctx: ProbeContext,
+        scaler: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.optimizer = optimizer
+        self.scaler = scaler
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.params = [
+            (names.get(id(p), f"group{g}.{i}"), p)
+            for g, group in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group["params"])
+        ]
+        self._handles: list[Any] = []
+        self._updates = 0
+        self._before: list[torch.Tensor] | None = None
+        self._taken: list[int] = []
+        self._ratio: torch.Tensor | None = None  # (n,) float64 of the last sampled update
+        self._absorbed: torch.Tensor | None = None
+        self._scale_prev: torch.Tensor | None = None
+        self._drops: torch.Tensor | None = None
+
+    def attach(self) -> None:
+        self._handles = [
+            self.optimizer.register_step_pre_hook(self._pre),
+            self.optimizer.register_step_post_hook(self._post),
+        ]
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, *_: Any) -> None:
+        self.ctx.guard.run(self.component, self._keep_before)
+
+    def _post(self, *_: Any) -> None:
+        self.ctx.guard.run(self.component, self._measure)
+
+    @torch.no_grad()
+    def _keep_before(self) -> None:
+        self._before = None
+        if self._updates % self.cfg.every == 0:
+            self._taken = [
+                i for i, (_, p) in enumerate(self.params) if p.grad is not None and p.numel()
+            ]
+            self._before = [self.params[i][1].detach().clone() for i in self._taken]
+
+    @torch.no_grad()
+    def _measure(self) -> None:
+        self._updates += 1
+        self._loss_scale()
+        if self._before is None or not self._taken:
+            return
+        params = [self.params[i][1].detach() for i in self._taken]
+        grads = [self.params[i][1].grad for i in self._taken]
+        updates = torch._foreach_sub(params, self._before)
+        u_norm = torch.stack(torch._foreach_norm(updates)).double()
+        w_norm = torch.stack(torch._foreach_norm(params)).double()
+        ratio = u_norm / w_norm.clamp_min(torch.finfo(torch.float64).tiny)
+        absorbed = []
+        for u, g in zip(updates, grads, strict=True):
+            moved = g != 0
+            stuck = (u == 0) & moved
+            absorbed.append(stuck.sum().double() / moved.sum().clamp_min(1).double())
+        n = len(self.params)
+        index = torch.tensor(self._taken, device=ratio.device)
+        self._ratio = torch.full((n,), float("nan"), dtype=torch.float64, device=ratio.device)
+        self._ratio.index_copy_(0, index, ratio)
+        self._absorbed = torch.full_like(self._ratio, float("nan"))
+        self._absorbed.index_copy_(0, index, torch.stack(absorbed))
+        self._before = None
+
+    def _loss_scale(self) -> None:
+        scaler = self.scaler
+        if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
+            return
+        scale = scaler._scale.detach().double().reshape(())
+        if self._scale_prev is not None:
+            dropped = (scale < self._scale_prev).double()
+            self._drops = dropped if self._drops is None else self._drops + dropped
+        elif self._drops is None:
+            self._drops = torch.zeros_like(scale)
+        self._scale_prev = scale.clone()
+
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        if self._ratio is not None:
+            out["opt/ratio"], out["opt/absorbed"] = self._ratio, self._absorbed
+        if self._scale_prev is not None:
+            out["opt/scale"], out["opt/drops"] = self._scale_prev, self._drops
+        return out
+
+    def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
+        out = [
+            MetricRecord("optimizer_lr", {"group": str(g)}, float(group["lr"]))
+            for g, group in enumerate(self.optimizer.param_groups)
+        ]
+        if "opt/ratio" in host:
+            ratio, absorbed = host["opt/ratio"].tolist(), host["opt/absorbed"].tolist()
+            for i in self._taken:
+                labels = {"param": self.params[i][0]}
+                out.append(MetricRecord("optimizer_update_ratio", labels, ratio[i]))
+                out.append(MetricRecord("optimizer_absorbed_fraction", labels, absorbed[i]))
+        if "opt/scale" in host:
+            out.append(MetricRecord("loss_scale", {}, float(host["opt/scale"])))
+            out.append(MetricRecord("loss_scale_drops_total", {}, float(host["opt/drops"])))
+        return out
+
+    def reset(self) -> None:
+        """Values are the latest sampled update's; nothing accumulates between flushes."""

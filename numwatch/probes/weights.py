@@ -1,0 +1,110 @@
+"""Weight probe: spectral norms of 2-D weights and of each attention head's W_Q and W_K.
+
+The spectral norm of W_Q (per head) is what grew before the blow-up in arXiv 2510.04212, and
+sigma(W_Q^h) * sigma(W_K^h) / sqrt(head_dim) bounds head h's logits for unit-norm inputs.
+Warm-started power iteration (numwatch.kernels.power_iteration) refines the estimates a little
+at every sampled step instead of paying for an SVD.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from numwatch.config import WeightsConfig
+from numwatch.kernels.power_iteration import PowerIteration
+from numwatch.probes.base import ProbeContext
+from numwatch.probes.qk_layout import QKLayout, find_qk_layout
+from numwatch.selection import matches, select_parameters
+from numwatch.snapshot import MetricRecord
+
+__all__ = ["WeightProbe"]
+
+
+class WeightProbe:
+    component = "weights"
+
+    def __init__(self, model: nn.Module, cfg: WeightsConfig, ctx: ProbeContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.params = [
+            (name, p)
+            for name, p in select_parameters(model, cfg.params, cfg.exclude)
+            if p.dim() == 2 and p.is_floating_point()
+        ]
+        self.layers: list[tuple[str, QKLayout]] = []
+        if cfg.attention_heads:
+            for name, module in model.named_modules():
+                if name and matches(name, cfg.layers):
+                    layout = find_qk_layout(module)
+                    if layout is not None:
+                        self.layers.append((name, layout))
+        self._pi: dict[torch.device, PowerIteration] = {}
+        self._sigma: torch.Tensor | None = None  # (N,) float32, latest estimates
+
+    def attach(self) -> None:
+        """Nothing to hook: the probe reads the weights at step time."""
+
+    def detach(self) -> None:
+        """Nothing to remove."""
+
+    def _matrices(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = [p for _, p in self.params]
+        for _, layout in self.layers:
+            out += [layout.views("q"), layout.views("k")]
+        return out
+
+    @torch.no_grad()
+    def on_step(self) -> None:
+        if self.ctx.step % self.cfg.every:
+            return
+        matrices = self._matrices()
+        if not matrices or any(m.is_meta for m in matrices):
+            return  # a model on the meta device has no values yet
+        device = matrices[0].device
+        if any(m.device != device for m in matrices):
+            raise NotImplementedError(
+                "spectral norms of a model spread over several devices are not yet "
+                "supported; set weights.enabled=false"
+            )
+        pi = self._pi.get(device)
+        if pi is None:
+            pi = self._pi[device] = PowerIteration(
+                iters=self.cfg.iters, backend=self.ctx.backend_for(device)
+            )
+        self._sigma = pi.step(matrices)
+
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        return {} if self._sigma is None else {"weights/sigma": self._sigma}
+
+    def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
+        if "weights/sigma" not in host:
+            return []
+        sigma = host["weights/sigma"].tolist()
+        out = [
+            MetricRecord("weight_spectral_norm", {"param": name}, sigma[i])
+            for i, (name, _) in enumerate(self.params)
+        ]
+        i = len(self.params)
+        for layer, layout in self.layers:
+            nq, nk = len(layout.q), len(layout.k)
+            sq, sk = sigma[i : i + nq], sigma[i + nq : i + nq + nk]
+            i += nq + nk
+            head_dim = layout.q[0].stop - layout.q[0].start
+            for h in range(nq):
+                labels = {"layer": layer, "head": str(h)}
+                kv = h // (nq // nk)
+                out.append(MetricRecord("attn_q_spectral_norm", labels, sq[h]))
+                out.append(MetricRecord("attn_k_spectral_norm", labels, sk[kv]))
+                bound = sq[h] * sk[kv] * head_dim**-0.5
+                out.append(MetricRecord("attn_qk_logit_bound", labels, bound))
+        return out
+
+    def reset(self) -> None:
+        """Estimates are kept: they are the state the next step warm-starts from."""
+
+    def state(self) -> dict[str, Any]:
+        return {"matrices": len(self.params), "attention_layers": len(self.layers)}

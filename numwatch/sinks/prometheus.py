@@ -1,0 +1,574 @@
+"""Prometheus exporter: the latest flushed snapshot, served from a private registry over HTTP.
+
+The training thread only hands over a reference to the flushed ``Snapshot`` (host floats; the
+monitor never changes one after the flush) and the events' counts; the HTTP thread turns it into
+metric families on the first scrape after a flush and reuses them until the next flush. Nothing
+here touches a tensor, so a scrape never waits for, or synchronizes with, the device.
+
+Exposition (README, 'Prometheus'): every snapshot metric ``m`` becomes ``numwatch_m``; names
+ending in ``_total`` are counters, everything else a gauge (window values: the last flush's).
+Per-head attention series (records with a ``head`` label) are reduced by default to one series
+per layer holding the worst head's value, plus ``numwatch_worst_head{layer, metric}``, the index
+of that head; ``heads="top_k"`` keeps the k worst heads of each layer, ``heads="all"`` every head.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import logging
+import math
+import re
+import socket
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import chain, groupby, repeat
+from operator import attrgetter, itemgetter
+from socketserver import ThreadingMixIn
+from typing import Any, Literal
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from numwatch.errors import NumwatchError
+from numwatch.events import Event
+from numwatch.snapshot import MetricRecord, Snapshot
+
+__all__ = ["HEAD_REDUCTIONS", "PrometheusSink", "SnapshotCollector", "metric_help"]
+
+PREFIX = "numwatch_"
+_log = logging.getLogger("numwatch")
+HeadMode = Literal["layer", "top_k", "all"]
+
+# How the heads of one layer reduce to the layer's series: the value of the worst head, where
+# "worst" is the largest value ("max"), the smallest ("min") or the largest magnitude, sign kept
+# ("absmax"). Per-head metrics not listed here reduce with "max". A NaN head is always the
+# worst: it means non-finite inputs.
+HEAD_REDUCTIONS: dict[str, str] = {
+    "attn_rows": "max",
+    "attn_repeated_max_rows": "max",
+    "attn_repeated_max_fraction": "max",
+    "attn_tie_entries": "max",
+    "attn_saturated_rows": "max",
+    "attn_saturated_fraction": "max",
+    "attn_saturated_entries": "max",
+    "attn_max_logit": "max",
+    "attn_min_logit": "min",
+    "attn_entropy_mean": "min",
+    "attn_entropy_min": "min",
+    "attn_output_bias": "absmax",
+    "attn_output_error_rms": "max",
+    "attn_q_spectral_norm": "max",
+    "attn_k_spectral_norm": "max",
+    "attn_qk_logit_bound": "max",
+}
+# Every head of a layer sees the same rows: a worst head would be arbitrary.
+_NO_WORST_HEAD = frozenset({"attn_rows"})
+
+_TENSOR_STATS = {
+    "numel": "elements observed in the flush window",
+    "absmax": "largest |value| of the finite elements",
+    "min": "smallest finite element",
+    "max": "largest finite element",
+    "mean": "mean of the finite elements",
+    "rms": "root mean square of the finite elements",
+    "nan": "NaN elements",
+    "posinf": "+Inf elements",
+    "neginf": "-Inf elements",
+    "nonfinite": "NaN and Inf elements",
+    "zeros": "elements exactly zero",
+    "zero_fraction": "fraction of elements exactly zero",
+    "subnormal": "elements subnormal in the tensor's dtype",
+    "underflow_fraction": "fraction of non-zero finite elements below the smallest normal of "
+    "underflow_dtype",
+    "headroom": "absmax over the largest finite value of the dtype (1 = at overflow)",
+}
+_HELP = {
+    "grad_norm": "Global L2 norm of the last step's gradients (NaN if any element is non-finite).",
+    "grad_norm_max": "Largest global gradient L2 norm of the flush window.",
+    "loss": "Last loss passed to Monitor.step().",
+    "step_seconds": "Wall time per training step over the flush window.",
+    "monitor_overhead_seconds": "Host time per step spent in numwatch over the flush window.",
+    "monitor_errors_total": "Failures of numwatch components since attach (training went on).",
+    "attn_calls": "Attention calls measured in the flush window.",
+    "attn_kernel_stabilized": "1 while the layer's attention runs the stabilized kernel.",
+    "attn_kernel_fallbacks_total": "Calls routed to numwatch's kernel that fell back to SDPA.",
+    "attn_rows": "Softmax rows measured (sampled, not fully masked).",
+    "attn_repeated_max_rows": "Rows whose maximum logit is attained at least twice.",
+    "attn_repeated_max_fraction": "attn_repeated_max_rows / attn_rows.",
+    "attn_tie_entries": "Entries equal to their row maximum, summed over rows.",
+    "attn_saturated_rows": "Rows with two or more entries whose exp(S - max) rounds to 1 in the "
+    "kernel's P dtype.",
+    "attn_saturated_fraction": "attn_saturated_rows / attn_rows.",
+    "attn_saturated_entries": "Entries rounding to 1, summed over saturated rows.",
+    "attn_max_logit": "Largest attention logit.",
+    "attn_min_logit": "Smallest finite attention logit.",
+    "attn_entropy_mean": "Mean softmax-row entropy (nats).",
+    "attn_entropy_min": "Smallest softmax-row entropy (nats).",
+    "attn_output_bias": "Signed error bias of the attention output vs fp32: mean(err)/mean|err|.",
+    "attn_output_error_rms": "RMS error of the attention output vs an fp32 recomputation.",
+    "attn_q_spectral_norm": "Spectral norm of the head's W_Q block (power iteration).",
+    "attn_k_spectral_norm": "Spectral norm of the head's W_K block (power iteration).",
+    "attn_qk_logit_bound": "sigma(W_Q) sigma(W_K) / sqrt(head_dim): bound on |logit| per unit-norm "
+    "input.",
+    "weight_spectral_norm": "Spectral norm of the 2-D parameter (warm-started power iteration).",
+    "events_total": "Events the monitor found since attach, by kind and rule.",
+    "mitigation_skipped_steps_total": "Optimizer steps skipped by the skip_step action.",
+    "mitigation_lr_factor": "Factor the lr_backoff action applies to the learning rate now.",
+}
+
+
+def metric_help(name: str, heads: HeadMode | None = None) -> str:
+    """HELP text of snapshot metric ``name`` (no numwatch_ prefix); ``heads`` for a per-head
+    metric says how its heads were reduced."""
+    text = _HELP.get(name)
+    if text is None:
+        prefix, _, stat = name.partition("_")
+        subject = {
+            "grad": "Gradient of the parameter",
+            "activation": "Forward output of the module",
+        }
+        if prefix in subject and stat in _TENSOR_STATS:
+            text = f"{subject[prefix]}: {_TENSOR_STATS[stat]} (flush window)."
+        else:
+            text = f"numwatch metric {name} (README, 'Metric reference')."
+    if heads in ("layer", "top_k"):
+        how = {"max": "largest", "min": "smallest", "absmax": "largest magnitude"}
+        worst = how[HEAD_REDUCTIONS.get(name, "max")]
+        text += f" Per layer: the head with the {worst} value"
+        text += "." if heads == "layer" else ", top k heads."
+    return text
+
+
+_SPECIAL = {"nan": "NaN", "inf": "+Inf", "-inf": "-Inf"}
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _sanitize(name: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def _escape(value: str) -> str:
+    if "\\" in value or '"' in value or "\n" in value:
+        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+    return value
+
+
+class _Family:
+    """One metric family of the exposition: the records it shows, labels without const ones."""
+
+    __slots__ = ("help", "name", "records", "type")
+
+    def __init__(self, name: str, typ: str, help: str, records: list[MetricRecord]) -> None:
+        self.name = PREFIX + name  # the sample name; a counter's ends in _total
+        self.type = typ
+        self.help = help
+        self.records = records
+
+
+class SnapshotCollector(Collector):
+    """A Collector for a private ``CollectorRegistry``: the latest snapshot as metric families.
+
+    ``update`` (training thread) swaps one reference. The HTTP thread builds the families of a
+    snapshot once (``collect`` returns them as prometheus_client ``Metric`` objects) and renders
+    its text exposition once (``exposition``); later scrapes of the same flush reuse both.
+    """
+
+    def __init__(
+        self,
+        *,
+        heads: HeadMode = "layer",
+        top_k: int = 4,
+        include: Sequence[str] = ("*",),
+        exclude: Sequence[str] = (),
+        const_labels: dict[str, str] | None = None,
+        run_name: str = "",
+    ) -> None:
+        if heads not in ("layer", "top_k", "all"):
+            raise ValueError(f"heads must be 'layer', 'top_k' or 'all', got {heads!r}")
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.heads: HeadMode = heads
+        self.top_k = top_k
+        self.include = tuple(include)
+        self.exclude = tuple(exclude)
+        self.const_labels = {k: str(v) for k, v in (const_labels or {}).items()}
+        self.run_name = run_name
+        self._events: Counter[tuple[str, str]] = Counter()
+        self._state: tuple[Snapshot | None, dict[tuple[str, str], int]] = (None, {})
+        self._families: tuple[object, list[_Family]] = (object(), [])
+        self._text: tuple[object, bytes] = (object(), b"")
+        self._lock = threading.RLock()  # concurrent scrapes build a snapshot's output once
+        self._selected: dict[str, bool] = {}
+
+    def update(self, snapshot: Snapshot, events: Sequence[Event] = ()) -> None:
+        """Serve ``snapshot`` from now on and count ``events`` (one reference swap)."""
+        for event in events:
+            self._events[(event.kind, event.rule)] += 1
+        self._state = (snapshot, dict(self._events))
+
+    def describe(self) -> list[Metric]:
+        """No fixed names: the registry must not call collect() when this is registered."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """The latest snapshot as prometheus_client metric families."""
+        const = self.const_labels
+        for fam in self._current()[1]:
+            # prometheus_client names a counter family without its _total suffix
+            family = fam.name.removesuffix("_total") if fam.type == "counter" else fam.name
+            metric = Metric(family, fam.help, fam.type)
+            for record in fam.records:
+                metric.add_sample(fam.name, {**const, **record.labels}, record.value)
+            yield metric
+
+    def exposition(self) -> bytes:
+        """The latest snapshot in the Prometheus text format 0.0.4 (rendered once per flush)."""
+        with self._lock:
+            state, families = self._current()
+            if self._text[0] is not state:
+                self._text = (state, self._render(families))
+            return self._text[1]
+
+    # ------------------------------------------------------------------ building
+    def _current(self) -> tuple[object, list[_Family]]:
+        state = self._state
+        with self._lock:
+            if self._families[0] is not state:
+                self._families = (state, self._build(*state))
+            return self._families
+
+    def _wanted(self, name: str) -> bool:
+        chosen = self._selected.get(name)
+        if chosen is None:
+            chosen = any(fnmatch.fnmatchcase(name, p) for p in self.include) and not any(
+                fnmatch.fnmatchcase(name, p) for p in self.exclude
+            )
+            self._selected[name] = chosen
+        return chosen
+
+    def _build(
+        self, snapshot: Snapshot | None, events: dict[tuple[str, str], int]
+    ) -> list[_Family]:
+        run = MetricRecord("run_info", {"run": self.run_name}, 1.0)
+        families = [_Family("run_info", "gauge", "The run this process trains (value 1).", [run])]
+        if snapshot is None:
+            return families
+        families.append(
+            _Family(
+                "step",
+                "gauge",
+                "Last training step of the latest flush.",
+                [MetricRecord("step", {}, float(snapshot.step))],
+            )
+        )
+        families.append(
+            _Family(
+                "flush_timestamp_seconds",
+                "gauge",
+                "Unix time of the latest flush.",
+                [MetricRecord("flush_timestamp_seconds", {}, snapshot.time)],
+            )
+        )
+        by_name: dict[str, list[MetricRecord]] = defaultdict(list)
+        for record in snapshot:
+            by_name[record.name].append(record)
+        worst_heads: list[MetricRecord] = []
+        layout: list[Any] = []
+        for name, records in by_name.items():
+            if not self._wanted(name):
+                continue
+            reduced = "head" in records[0].labels and self.heads != "all"
+            if "head" in records[0].labels:
+                records, worst = _reduce_heads(name, records, self.heads, self.top_k, layout)
+                worst_heads += worst
+            name = _sanitize(name)
+            typ = "counter" if name.endswith("_total") else "gauge"
+            text = metric_help(name, self.heads if reduced else None)
+            families.append(_Family(name, typ, text, records))
+        if worst_heads and self._wanted("worst_head"):
+            text = "Index of the worst head of the layer for the metric named in label 'metric'."
+            families.append(_Family("worst_head", "gauge", text, worst_heads))
+        if "events_total" not in by_name and self._wanted("events_total"):
+            counts = [
+                MetricRecord("events_total", {"kind": kind, "rule": rule}, float(n))
+                for (kind, rule), n in sorted(events.items())
+            ]
+            families.append(_Family("events_total", "counter", metric_help("events_total"), counts))
+        return families
+
+    def _render(self, families: list[_Family]) -> bytes:
+        """Text format 0.0.4; label strings rendered once per labels dict (records share them)."""
+        const = "".join(f'{k}="{_escape(v)}",' for k, v in self.const_labels.items())
+        label_text: dict[int, str] = {}  # id(labels dict) -> rendered, for this render only
+        by_content: dict[tuple[tuple[str, str], ...], str] = {}
+        out: list[str] = []
+        for fam in families:
+            help_text = fam.help.replace("\\", r"\\").replace("\n", r"\n")
+            out.append(f"# HELP {fam.name} {help_text}\n# TYPE {fam.name} {fam.type}\n")
+            labels = list(map(attrgetter("labels"), fam.records))
+            ids = list(map(id, labels))
+            unique = dict(zip(ids, labels, strict=True))
+            for key in unique.keys() - label_text.keys():
+                lab = unique[key]
+                content = tuple(lab.items())
+                text = by_content.get(content)
+                if text is None:
+                    text = by_content[content] = self._label_text(const, lab)
+                label_text[key] = text
+            values = list(map(repr, map(float, map(attrgetter("value"), fam.records))))
+            if "nan" in values or "inf" in values or "-inf" in values:
+                values = [_SPECIAL.get(v, v) for v in values]
+            # sample{labels} value\n for every record, joined at C level.
+            lines = zip(
+                repeat(fam.name + "{"),
+                map(label_text.__getitem__, ids),
+                repeat("} "),
+                values,
+                repeat("\n"),
+            )
+            out.append("".join(chain.from_iterable(lines)))
+        return "".join(out).encode()
+
+    def _label_text(self, const: str, labels: Mapping[str, str]) -> str:
+        if any(k in labels for k in self.const_labels):  # a record's own label wins
+            const = "".join(
+                f'{k}="{_escape(v)}",' for k, v in self.const_labels.items() if k not in labels
+            )
+        own = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+        return (const + own).rstrip(",")
+
+
+def _reduce_heads(
+    name: str, records: list[MetricRecord], mode: HeadMode, k: int, layout: list[Any]
+) -> tuple[list[MetricRecord], list[MetricRecord]]:
+    """Per layer (all labels but ``head``): the worst head's record ('layer'), the k worst
+    heads' records ('top_k') or all of them ('all'), and ``worst_head`` records naming the
+    worst head's index.
+
+    ``layout`` caches [labels, groups] between metrics: the probe gives every per-head metric
+    the same label dicts in the same order, so the grouping is computed once per snapshot.
+    """
+    reduction = HEAD_REDUCTIONS.get(name, "max")
+    labels = list(map(attrgetter("labels"), records))
+    if not layout or layout[0] != labels:  # C-level: identical dicts compare by identity
+        layout[:] = [labels, list(_layer_groups(labels))]
+    values = list(map(attrgetter("value"), records))
+    kept: list[MetricRecord] = records if mode == "all" else []
+    worst: list[MetricRecord] = []
+    for index in layout[1]:
+        group = [records[i] for i in index] if isinstance(index, list) else records[index]
+        vals = [values[i] for i in index] if isinstance(index, list) else values[index]
+        order = _worst_first(vals, reduction, k if mode == "top_k" else 1)
+        rest = {k_: v for k_, v in group[0].labels.items() if k_ != "head"}
+        if mode == "layer":
+            kept.append(MetricRecord(name, rest, vals[order[0]]))
+        elif mode == "top_k":
+            kept += [group[i] for i in order]
+        if name not in _NO_WORST_HEAD:
+            head = float(group[order[0]].labels["head"])
+            worst.append(MetricRecord("worst_head", {**rest, "metric": name}, head))
+    return kept, worst
+
+
+def _rest_key(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in labels.items() if k != "head"))
+
+
+def _layer_groups(labels: list[Mapping[str, str]]) -> Iterator[slice | list[int]]:
+    """Positions of each layer's heads: slices when each layer's heads are consecutive (the
+    probe's layout, found at C level), index lists otherwise."""
+    try:  # the probe's records: labels exactly {layer, head}
+        if set(map(len, labels)) != {2} or not all(map(itemgetter("head"), labels)):
+            raise KeyError("head")
+        keys = list(map(itemgetter("layer"), labels))
+    except KeyError:
+        keys = list(map(_rest_key, labels))
+    spans = []
+    start = 0
+    for _, run in groupby(keys):
+        end = start + len(list(run))
+        spans.append(slice(start, end))
+        start = end
+    if len(spans) == len(set(keys)):
+        yield from spans
+        return
+    positions: dict[Any, list[int]] = defaultdict(list)
+    for i, key in enumerate(keys):
+        positions[key].append(i)
+    for index in positions.values():  # head order, so ties go to the lowest head as above
+        index.sort(key=lambda i: _head_order(labels[i]["head"]))
+        yield index
+
+
+def _head_order(head: str) -> tuple[int, str]:
+    return (int(head), "") if head.isdigit() else (1 << 62, head)
+
+
+def _worst_first(values: list[float], reduction: str, k: int) -> list[int]:
+    """Indices of the k worst values, worst first (NaN before anything, then by reduction)."""
+    if k == 1 and not math.isnan(sum(values)):  # no NaN (and no +Inf/-Inf mix): C-level scan
+        if reduction == "max":
+            return [values.index(max(values))]
+        if reduction == "min":
+            return [values.index(min(values))]
+        hi, lo = max(values), min(values)
+        return [values.index(hi if abs(hi) >= abs(lo) else lo)]
+    badness = [_badness(v, reduction) for v in values]
+    return sorted(range(len(values)), key=badness.__getitem__, reverse=True)[:k]
+
+
+def _badness(value: float, reduction: str) -> float:
+    """Larger is worse; NaN is the worst of all."""
+    if math.isnan(value):
+        return math.inf
+    if reduction == "min":
+        return -value
+    return abs(value) if reduction == "absmax" else value
+
+
+class PrometheusSink:
+    """Serves the latest flush on ``http://host:port/metrics``; ``close()`` stops the server.
+
+    ``port=0`` takes an ephemeral port (see ``url``). A taken port raises ``NumwatchError``.
+    """
+
+    name = "prometheus"
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        heads: HeadMode = "layer",
+        top_k: int = 4,
+        include: Sequence[str] = ("*",),
+        exclude: Sequence[str] = (),
+        rank: int = 0,
+        run_name: str = "",
+        serve: bool = True,
+    ) -> None:
+        self.collector = SnapshotCollector(
+            heads=heads,
+            top_k=top_k,
+            include=include,
+            exclude=exclude,
+            const_labels={"rank": str(rank)},
+            run_name=run_name,
+        )
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self.collector)
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        if serve:
+            self._server, self._thread = _serve(self.collector, host, port)
+
+    @classmethod
+    def from_config(
+        cls, cfg: Any, *, rank: int, local_rank: int, run_name: str
+    ) -> PrometheusSink | None:
+        """The sink ``cfg`` (a ``PrometheusSinkConfig``) asks for on this rank, or None.
+
+        ``ranks='each'``: every process serves, on ``port + local_rank`` (ephemeral if port is 0).
+        ``ranks='rank0'``: only global rank 0 serves.
+        """
+        if not cfg.enabled or (cfg.ranks == "rank0" and rank != 0):
+            return None
+        port = cfg.port + local_rank if cfg.port and cfg.ranks == "each" else cfg.port
+        return cls(
+            host=cfg.host,
+            port=port,
+            heads=cfg.heads,
+            top_k=cfg.top_k,
+            include=cfg.include,
+            exclude=cfg.exclude,
+            rank=rank,
+            run_name=run_name,
+        )
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) the server listens on; None when not serving."""
+        if self._server is None:
+            return None
+        host, port = self._server.server_address[:2]
+        return host, port
+
+    @property
+    def url(self) -> str | None:
+        """The scrape URL, e.g. http://127.0.0.1:9700/metrics; None when not serving."""
+        if self.address is None:
+            return None
+        host, port = self.address
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{port}/metrics"
+
+    def emit(self, snapshot: Snapshot, events: Sequence[Event]) -> None:
+        self.collector.update(snapshot, events)
+
+    def close(self) -> None:
+        """Stop serving and release the port (idempotent)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a hung scraper never keeps the training process alive
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """No access log on the trainer's stderr."""
+
+
+def _app(collector: SnapshotCollector) -> Callable[..., list[bytes]]:
+    """WSGI app: /metrics (or /) is the cached text exposition, uncompressed (gzip would cost
+    the trainer CPU on every scrape; the scraper is normally on the same host or network)."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"numwatch serves its metrics on /metrics\n"]
+        try:
+            body = collector.exposition()
+        except Exception:
+            _log.exception("numwatch Prometheus exposition failed")
+            start_response("500 Internal Server Error", [("Content-Type", "text/plain")])
+            return [b"numwatch: exposition failed (see the training process's log)\n"]
+        headers = [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))]
+        start_response("200 OK", headers)
+        return [body]
+
+    return app
+
+
+def _serve(collector: SnapshotCollector, host: str, port: int) -> tuple[_Server, threading.Thread]:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server_class = type("_Server", (_Server,), {"address_family": family})
+    try:
+        server = make_server(host, port, _app(collector), server_class, handler_class=_QuietHandler)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise NumwatchError(
+                f"sinks.prometheus: port {port} on {host} is already in use (another process or "
+                "monitor serves there); set sinks.prometheus.port to a free port, or to 0 for an "
+                "ephemeral one"
+            ) from None
+        raise NumwatchError(f"sinks.prometheus: cannot listen on {host}:{port}: {exc}") from exc
+    # poll_interval bounds how long close() waits for the serving thread to notice shutdown
+    thread = threading.Thread(
+        target=server.serve_forever,
+        kwargs={"poll_interval": 0.1},
+        name="numwatch-prometheus",
+        daemon=True,
+    )
+    thread.start()
+    return server, thread

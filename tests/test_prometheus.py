@@ -1,0 +1,363 @@
+"""Prometheus exporter: head reduction on planted values, exposition format (promtool), counters,
+the HTTP server's life cycle, and the monitor wiring."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import socket
+import subprocess
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+import torch.nn.functional as F
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import numwatch
+from numwatch.config import PrometheusSinkConfig
+from numwatch.demo import GPTConfig, TinyGPT, bigram_batches
+from numwatch.events import Event
+from numwatch.sinks.prometheus import PrometheusSink, SnapshotCollector
+from numwatch.snapshot import MetricRecord, Snapshot
+
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None,
+    reason="promtool (Debian package 'prometheus') not installed; `make test` installs it as root",
+)
+
+
+def samples(text: str | bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float | str]:
+    """{(sample name, sorted labels): value} of a text exposition; NaN as "nan" (comparable)."""
+    text = text.decode() if isinstance(text, bytes) else text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): "nan" if math.isnan(s.value) else s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(text: bytes, name: str, **labels: str) -> float:
+    got = samples(text)[(name, tuple(sorted({"rank": "0", **labels}.items())))]
+    return math.nan if got == "nan" else got
+
+
+def head_snapshot(values: dict[str, list[list[float]]], *, order=None) -> Snapshot:
+    """Per-head records {metric: [[head values of layer 0], [layer 1], ...]} as the probe lays
+    them out (layer, then head; one labels dict per head); ``order`` permutes the records."""
+    records = []
+    n_layers = len(next(iter(values.values())))
+    for layer in range(n_layers):
+        for head in range(len(next(iter(values.values()))[layer])):
+            labels = {"layer": f"blocks.{layer}.attn", "head": str(head)}
+            records += [MetricRecord(name, labels, v[layer][head]) for name, v in values.items()]
+    if order is not None:
+        records = [records[i] for i in order]
+    return Snapshot(7, records, time=1.7e9)
+
+
+def exposition(snapshot: Snapshot, events=(), **kwargs) -> bytes:
+    collector = SnapshotCollector(const_labels={"rank": "0"}, run_name="t", **kwargs)
+    collector.update(snapshot, events)
+    return collector.exposition()
+
+
+PLANTED = {
+    "attn_max_logit": [[1.0, 9.0, 3.0, 9.0], [2.0, math.nan, 50.0, 1.0]],
+    "attn_min_logit": [[-1.0, -7.0, 0.0, -7.5], [-2.0, -3.0, -1.0, -4.0]],
+    "attn_output_bias": [[0.1, -0.8, 0.5, 0.7], [0.2, 0.3, -0.1, 0.9]],
+    "attn_rows": [[64.0] * 4, [64.0] * 4],
+}
+
+
+def test_layer_mode_keeps_worst_head_value_and_index():
+    text = exposition(head_snapshot(PLANTED))
+    assert value(text, "numwatch_attn_max_logit", layer="blocks.0.attn") == 9.0
+    # ties: the first head wins; NaN is always the worst (non-finite inputs)
+    assert value(text, "numwatch_worst_head", layer="blocks.0.attn", metric="attn_max_logit") == 1
+    assert math.isnan(value(text, "numwatch_attn_max_logit", layer="blocks.1.attn"))
+    assert value(text, "numwatch_worst_head", layer="blocks.1.attn", metric="attn_max_logit") == 1
+    assert value(text, "numwatch_attn_min_logit", layer="blocks.0.attn") == -7.5
+    assert value(text, "numwatch_worst_head", layer="blocks.0.attn", metric="attn_min_logit") == 3
+    # absmax keeps the sign of the worst head
+    assert value(text, "numwatch_attn_output_bias", layer="blocks.0.attn") == -0.8
+    assert value(text, "numwatch_attn_output_bias", layer="blocks.1.attn") == 0.9
+    assert value(text, "numwatch_attn_rows", layer="blocks.0.attn") == 64.0
+    names = {name for name, _ in samples(text)}
+    assert "numwatch_attn_rows" in names
+    # no worst head for rows: every head of a layer sees the same rows
+    assert not any(dict(lab).get("metric") == "attn_rows" for _, lab in samples(text))
+    heads = [lab for name, lab in samples(text) if name == "numwatch_attn_max_logit"]
+    assert len(heads) == 2 and all("head" not in dict(lab) for lab in heads)
+
+
+def test_layer_mode_independent_of_record_order():
+    n = sum(len(v) * len(v[0]) for v in PLANTED.values())
+    shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    assert samples(exposition(head_snapshot(PLANTED, order=shuffled))) == samples(
+        exposition(head_snapshot(PLANTED))
+    )
+
+
+def test_top_k_and_all_modes():
+    snap = head_snapshot(PLANTED)
+    top = samples(exposition(snap, heads="top_k", top_k=2))
+    kept = {
+        (dict(lab)["layer"], dict(lab)["head"])
+        for name, lab in top
+        if name == "numwatch_attn_max_logit"
+    }
+    assert kept == {("blocks.0.attn", "1"), ("blocks.0.attn", "3"), ("blocks.1.attn", "1")} | {
+        ("blocks.1.attn", "2")
+    }
+    full = samples(exposition(snap, heads="all"))
+    assert sum(name == "numwatch_attn_max_logit" for name, _ in full) == 8
+    key = ("numwatch_attn_min_logit", (("head", "2"), ("layer", "blocks.1.attn"), ("rank", "0")))
+    assert full[key] == -1.0
+    # the worst head index is exported in every mode
+    assert any(name == "numwatch_worst_head" for name, _ in full)
+
+
+def test_counters_gauges_and_events():
+    snap = Snapshot(
+        3,
+        [
+            MetricRecord("monitor_errors_total", {"component": "sinks"}, 2.0),
+            MetricRecord("loss", {}, 0.5),
+        ],
+        time=1.7e9,
+    )
+    event = Event(kind="nonfinite", step=3, message="x", rule="nonfinite")
+    collector = SnapshotCollector(const_labels={"rank": "3"})
+    collector.update(snap, [event, event])
+    collector.update(snap, [event])
+    text = collector.exposition().decode()
+    assert "# TYPE numwatch_monitor_errors_total counter" in text
+    assert "# TYPE numwatch_loss gauge" in text
+    assert 'numwatch_events_total{rank="3",kind="nonfinite",rule="nonfinite"} 3.0' in text
+    assert 'numwatch_step{rank="3"} 3.0' in text
+    # the monitor's own events_total (from its rules) wins over the sink's count
+    snap2 = Snapshot(
+        4, [MetricRecord("events_total", {"kind": "spike", "rule": "r"}, 5.0)], time=1.7e9
+    )
+    collector.update(snap2, [event])
+    got = samples(collector.exposition())
+    events = {lab: v for (name, lab), v in got.items() if name == "numwatch_events_total"}
+    assert events == {(("kind", "spike"), ("rank", "3"), ("rule", "r")): 5.0}
+
+
+def test_registry_and_fast_text_agree():
+    snap = head_snapshot(PLANTED)
+    snap = Snapshot(
+        snap.step,
+        [*snap, MetricRecord("grad_absmax", {"param": 'odd "name"\\x\n'}, float("inf"))],
+        time=snap.time,
+    )
+    sink = PrometheusSink(serve=False, heads="top_k", top_k=2, run_name="r")
+    sink.emit(snap, [Event(kind="spike", step=1, message="m", rule="z")])
+    fast = samples(sink.collector.exposition())
+    assert fast == samples(generate_latest(sink.registry))
+    assert fast[("numwatch_grad_absmax", (("param", 'odd "name"\\x\n'), ("rank", "0")))] == math.inf
+
+
+def test_include_exclude():
+    snap = Snapshot(
+        1,
+        [
+            MetricRecord("grad_absmax", {"param": "w"}, 1.0),
+            MetricRecord("grad_mean", {"param": "w"}, 0.1),
+            MetricRecord("loss", {}, 2.0),
+        ],
+        time=1.7e9,
+    )
+    names = {n for n, _ in samples(exposition(snap, include=["grad_*"], exclude=["grad_mean"]))}
+    always = {"numwatch_run_info", "numwatch_step", "numwatch_flush_timestamp_seconds"}
+    assert names == {"numwatch_grad_absmax", *always}
+
+
+def test_default_config_excludes_low_value_tensor_stats():
+    cfg = PrometheusSinkConfig()
+    assert not cfg.enabled and cfg.host == "127.0.0.1" and cfg.heads == "layer"
+    assert "grad_mean" in cfg.exclude and "grad_absmax" not in cfg.exclude
+
+
+# ------------------------------------------------------------------------------ HTTP server
+def get(url: str) -> tuple[int, str, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.headers["Content-Type"], r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read()
+
+
+def test_server_ephemeral_port_serves_and_closes():
+    sink = PrometheusSink(port=0, run_name="srv")
+    try:
+        host, port = sink.address
+        assert host == "127.0.0.1" and port > 0
+        assert sink.url == f"http://127.0.0.1:{port}/metrics"
+        status, ctype, body = get(sink.url)
+        assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
+        assert value(body, "numwatch_run_info", run="srv") == 1.0  # before any flush
+        sink.emit(Snapshot(5, [MetricRecord("loss", {}, 1.5)], time=1.7e9), [])
+        assert value(get(sink.url)[2], "numwatch_loss") == 1.5
+        assert get(f"http://127.0.0.1:{port}/nope")[0] == 404
+    finally:
+        sink.close()
+    sink.close()  # idempotent
+    assert sink.url is None
+    again = PrometheusSink(port=port)  # the port is free again
+    again.close()
+
+
+def test_taken_port_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(numwatch.NumwatchError, match=rf"port {port} .* already in use"):
+            PrometheusSink(port=port)
+
+
+def test_concurrent_scrapes_during_updates():
+    sink = PrometheusSink(port=0)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def scrape():
+        while not stop.is_set():
+            try:
+                step = value(get(sink.url)[2], "numwatch_step")
+                assert 0 <= step < 40
+            except KeyError:  # before the first flush there is no step
+                pass
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=scrape) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        base = list(head_snapshot(PLANTED))
+        for step in range(40):
+            sink.emit(Snapshot(step, base, time=1.7e9), [])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sink.close()
+    assert not errors
+
+
+@pytest.mark.parametrize(
+    ("ranks", "rank", "local_rank", "port", "expected"),
+    [
+        ("each", 0, 0, 9710, 9710),
+        ("each", 3, 1, 9710, 9711),
+        ("each", 3, 1, 0, 0),
+        ("rank0", 0, 0, 9710, 9710),
+        ("rank0", 1, 1, 9710, None),
+    ],
+)
+def test_from_config_ports_per_rank(monkeypatch, ranks, rank, local_rank, port, expected):
+    seen = {}
+    monkeypatch.setattr(
+        PrometheusSink, "__init__", lambda self, **kw: seen.update(kw) or None, raising=True
+    )
+    cfg = PrometheusSinkConfig(enabled=True, ranks=ranks, port=port)
+    sink = PrometheusSink.from_config(cfg, rank=rank, local_rank=local_rank, run_name="r")
+    assert (sink is None) == (expected is None)
+    if expected is not None:
+        assert seen["port"] == expected and seen["rank"] == rank
+
+
+# ------------------------------------------------------------------------------ with the monitor
+def tiny_training(monitor_overrides: dict, steps: int = 4, nan_at: int | None = None):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=16, seq_len=8, d_model=16, n_heads=2, n_layers=2)
+    model = TinyGPT(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    overrides = {
+        "flush_every": 2,
+        "attention__every": 1,
+        "activations__every": 1,
+        "sinks__jsonl__enabled": False,
+        "sinks__console__enabled": False,
+        "sinks__prometheus__enabled": True,
+        "sinks__prometheus__port": 0,
+        **monitor_overrides,
+    }
+    monitor = numwatch.Monitor(model, **overrides).attach(opt)
+    data = bigram_batches(cfg, 2)
+    for step in range(steps):
+        x, y = next(data)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        if step == nan_at:
+            model.head.weight.grad[0, 0] = float("nan")
+        monitor.step(loss)
+        if step == nan_at:
+            model.head.weight.grad.nan_to_num_(0.0)
+        opt.step()
+        opt.zero_grad()
+    return monitor, model
+
+
+def test_monitor_serves_and_detach_stops():
+    monitor, _ = tiny_training({}, nan_at=1)
+    url = monitor.prometheus_url
+    body = get(url)[2]
+    assert value(body, "numwatch_step") == 3
+    assert value(body, "numwatch_events_total", kind="nonfinite", rule="nonfinite") == 1
+    heads = monitor.snapshot().series("attn_max_logit")
+    worst = max(r.value for r in heads if r.labels["layer"] == "blocks.0.attn")
+    assert value(body, "numwatch_attn_max_logit", layer="blocks.0.attn") == worst
+    monitor.detach()
+    assert monitor.prometheus_url is None
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url, timeout=2)
+
+
+def test_monitor_attach_on_taken_port_fails_cleanly():
+    model = torch.nn.Linear(2, 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        monitor = numwatch.Monitor(
+            model,
+            sinks__jsonl__enabled=False,
+            sinks__console__enabled=False,
+            sinks__prometheus__enabled=True,
+            sinks__prometheus__port=port,
+        )
+        with pytest.raises(numwatch.NumwatchError, match=r"sinks\.prometheus"):
+            monitor.attach()
+    assert not monitor.attached
+    assert not model._forward_hooks and not model.weight._post_accumulate_grad_hooks
+    # nothing is left bound or hooked: the same monitor attaches once the port is free
+    monitor.attach()
+    assert monitor.prometheus_url == f"http://127.0.0.1:{port}/metrics"
+    monitor.detach()
+
+
+@needs_promtool
+@pytest.mark.parametrize("heads", ["layer", "top_k", "all"])
+def test_promtool_accepts_exposition(heads):
+    monitor, _ = tiny_training(
+        {"sinks__prometheus__heads": heads, "sinks__prometheus__exclude": []}, nan_at=1
+    )
+    try:
+        body = get(monitor.prometheus_url)[2]
+    finally:
+        monitor.detach()
+    result = subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=body, capture_output=True, timeout=30
+    )
+    assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
+    assert b"numwatch_attn_max_logit" in body and b"numwatch_grad_mean" in body

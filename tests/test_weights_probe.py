@@ -1,0 +1,114 @@
+"""Weight probe: spectral norms of weights and of each head's W_Q / W_K, against exact SVDs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import numwatch
+from numwatch.probes.qk_layout import find_qk_layout
+
+
+def monitor_for(model, **kw):
+    kw.setdefault("sinks__console__enabled", False)
+    kw.setdefault("sinks__jsonl__enabled", False)
+    kw.setdefault("flush_every", 1)
+    kw.setdefault("weights__every", 1)
+    kw.setdefault("weights__iters", 30)  # converge within one step for the comparison
+    return numwatch.Monitor(model, **kw).attach()
+
+
+def sigma(w: torch.Tensor) -> float:
+    return torch.linalg.matrix_norm(w.detach().double(), ord=2).item()
+
+
+class Attn(nn.Module):
+    def __init__(self, d=32, n_heads=4):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+
+def test_weight_norms_match_svd():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8))
+    with torch.no_grad():  # a planted spectrum: sigma_max 5, well separated
+        u, _ = torch.linalg.qr(torch.randn(24, 16))
+        v, _ = torch.linalg.qr(torch.randn(16, 16))
+        model[0].weight.copy_(u @ torch.diag(torch.linspace(5, 0.5, 16)) @ v.T)
+    monitor = monitor_for(model)
+    monitor.step()
+    snap = monitor.snapshot()
+    assert snap.value("weight_spectral_norm", param="0.weight") == pytest.approx(5.0, rel=1e-3)
+    assert snap.value("weight_spectral_norm", param="2.weight") == pytest.approx(
+        sigma(model[2].weight), rel=1e-2
+    )
+    assert snap.get("weight_spectral_norm", param="0.bias") is None  # 2-D weights only
+
+
+def test_fused_qkv_heads_and_logit_bound():
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("attn", Attn())
+    monitor = monitor_for(model, weights__iters=300)  # random init: sigma_1/sigma_2 is close to 1
+    monitor.step()
+    snap = monitor.snapshot()
+    w = model.attn.qkv.weight
+    for h in range(4):
+        labels = {"layer": "attn", "head": str(h)}
+        sq, sk = sigma(w[8 * h : 8 * h + 8]), sigma(w[32 + 8 * h : 32 + 8 * h + 8])
+        assert snap.value("attn_q_spectral_norm", **labels) == pytest.approx(sq, rel=1e-2)
+        assert snap.value("attn_k_spectral_norm", **labels) == pytest.approx(sk, rel=1e-2)
+        bound = snap.value("attn_qk_logit_bound", **labels)
+        assert bound == pytest.approx(sq * sk / 8**0.5, rel=2e-2)
+
+
+def test_layouts_of_real_model_families():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=16, n_positions=8)
+    )
+    attn = gpt2.transformer.h[0].attn
+    layout = find_qk_layout(attn)
+    assert layout is not None and (len(layout.q), len(layout.k)) == (4, 4)
+    # GPT-2's Conv1D keeps (in, out): head 1's query is columns 8..16 of c_attn
+    assert torch.equal(layout.q[1].matrix(), attn.c_attn.weight[:, 8:16].t())
+    assert torch.equal(layout.k[0].matrix(), attn.c_attn.weight[:, 32:40].t())
+
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=16,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
+    attn = llama.model.layers[0].self_attn
+    layout = find_qk_layout(attn)
+    assert (len(layout.q), len(layout.k)) == (4, 2)
+    assert layout.k_for(3) is layout.k[1]  # GQA: query heads 2, 3 share key head 1
+    monitor = monitor_for(llama, weights__iters=300)
+    monitor.step()
+    snap = monitor.snapshot()
+    labels = {"layer": "model.layers.0.self_attn", "head": "3"}
+    want = sigma(attn.k_proj.weight[8:16])
+    assert snap.value("attn_k_spectral_norm", **labels) == pytest.approx(want, rel=1e-2)
+
+
+def test_warm_start_tracks_a_growing_weight_with_one_iteration():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32))
+    monitor = monitor_for(model, weights__iters=1)
+    errors = []
+    for _ in range(40):
+        with torch.no_grad():
+            model[0].weight.mul_(1.02)  # the norm grows 2 % a step, as before a blow-up
+        monitor.step()
+        got = monitor.snapshot().value("weight_spectral_norm", param="0.weight")
+        errors.append(abs(got - sigma(model[0].weight)) / sigma(model[0].weight))
+    assert errors[-1] < 0.01
