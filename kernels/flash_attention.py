@@ -63,6 +63,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function
 
 from .flash_attention_torch import (
     MODE_PAPER,
@@ -253,7 +254,14 @@ def flash_attention(
     q (B, H, Tq, D), k/v (B, Hk, Tk, D) -> (B, H, Tq, D) in q's dtype. ``stabilize``, ``beta`` and
     ``mode`` are described in the module docstring; the rest are SDPA's arguments. Runs the Triton
     kernel on CUDA and on CPU under ``TRITON_INTERPRET=1``, the torch reference on plain CPU.
+    It dispatches like a torch function, so TorchFunctionModes (numwatch's attention probe) see it.
     """
+    if has_torch_function((q, k, v)):
+        return handle_torch_function(
+            flash_attention, (q, k, v), q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, stabilize=stabilize,
+            beta=beta, mode=mode,
+        )  # fmt: skip
     kernel_mode = _kernel_mode(mode, stabilize, beta)
     use_triton = _use_triton(q)
     return _run(

@@ -24,6 +24,7 @@ __all__ = [
     "ActivationConfig",
     "AttentionConfig",
     "ConsoleSinkConfig",
+    "DistributedConfig",
     "GradientConfig",
     "JsonlSinkConfig",
     "MonitorConfig",
@@ -155,6 +156,9 @@ class RulesConfig(_Section):
     """Which rules run at each flush (README, 'Rules and actions')."""
 
     defaults: bool = Field(True, description="Start from the default precursor rule set.")
+    act: bool = Field(
+        True, description="Run the rules' actions; False = events only (a dry run of mitigation)."
+    )
     disable: list[str] = Field(default_factory=list, description="Names of rules to turn off.")
     add: list[RuleConfig] = Field(
         default_factory=list,
@@ -235,6 +239,28 @@ class SinksConfig(_Section):
     prometheus: PrometheusSinkConfig = Field(default_factory=PrometheusSinkConfig)
 
 
+# --- distributed (numwatch/distributed.py) -----------------------------------------------------
+class DistributedConfig(_Section):
+    """Under torch.distributed (README, 'Distributed'); nothing changes in a single process."""
+
+    aggregate: bool = Field(
+        True,
+        description="Combine every flush's statistics over all ranks (a few collectives per "
+        "flush) and the per-step values skip_step decides on (one small all-reduce per step), "
+        "so all ranks see the same global values and take the same actions at the same step. "
+        "False: each rank sees and acts on its own values only.",
+    )
+    jsonl: Literal["rank0", "per_rank"] = Field(
+        "rank0",
+        description="'rank0': only rank 0 writes the JSONL log, with the global values; "
+        "'per_rank': every rank writes its own file ({rank} in sinks.jsonl.path) with its own, "
+        "un-aggregated values (the events are the global ones).",
+    )
+
+
+# --- end distributed ---------------------------------------------------------------------------
+
+
 class MonitorConfig(_Section):
     """Everything a ``Monitor`` can be told. Every field has a safe default."""
 
@@ -266,6 +292,7 @@ class MonitorConfig(_Section):
     rules: RulesConfig = Field(default_factory=RulesConfig)
     history: PositiveInt = Field(20, description="Recent flushes kept for halt reports/snapshots.")
     sinks: SinksConfig = Field(default_factory=SinksConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @classmethod
     def load(

@@ -26,6 +26,7 @@ from numwatch.actions.optimizer_control import OptimizerControl
 from numwatch.actions.swap_kernel import AttentionKernel
 from numwatch.buffers import NonfiniteOrigin, NonfiniteTracker, read_to_host
 from numwatch.config import MonitorConfig
+from numwatch.distributed import Aggregator
 from numwatch.errors import NumwatchError
 from numwatch.events import Event, EventBus
 from numwatch.guard import Guard
@@ -113,6 +114,8 @@ class Monitor:
         # Kernel routing changes wait for a step boundary: (layer glob or None = all, kernel).
         self._pending_routes: list[tuple[str | None, AttentionKernel | None]] = []
         self._engine, self._actions = self._build_rules()
+        self._dist = Aggregator(self.config.distributed)  # cross-rank values (distributed.py)
+        self._local_snapshot: Snapshot | None = None  # this rank's own values (per-rank JSONL)
         self._control: OptimizerControl | None = None
         self._history: deque[Snapshot] = deque(maxlen=self.config.history)
         self._event_counts: Counter[tuple[str, str]] = Counter()
@@ -206,7 +209,7 @@ class Monitor:
 
     def _build_sinks(self) -> None:
         cfg = self.config.sinks
-        if cfg.jsonl.enabled:
+        if cfg.jsonl.enabled and (self.rank == 0 or self.config.distributed.jsonl == "per_rank"):
             self._jsonl_path = cfg.jsonl.path.format(run_name=self.run_name, rank=self.rank)
             self._sinks.append(JsonlSink(self._jsonl_path, self.run_name))
         if cfg.console.enabled and self.rank == 0:
@@ -276,6 +279,7 @@ class Monitor:
         for probe in self._probes:
             if hasattr(probe, "on_step"):
                 self._guard.run(probe.component, probe.on_step)
+        self._dist.on_step(self._gradients)  # this rank's share of the global gradient norm
         self._record_loss(loss)
         if self._engine.step_rules:
             self._check_step()
@@ -287,6 +291,8 @@ class Monitor:
         """
         norm_sq = self._gradients.step_norm_sq() if self._gradients is not None else None
         named = {"grad_norm": norm_sq, "loss": self._loss}
+        if self._dist.active:  # global values, so that every rank takes the same decision
+            named = self._dist.step_values(self._loss)
         on_device = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
         values = {k: float(v) for k, v in named.items() if isinstance(v, float)}
         if on_device:
@@ -380,7 +386,9 @@ class Monitor:
             self._publish(events)
             unsent, self._unsent_events = self._unsent_events, []
             for sink in self._sinks:
-                self._guard.run("sinks", sink.emit, snapshot, unsent)
+                # distributed.jsonl='per_rank': each rank's log holds its own values
+                view = self._local_snapshot if isinstance(sink, JsonlSink) else snapshot
+                self._guard.run("sinks", sink.emit, view, unsent)
             self._run_actions(fired)  # after the sinks: a halt leaves the log complete
         return snapshot
 
@@ -392,7 +400,9 @@ class Monitor:
         device_tensors.update(ctx.tracker.device_tensors())
         if isinstance(self._loss, torch.Tensor):
             device_tensors["loss"] = self._loss
-        host = read_to_host(device_tensors)  # SYNC: once per flush
+        if self._dist.active:  # global values over all ranks (numwatch/distributed.py)
+            device_tensors = self._dist.aggregate(device_tensors, self._loss, self._gradients)
+        host, local_host = self._dist.split(read_to_host(device_tensors))  # SYNC: once per flush
 
         step = ctx.step - 1
         records: list[MetricRecord] = []
@@ -401,8 +411,10 @@ class Monitor:
         if self._loss is not None:
             loss = float(host["loss"]) if "loss" in host else float(self._loss)
             records.append(MetricRecord("loss", {}, loss))
-        origin = ctx.tracker.first_origin(host)
-        nonfinite = [] if origin is None else [self._nonfinite_event(origin, step)]
+        own = self._own_records(local_host) if self._dist.keeps_local else None
+        shared_from = len(records)  # records from here on are the same on every rank
+        origin, seen = self._dist.first_nonfinite(ctx.tracker, host, local_host)
+        nonfinite = [] if origin is None else [self._nonfinite_event(origin, step, seen)]
         if self._window_steps:
             elapsed = time.perf_counter() - self._window_start
             records.append(MetricRecord("step_seconds", {}, elapsed / self._window_steps))
@@ -441,7 +453,21 @@ class Monitor:
         for event, _ in fired:
             self._event_counts[(event.kind, event.rule)] += 1
         records += self._mitigation_records()
-        return Snapshot(step, records, time=time.time(), rank=self.rank), fired
+        snapshot = Snapshot(step, records, time=time.time(), rank=self.rank)
+        self._local_snapshot = snapshot
+        if own is not None:
+            own += records[shared_from:]
+            self._local_snapshot = Snapshot(step, own, time=snapshot.time, rank=self.rank)
+        return snapshot, fired
+
+    def _own_records(self, local_host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
+        """The probes' metrics and the loss from this rank's values only (per-rank JSONL)."""
+        out: list[MetricRecord] = []
+        for probe in self._probes:
+            out += self._guard.run(probe.component, probe.records, local_host) or []
+        if "loss" in local_host:
+            out.append(MetricRecord("loss", {}, float(local_host["loss"])))
+        return out
 
     def _mitigation_records(self) -> list[MetricRecord]:
         out = [
@@ -457,7 +483,10 @@ class Monitor:
         out.append(MetricRecord("mitigation_lr_factor", {}, control.lr_factor if control else 1.0))
         return out
 
-    def _nonfinite_event(self, origin: NonfiniteOrigin, flush_step: int) -> Event:
+    def _nonfinite_event(
+        self, origin: NonfiniteOrigin, flush_step: int, seen: Mapping[str, Any] | None = None
+    ) -> Event:
+        """``seen``: distributed, {'rank': who saw it first, 'ranks': everyone who saw one}."""
         where = f"{origin.label} {origin.name!r}" if origin.label else "the loss"
         what = {"forward": "forward output of", "backward": "gradient of", "loss": ""}[origin.phase]
         subject = f"{what} {where}".strip() if origin.label else where
@@ -470,8 +499,9 @@ class Monitor:
             rule="nonfinite",
             metric=metric[origin.phase],
             labels=labels,
-            message=f"NaN/Inf first seen in the {subject} ({origin.phase}) at step {origin.step}",
-            evidence={"phase": origin.phase, "flush_step": flush_step},
+            message=f"NaN/Inf first seen in the {subject} ({origin.phase}) at step {origin.step}"
+            + (f" on rank {seen['rank']}" if seen else ""),
+            evidence={"phase": origin.phase, "flush_step": flush_step, **(seen or {})},
         )
 
     def _publish(self, events: Sequence[Event]) -> None:
@@ -496,6 +526,7 @@ class Monitor:
         actions = {
             name: [build_action(a, f"rules[{name}].actions") for a in rule.actions]
             for name, rule in rules.items()
+            if cfg.act
         }
         step_level = [
             n for n, acts in actions.items() if any(isinstance(a, SkipStep) for a in acts)

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from numwatch.config import AttentionConfig
 from numwatch.kernels import attention_stats as ats
+from numwatch.kernels.flash_attention import flash_attention
 from numwatch.probes.base import ProbeContext
 from numwatch.selection import matches
 from numwatch.snapshot import MetricRecord
@@ -94,6 +95,8 @@ class _Interceptor(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _SDPA_FUNCS:
             return self.probe.on_sdpa(func, args, kwargs)
+        if func is flash_attention:  # numwatch's own kernel called by the model: observe only
+            return self.probe.on_sdpa(func, args, kwargs, routable=False)
         if func is F.multi_head_attention_forward and self.probe.sampling:
             # Ops inside MHA's forward run with this mode popped: measure from its arguments.
             self.probe.on_mha(args, kwargs)
@@ -195,10 +198,12 @@ class AttentionProbe:
             hit = self._selected[layer] = matches(layer, self.cfg.layers, self.cfg.exclude)
         return hit
 
-    def on_sdpa(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> torch.Tensor:
+    def on_sdpa(
+        self, func: Callable[..., Any], args: tuple, kwargs: dict, routable: bool = True
+    ) -> torch.Tensor:
         layer, _ = self.locate()
         self.layers_seen.add(layer)
-        route = self.route_for(layer)
+        route = self.route_for(layer) if routable else None
         call = SdpaCall.from_args(args, kwargs) if route is not None else None
         out = route(call) if call is not None and not call.extra else func(*args, **kwargs)
         if self.sampling and self.cfg.sdpa and self._wanted(layer):

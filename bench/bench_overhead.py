@@ -1,0 +1,215 @@
+"""Monitor overhead on a GPT-2-124M bf16 training step, against the same loop without it.
+
+Configurations alternate in one process (rounds x configs), every step is timed between two
+device syncs, and the figure per configuration is the median over all its timed steps:
+
+- ``baseline``: no numwatch;
+- ``default``: numwatch with its default configuration;
+- ``attention_only``: only the attention probe, default cadence (issue 3's figure);
+- ``grads_spectral_every_step``: gradient statistics and spectral norms every step (issue 5);
+- ``everything_every_step``: every probe at every step, flush every step;
+- ``detect_anomaly``: torch.autograd.set_detect_anomaly(True), what users run instead;
+- ``nan_check_hooks``: a per-parameter gradient hook checking isnan/isinf with a host read, the
+  common NaN-check recipe.
+
+    python bench/bench_overhead.py --out bench/results/overhead.json            # GPU
+    python bench/bench_overhead.py --preset tiny --device cpu --steps 5 --rounds 1  # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from gpt2 import GPT, PRESETS
+
+import numwatch
+
+EVERY = {
+    "flush_every": 1,
+    "gradients__every": 1,
+    "activations__every": 1,
+    "attention__every": 1,
+    "weights__every": 1,
+    "optimizer__every": 1,
+}
+OFF = {
+    "gradients__enabled": False,
+    "activations__enabled": False,
+    "attention__enabled": False,
+    "weights__enabled": False,
+    "optimizer__enabled": False,
+}
+CONFIGS: dict[str, dict | str | None] = {
+    "baseline": None,
+    "default": {},
+    "attention_only": {**OFF, "attention__enabled": True},
+    "grads_spectral_every_step": {
+        **OFF,
+        "gradients__enabled": True,
+        "weights__enabled": True,
+        "gradients__every": 1,
+        "weights__every": 1,
+    },
+    "everything_every_step": EVERY,
+    "detect_anomaly": "detect_anomaly",
+    "nan_check_hooks": "nan_check_hooks",
+}
+
+
+@contextmanager
+def configured(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, logdir: str):
+    spec = CONFIGS[name]
+    monitor = None
+    handles = []
+    with ExitStack() as stack:
+        if spec == "detect_anomaly":
+            stack.enter_context(torch.autograd.set_detect_anomaly(True))
+        elif spec == "nan_check_hooks":
+
+            def check(grad: torch.Tensor) -> None:
+                if torch.isnan(grad).any() or torch.isinf(grad).any():  # host read per tensor
+                    raise FloatingPointError("non-finite gradient")
+
+            handles = [p.register_hook(check) for p in model.parameters()]
+        elif isinstance(spec, dict):
+            monitor = numwatch.Monitor(
+                model,
+                sinks__console__enabled=False,
+                sinks__jsonl__path=f"{logdir}/{name}.jsonl",
+                **spec,
+            ).attach(opt)
+        try:
+            yield monitor
+        finally:
+            for h in handles:
+                h.remove()
+            if monitor is not None:
+                monitor.detach()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="gpt2")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per config and round")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps after each switch")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    torch.manual_seed(0)
+    cfg = PRESETS[args.preset]
+    model = GPT(cfg).to(args.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
+    device_type = torch.device(args.device).type
+    x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size), device=args.device)
+    y = torch.roll(x, -1, 1)
+    backends = []
+    if device_type == "cuda":
+        from torch.nn.attention import SDPBackend
+
+        backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+
+    def sync() -> None:
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+
+    def train_step(monitor: numwatch.Monitor | None) -> None:
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        if monitor is not None:
+            monitor.step(loss)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    names = args.configs.split(",")
+    times: dict[str, list[float]] = {n: [] for n in names}
+    overhead_host: dict[str, list[float]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory() as logdir, ExitStack() as stack:
+        if backends:
+            from torch.nn.attention import sdpa_kernel
+
+            stack.enter_context(sdpa_kernel(backends, set_priority=True))
+        for _ in range(args.rounds):
+            for name in names:
+                with configured(name, model, opt, logdir) as monitor:
+                    for _ in range(args.warmup):
+                        train_step(monitor)
+                    for _ in range(args.steps):
+                        sync()
+                        t0 = time.perf_counter()
+                        train_step(monitor)
+                        sync()
+                        times[name].append(time.perf_counter() - t0)
+                    if monitor is not None and monitor.snapshot() is not None:
+                        v = monitor.snapshot().get("monitor_overhead_seconds")
+                        if v is not None:
+                            overhead_host[name].append(v)
+
+    base = statistics.median(times["baseline"]) if "baseline" in times else None
+    results = {}
+    for name in names:
+        ts = sorted(times[name])
+        med = statistics.median(ts)
+        results[name] = {
+            "median_ms": med * 1e3,
+            "p10_ms": ts[len(ts) // 10] * 1e3,
+            "p90_ms": ts[(9 * len(ts)) // 10] * 1e3,
+            "steps": len(ts),
+            "overhead_vs_baseline": (med / base - 1) if base else None,
+            "monitor_host_seconds_per_step": (
+                statistics.median(overhead_host[name]) if overhead_host[name] else None
+            ),
+        }
+        line = f"{name:28s} {med * 1e3:9.2f} ms"
+        if base:
+            line += f"  {100 * (med / base - 1):+7.2f} %"
+        print(line, flush=True)
+    report = {
+        "benchmark": "monitor overhead per training step",
+        "gpu": torch.cuda.get_device_name() if device_type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "model": args.preset,
+        "params": sum(p.numel() for p in model.parameters()),
+        "batch": args.batch,
+        "seq_len": cfg.block_size,
+        "dtype": "bf16 autocast",
+        "optimizer": "AdamW (fused on CUDA)",
+        "attention": "SDPA, cuDNN then FA2 backend" if backends else "SDPA",
+        "rounds": args.rounds,
+        "timed_steps_per_round": args.steps,
+        "results": results,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The examples run (tiny settings, CPU) and the overhead benchmark's harness works."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from numwatch.sinks.jsonl import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "stabilized"])
+def test_gpt2_example_trains_with_the_monitor(tmp_path, attention):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import gpt2
+    finally:
+        sys.path.pop(0)
+    log = tmp_path / "run.jsonl"
+    args = f"--preset tiny --steps 4 --batch 2 --attention {attention} --flush-every 2"
+    out = gpt2.main([*args.split(), "--jsonl", str(log)])
+    assert out["loss"] > 0
+    records = read_jsonl(log)
+    assert [r["step"] for r in records] == [1, 3]
+    layers = {m["labels"]["layer"] for m in records[0]["metrics"] if m["name"] == "attn_rows"}
+    assert layers == {"h.0.attn", "h.1.attn"}
+
+
+def test_overhead_benchmark_harness(tmp_path):
+    out = tmp_path / "overhead.json"
+    args = "--preset tiny --device cpu --steps 2 --warmup 1 --rounds 1"
+    args += " --configs baseline,default,nan_check_hooks"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_overhead.py"), *args.split()]
+    cmd += ["--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"baseline", "default", "nan_check_hooks"}
+    assert report["results"]["default"]["steps"] == 2
