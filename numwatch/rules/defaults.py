@@ -30,6 +30,7 @@ def default_rules() -> list[Rule]:
             metric="attn_repeated_max_fraction",
             threshold=0.05,
             for_flushes=3,
+            cooldown=10,
             actions=swap,
         ),
         # Near-uniform rows (all logits within 0.002 of the max, e.g. at initialisation) are
@@ -39,12 +40,14 @@ def default_rules() -> list[Rule]:
             metric="attn_saturated_fraction",
             threshold=0.1,
             for_flushes=3,
+            cooldown=10,
         ),
         PersistenceRule(
             name="attn_output_bias_persistent",
             metric="attn_output_bias",
             flushes=5,
             min_abs=0.5,
+            cooldown=10,
             actions=swap,
         ),
         ThresholdRule(

@@ -64,7 +64,8 @@ def summary_line(snapshot: Snapshot, events: Sequence[Event]) -> str:
     if events:
         kinds = Counter(e.kind for e in events)
         listed = ", ".join(f"{n} {k}" for k, n in kinds.items())
-        parts.append(f"[bold yellow]events: {listed}[/] — {events[0].message}")
+        first = min(events, key=lambda e: e.kind != "action")  # what was done matters most
+        parts.append(f"[bold yellow]events: {listed}[/] — {first.message}")
     return " | ".join(parts)
 
 
