@@ -5,6 +5,7 @@ device syncs, and the figure per configuration is the median over all its timed 
 
 - ``baseline``: no numwatch;
 - ``default``: numwatch with its default configuration;
+- ``default_flush_every_1``: the same, flushing (reading the device) every step;
 - ``attention_only``: only the attention probe, default cadence (issue 3's figure);
 - ``grads_spectral_every_step``: gradient statistics and spectral norms every step (issue 5);
 - ``everything_every_step``: every probe at every step, flush every step;
@@ -13,7 +14,8 @@ device syncs, and the figure per configuration is the median over all its timed 
   common NaN-check recipe.
 
     python bench/bench_overhead.py --out bench/results/overhead.json            # GPU
-    python bench/bench_overhead.py --preset tiny --device cpu --steps 5 --rounds 1  # smoke test
+    python bench/bench_overhead.py --preset demo --device cpu --batch 16 \
+        --configs baseline,default,default_flush_every_1 --out bench/results/overhead_cpu_demo.json
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ OFF = {
 CONFIGS: dict[str, dict | str | None] = {
     "baseline": None,
     "default": {},
+    "default_flush_every_1": {"flush_every": 1},
     "attention_only": {**OFF, "attention__enabled": True},
     "grads_spectral_every_step": {
         **OFF,
@@ -101,7 +104,7 @@ def configured(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, lo
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--preset", default="gpt2")
+    p.add_argument("--preset", default="gpt2", help="examples/gpt2.py preset, or 'demo'")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=20, help="timed steps per config and round")
@@ -112,11 +115,19 @@ def main() -> None:
     args = p.parse_args()
 
     torch.manual_seed(0)
-    cfg = PRESETS[args.preset]
-    model = GPT(cfg).to(args.device)
+    if args.preset == "demo":  # the model `numwatch demo` trains
+        from numwatch.demo import GPTConfig, TinyGPT
+
+        demo = GPTConfig()
+        model = TinyGPT(demo).to(args.device)
+        seq_len, vocab = demo.seq_len, demo.vocab
+    else:
+        cfg = PRESETS[args.preset]
+        model = GPT(cfg).to(args.device)
+        seq_len, vocab = cfg.block_size, cfg.vocab_size
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
     device_type = torch.device(args.device).type
-    x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size), device=args.device)
+    x = torch.randint(0, vocab, (args.batch, seq_len), device=args.device)
     y = torch.roll(x, -1, 1)
     backends = []
     if device_type == "cuda":
@@ -190,7 +201,7 @@ def main() -> None:
         "model": args.preset,
         "params": sum(p.numel() for p in model.parameters()),
         "batch": args.batch,
-        "seq_len": cfg.block_size,
+        "seq_len": seq_len,
         "dtype": "bf16 autocast",
         "optimizer": "AdamW (fused on CUDA)",
         "attention": "SDPA, cuDNN then FA2 backend" if backends else "SDPA",
