@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from numwatch.kernels import attention_stats as A
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from numwatch.kernels import attention_stats as A
 
 B, H, T = 4, 16, 4096
 SHAPES = [(B, H, T, d, causal) for d in (128, 64) for causal in (False, True)]

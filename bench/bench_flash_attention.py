@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from numwatch.kernels import flash_attention_triton as fat
 from numwatch.kernels.flash_attention import flash_attention
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 TC = fat.TileConfig
 FWD_CANDIDATES = {

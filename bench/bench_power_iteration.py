@@ -32,6 +32,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before numwatch.kernels imports triton
 
 import triton
+
 from numwatch.kernels.power_iteration import _CONFIG, PowerIteration, head_views
 
 

@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before numwatch.kernels imports triton
 
 import triton
+
 from numwatch.kernels import tensor_stats as ts
 
 

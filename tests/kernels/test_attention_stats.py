@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from numwatch.kernels import attention_stats as A
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from numwatch.kernels import attention_stats as A
 from numwatch.testing import devices, kernel_devices, requires_gpu
 
 IMPLS = [("torch", d) for d in devices()] + [("triton", d) for d in kernel_devices()]

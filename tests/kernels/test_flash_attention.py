@@ -20,6 +20,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from numwatch.kernels import flash_attention as fa
 from numwatch.kernels import flash_attention_torch as fat
 from numwatch.kernels.flash_attention import (
@@ -27,7 +28,6 @@ from numwatch.kernels.flash_attention import (
     flash_attention_fallbacks,
     flash_attention_reference,
 )
-
 from numwatch.testing import kernel_devices, requires_gpu
 
 EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}

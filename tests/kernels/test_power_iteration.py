@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from numwatch.kernels.power_iteration import PowerIteration, head_views, qk_logit_bound
 
+from numwatch.kernels.power_iteration import PowerIteration, head_views, qk_logit_bound
 from numwatch.testing import kernel_devices, requires_gpu
 
 BACKENDS = [("torch", "cpu")] + [("triton", d) for d in kernel_devices()[:1]]

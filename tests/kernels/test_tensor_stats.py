@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+
 from numwatch.kernels import tensor_stats as ts
 from numwatch.kernels.tensor_stats import (
     ABSMAX,
@@ -29,7 +30,6 @@ from numwatch.kernels.tensor_stats import (
     tensor_stats,
     tensor_stats_reference,
 )
-
 from numwatch.testing import kernel_devices, requires_gpu
 
 FP8 = [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d]
