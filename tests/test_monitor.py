@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 import numwatch
 from numwatch.sinks.console import ConsoleSink
 from numwatch.sinks.jsonl import read_jsonl
-from numwatch.testing import planted_tensor
+from numwatch.testing import planted_tensor, requires_gpu
 
 
 @pytest.fixture
@@ -509,3 +509,36 @@ def test_hooks_and_steps_do_no_host_sync(make_monitor):
     with SyncCounter() as counter:
         monitor.step()  # step 3 closes the window: exactly one device read
     assert counter.calls == ["cpu"]
+
+
+@requires_gpu
+def test_no_host_sync_between_flushes_on_gpu(make_monitor):
+    """CUDA's own sync detector: any sync inside the window raises."""
+    from examples_gpt2 import tiny_gpt_on_cuda
+
+    model, opt, x, y = tiny_gpt_on_cuda()
+    monitor = make_monitor(
+        model, flush_every=4, activations__every=1, attention__every=1, weights__every=1
+    ).attach(opt)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        monitor.step(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # step 0: builds tables, index caches and kernel plans (one-time transfers)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        step()  # steps 1 and 2: every probe runs, nothing flushes
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    step()  # step 3 flushes
+    snap = monitor.snapshot()
+    assert snap.step == 3
+    assert snap.series("attn_max_logit") and snap.series("weight_spectral_norm")
