@@ -376,7 +376,8 @@ def _run_triton(
     sq = torch.empty(max(plan.n_tiles2, 1), dtype=torch.float32, device=device)
     nv2 = torch.empty(plan.n_mats, dtype=torch.float32, device=device)
     sigma = torch.empty(plan.n_mats, dtype=torch.float32, device=device)
-    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+    switch = device.type == "cuda" and device.index != torch.cuda.current_device()
+    with torch.cuda.device(device) if switch else nullcontext():
         for _ in range(iters):
             for dtype, base1, n1, _, _, align in plan.launches:
                 _pi_pass1_kernel[(n1,)](
@@ -394,6 +395,15 @@ def _run_triton(
                 plan.table, u, u0, sq, nv2, sigma, plan.n_mats, BLOCK=256, num_warps=4
             )
     return sigma
+
+
+class _State(NamedTuple):
+    """What a step over one list layout needs, valid while the vectors keep ``signature``."""
+
+    signature: tuple
+    plan: _Plan | None  # Triton path (None: torch path)
+    views: list[torch.Tensor]  # the oriented batches (they also keep copies alive to the launch)
+    cacheable: bool  # False when an entry had to be copied (its address changes every call)
 
 
 class PowerIteration:
@@ -422,7 +432,7 @@ class PowerIteration:
         self._signature: tuple = ()
         self._u: torch.Tensor | None = None  # flat (sum n*m,) float32 unit vectors
         self._u0: torch.Tensor | None = None  # their initial values: the restart vectors
-        self._plans: OrderedDict[tuple, _Plan] = OrderedDict()
+        self._states: OrderedDict[tuple, _State] = OrderedDict()  # by memory layout of the list
         self._cfg = _CONFIG
 
     def reset(self) -> None:
@@ -434,11 +444,32 @@ class PowerIteration:
         if not matrices:
             raise ValueError("PowerIteration.step needs at least one matrix")
         iters = self.iters if iters is None else iters
+        # hot path: a list laid out as before reuses its table (weights do not move)
+        key = (
+            *map(torch.Tensor.data_ptr, matrices),
+            *[(t.shape, t.stride(), t.dtype) for t in matrices],
+        )
+        state = self._states.get(key)
+        if state is None or state.signature is not self._signature:
+            state = self._prepare(matrices)
+            if state.cacheable:
+                self._states[key] = state
+                if len(self._states) > 8:
+                    self._states.popitem(last=False)
+        if state.plan is not None:
+            return _run_triton(state.plan, self._u, self._u0, iters, self._cfg)
+        with torch.no_grad():
+            return power_iteration_reference(state.views, self._u, self._u0, iters)
+
+    def _prepare(self, matrices: Sequence[torch.Tensor]) -> _State:
+        """Orient and check the list, (re)build the vectors, choose the path, build the table."""
         entries = [_orient(t.detach()) for t in matrices]
         device = entries[0].view.device
         if any(e.view.device != device for e in entries):
             raise ValueError("PowerIteration.step needs all matrices on one device")
         self._ensure_vectors(entries, device)
+        copied = [e.view.data_ptr() != t.data_ptr() for e, t in zip(entries, matrices, strict=True)]
+        cacheable = not any(copied)
         use_triton = self.backend == "triton" or (
             self.backend == "auto" and device.type == "cuda" and triton is not None
         )
@@ -451,19 +482,9 @@ class PowerIteration:
                     "CPU it needs TRITON_INTERPRET=1, otherwise use backend='torch' or 'auto'"
                 )
             if all(e.view.dtype in _FORMATS for e in entries):
-                return _run_triton(self._plan(entries, device), self._u, self._u0, iters, self._cfg)
-        return power_iteration_reference([e.view for e in entries], self._u, self._u0, iters)
-
-    def _plan(self, entries: Sequence[_Entry], device: torch.device) -> _Plan:
-        layout = [(e.view.data_ptr(), e.view.stride(), e.view.dtype) for e in entries]
-        key = (device, self._cfg, *layout, *_signature(entries))
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = _build_plan(entries, device, self._cfg)
-            self._plans[key] = plan
-            if len(self._plans) > 8:
-                self._plans.popitem(last=False)
-        return plan
+                plan = _build_plan(entries, device, self._cfg)
+                return _State(self._signature, plan, [e.view for e in entries], cacheable)
+        return _State(self._signature, None, [e.view for e in entries], cacheable)
 
     def _ensure_vectors(self, entries: Sequence[_Entry], device: torch.device) -> None:
         """(Re)build the vector buffers when the list's shapes changed, keeping what still fits."""
@@ -484,7 +505,7 @@ class PowerIteration:
         self._u = torch.cat(parts)
         self._u0 = torch.cat(parts0)
         self._signature = signature
-        self._plans.clear()
+        self._states.clear()
 
     @staticmethod
     def _split(signature: tuple, flat: torch.Tensor) -> list[torch.Tensor]:

@@ -236,17 +236,38 @@ if triton is not None:
         return bits
 
     @triton.jit
+    def _count_below(count, ab, t):
+        """``count`` plus one where ``ab < t`` (0 <= ab < 2**31, t >= 1): ``(ab - t) >> 31`` is -1
+        there and 0 elsewhere, two integer ops per count (no compare-and-select)."""
+        return count - ((ab - t) >> 31)
+
+    @triton.jit
+    def _fast_tile(
+        bits, mn, mx, s, sq, c_zero, c_own, c_uf, flag, T_OWN, T_UF, SAME_UF: tl.constexpr
+    ):
+        """Fold one tile as if all its values were finite; any non-finite one sets ``flag < 0``."""
+        ab = bits & 0x7FFFFFFF
+        flag |= 0x7F7FFFFF - ab
+        x = bits.to(tl.float32, bitcast=True)
+        s += x
+        sq += x * x
+        mn = tl.minimum(mn, x)
+        mx = tl.maximum(mx, x)
+        c_zero = _count_below(c_zero, ab, 1)
+        c_own = _count_below(c_own, ab, T_OWN)
+        if not SAME_UF:
+            c_uf = _count_below(c_uf, ab, T_UF)
+        return mn, mx, s, sq, c_zero, c_own, c_uf, flag
+
+    @triton.jit
     def _accumulate(
-        bits, valid, mn, mx, s, sq, c_zero_own, c_nonfin_uf, c_nan_ninf,
+        bits, valid, mn, mx, s, sq, c_zero, c_own, c_uf, c_nonfin_nan, c_ninf,
         T_OWN, T_UF, SAME_UF: tl.constexpr, MASKED: tl.constexpr,
     ):  # fmt: skip
-        """Fold one tile into the per-lane accumulators.
-
-        Counts are threshold tests on the absolute bit pattern ``ab`` (0 <= ab < 2**31), written as
-        ``(ab - t) >> 31`` (-1 where ab < t, else 0): two integer ops per count, and two counts
-        share one int32 (a lane sees one value per tile and a program reads at most 0xFFFF tiles).
-        Non-finite values become NaN for min/max, which ignore NaN.
-        """
+        """Fold one tile into the per-lane accumulators, excluding non-finite values from the
+        moments and extremes (they become 0, resp. NaN, which min/max ignore) and counting them.
+        Non-finite and NaN counts share one int32 (a lane sees one value per tile and a program
+        reads at most 0xFFFF tiles)."""
         if MASKED:
             bits = tl.where(valid, bits, 0x3F800000)  # 1.0: counted nowhere, excluded below
         x = bits.to(tl.float32, bitcast=True)
@@ -260,17 +281,15 @@ if triton is not None:
         xn = tl.where(fin, x, float("nan"))
         mn = tl.minimum(mn, xn)
         mx = tl.maximum(mx, xn)
-        zero = (ab - 1) >> 31
-        low_own = (ab - T_OWN) >> 31  # zeros included; subtracted at the end
-        nonfin = (0x7F7FFFFF - ab) >> 31
-        nan = (0x7F800000 - ab) >> 31
-        c_zero_own -= zero + (low_own << 16)
-        if SAME_UF:
-            c_nonfin_uf -= nonfin
-        else:
-            c_nonfin_uf -= nonfin + (((ab - T_UF) >> 31) << 16)
-        c_nan_ninf += tl.where(bits == -8388608, 65536, 0) - nan
-        return mn, mx, s, sq, c_zero_own, c_nonfin_uf, c_nan_ninf
+        c_zero = _count_below(c_zero, ab, 1)
+        c_own = _count_below(c_own, ab, T_OWN)  # zeros included; subtracted at the end
+        if not SAME_UF:
+            c_uf = _count_below(c_uf, ab, T_UF)
+        nonfin = (0x7F7FFFFF - ab) >> 31  # -1 where ab >= Inf
+        nan = (0x7F800000 - ab) >> 31  # -1 where ab > Inf
+        c_nonfin_nan -= nonfin + (nan << 16)
+        c_ninf += tl.where(bits == -8388608, 1, 0)
+        return mn, mx, s, sq, c_zero, c_own, c_uf, c_nonfin_nan, c_ninf
 
     # sizes vary with the tensor list: no value specialization, so one compile per format serves all
     @triton.jit(do_not_specialize=["n_tensors", "n_chunks_total", "chunk_base"])
@@ -282,7 +301,6 @@ if triton is not None:
         chunk_base,  # first global chunk of this launch
         T_OWN,  # fp32 bits of the own dtype's smallest normal
         T_UF,  # fp32 bits of the underflow dtype's smallest normal
-        T_HI,  # max(T_OWN, T_UF)
         FMT: tl.constexpr,
         SAME_UF: tl.constexpr,
         ALIGNED: tl.constexpr,  # every tensor of this launch starts at a multiple of 16 bytes
@@ -300,67 +318,68 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         remaining = numel - start
         n_full = tl.minimum(iters, remaining // BLOCK)
-        # Fast pass over the full tiles: moments and extremes as if every value were finite and
-        # normal, plus a flag whose sign bit is set by any value below T_HI or non-finite.
+        # Fast pass over the full tiles: every column as if all values were finite (zeros,
+        # subnormals and values below the underflow threshold are counted exactly), plus a flag
+        # whose sign bit any non-finite value sets.
         mn = tl.full([BLOCK], float("inf"), tl.float32)
         mx = tl.full([BLOCK], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
         sq = tl.zeros([BLOCK], tl.float32)
+        c_zero = tl.zeros([BLOCK], tl.int32)
+        c_own = tl.zeros([BLOCK], tl.int32)
+        c_uf = tl.zeros([BLOCK], tl.int32)
+        c_nonfin_nan = tl.zeros([BLOCK], tl.int32)
+        c_ninf = tl.zeros([BLOCK], tl.int32)
         flag = tl.zeros([BLOCK], tl.int32)
-        for it in range(n_full):
-            bits = _load_bits(base, start + it * BLOCK + offs, None, FMT, False, ALIGNED)
-            ab = bits & 0x7FFFFFFF
-            flag |= (ab - T_HI) | (0x7F7FFFFF - ab)
-            x = bits.to(tl.float32, bitcast=True)
-            s += x
-            sq += x * x
-            mn = tl.minimum(mn, x)
-            mx = tl.maximum(mx, x)
-        # Exact pass: the partial tail tile always, the full tiles again when the flag is set
-        # (zeros, subnormals, values below the underflow threshold, Inf or NaN in this chunk).
-        mn_e = tl.full([BLOCK], float("inf"), tl.float32)
-        mx_e = tl.full([BLOCK], float("-inf"), tl.float32)
-        s_e = tl.zeros([BLOCK], tl.float32)
-        sq_e = tl.zeros([BLOCK], tl.float32)
-        c_zero_own = tl.zeros([BLOCK], tl.int32)
-        c_nonfin_uf = tl.zeros([BLOCK], tl.int32)
-        c_nan_ninf = tl.zeros([BLOCK], tl.int32)
+        for it in range(0, n_full - 1, 2):  # two tiles per step: twice the loads in flight
+            b0 = _load_bits(base, start + it * BLOCK + offs, None, FMT, False, ALIGNED)
+            b1 = _load_bits(base, start + (it + 1) * BLOCK + offs, None, FMT, False, ALIGNED)
+            mn, mx, s, sq, c_zero, c_own, c_uf, flag = _fast_tile(
+                b0, mn, mx, s, sq, c_zero, c_own, c_uf, flag, T_OWN, T_UF, SAME_UF
+            )
+            mn, mx, s, sq, c_zero, c_own, c_uf, flag = _fast_tile(
+                b1, mn, mx, s, sq, c_zero, c_own, c_uf, flag, T_OWN, T_UF, SAME_UF
+            )
+        if n_full % 2 == 1:
+            b0 = _load_bits(base, start + (n_full - 1) * BLOCK + offs, None, FMT, False, ALIGNED)
+            mn, mx, s, sq, c_zero, c_own, c_uf, flag = _fast_tile(
+                b0, mn, mx, s, sq, c_zero, c_own, c_uf, flag, T_OWN, T_UF, SAME_UF
+            )
+        # Exact pass, only in a chunk holding Inf or NaN: the full tiles again.
         if tl.min(flag, 0) < 0:
             mn = tl.full([BLOCK], float("inf"), tl.float32)
             mx = tl.full([BLOCK], float("-inf"), tl.float32)
             s = tl.zeros([BLOCK], tl.float32)
             sq = tl.zeros([BLOCK], tl.float32)
+            c_zero = tl.zeros([BLOCK], tl.int32)
+            c_own = tl.zeros([BLOCK], tl.int32)
+            c_uf = tl.zeros([BLOCK], tl.int32)
             for it in range(n_full):
                 bits = _load_bits(base, start + it * BLOCK + offs, None, FMT, False, ALIGNED)
-                mn_e, mx_e, s_e, sq_e, c_zero_own, c_nonfin_uf, c_nan_ninf = _accumulate(
-                    bits, None, mn_e, mx_e, s_e, sq_e, c_zero_own, c_nonfin_uf, c_nan_ninf,
+                mn, mx, s, sq, c_zero, c_own, c_uf, c_nonfin_nan, c_ninf = _accumulate(
+                    bits, None, mn, mx, s, sq, c_zero, c_own, c_uf, c_nonfin_nan, c_ninf,
                     T_OWN, T_UF, SAME_UF, False,
                 )  # fmt: skip
         tail = start + n_full * BLOCK
-        if (n_full < iters) & (tail < numel):  # the tensor's last, partial tile
+        if (n_full < iters) & (tail < numel):  # the tensor's last, partial tile: exact, masked
             idx = tail + offs
             valid = idx < numel
             bits = _load_bits(base, idx, valid, FMT, True, False)
-            mn_e, mx_e, s_e, sq_e, c_zero_own, c_nonfin_uf, c_nan_ninf = _accumulate(
-                bits, valid, mn_e, mx_e, s_e, sq_e, c_zero_own, c_nonfin_uf, c_nan_ninf,
+            mn, mx, s, sq, c_zero, c_own, c_uf, c_nonfin_nan, c_ninf = _accumulate(
+                bits, valid, mn, mx, s, sq, c_zero, c_own, c_uf, c_nonfin_nan, c_ninf,
                 T_OWN, T_UF, SAME_UF, True,
             )  # fmt: skip
-        mn = tl.minimum(mn, mn_e)
-        mx = tl.maximum(mx, mx_e)
-        s += s_e
-        sq += sq_e
         out = partials_ptr + row
         tl.store(out, tl.min(mn, 0))
         tl.store(out + n_chunks_total, tl.max(mx, 0))
         tl.store(out + 2 * n_chunks_total, tl.sum(s, 0))
         tl.store(out + 3 * n_chunks_total, tl.sum(sq, 0))
-        zero = tl.sum(c_zero_own & 0xFFFF, 0)
-        low_own = tl.sum(c_zero_own >> 16, 0)
-        low_uf = low_own if SAME_UF else tl.sum(c_nonfin_uf >> 16, 0)
-        tl.store(out + 4 * n_chunks_total, tl.sum(c_nonfin_uf & 0xFFFF, 0).to(tl.float32))
-        tl.store(out + 5 * n_chunks_total, tl.sum(c_nan_ninf & 0xFFFF, 0).to(tl.float32))
-        tl.store(out + 6 * n_chunks_total, tl.sum(c_nan_ninf >> 16, 0).to(tl.float32))
-        tl.store(out + 7 * n_chunks_total, zero.to(tl.float32))
+        low_own = tl.sum(c_own, 0)
+        low_uf = low_own if SAME_UF else tl.sum(c_uf, 0)
+        tl.store(out + 4 * n_chunks_total, tl.sum(c_nonfin_nan & 0xFFFF, 0).to(tl.float32))
+        tl.store(out + 5 * n_chunks_total, tl.sum((c_nonfin_nan >> 16) & 0xFFFF, 0).to(tl.float32))
+        tl.store(out + 6 * n_chunks_total, tl.sum(c_ninf, 0).to(tl.float32))
+        tl.store(out + 7 * n_chunks_total, tl.sum(c_zero, 0).to(tl.float32))
         tl.store(out + 8 * n_chunks_total, low_own.to(tl.float32))
         tl.store(out + 9 * n_chunks_total, low_uf.to(tl.float32))
 
@@ -478,6 +497,19 @@ def _build_plan(
     return _Plan(table, len(chunk_tensor), tuple(tuple(lch) for lch in launches if lch[2] > 0), n)
 
 
+def _check_inputs(tensors: Sequence[torch.Tensor], device: torch.device) -> None:
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            f"tensor_stats backend='triton' runs on CUDA tensors (got {device}); on a CPU it "
+            "needs TRITON_INTERPRET=1 (tests), otherwise use backend='torch' or 'auto'"
+        )
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"tensor_stats needs one device, got {device} and {t.device}")
+        if not t.is_floating_point():
+            raise TypeError(f"tensor_stats needs floating-point tensors, got {t.dtype}")
+
+
 def _tensor_stats_triton(
     tensors: Sequence[torch.Tensor],
     underflow_dtype: torch.dtype | None = None,
@@ -496,30 +528,29 @@ def _tensor_stats_triton(
     if not tensors:
         raise ValueError("tensor_stats needs at least one tensor")
     device = tensors[0].device
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(
-            f"tensor_stats backend='triton' runs on CUDA tensors (got {device}); on a CPU it "
-            "needs TRITON_INTERPRET=1 (tests), otherwise use backend='torch' or 'auto'"
-        )
-    views = []
-    for t in tensors:
-        if t.device != device:
-            raise ValueError(f"tensor_stats needs one device, got {device} and {t.device}")
-        if not t.is_floating_point():
-            raise TypeError(f"tensor_stats needs floating-point tensors, got {t.dtype}")
-        views.append(t if _is_dense(t) else t.contiguous())  # the copy lives until launch
-    key = (device, cfg, *[(t.data_ptr(), t.numel(), t.dtype) for t in views])
+    # Hot path (every step): the cache key is the memory layout, read with C-level maps; the
+    # checks below run only when a table is built. Pointers are unique across devices (UVA).
+    if all(map(torch.Tensor.is_contiguous, tensors)):
+        views = tensors
+    else:
+        views = [t if _is_dense(t) else t.contiguous() for t in tensors]  # copies live to launch
+    key = (
+        cfg,
+        *map(torch.Tensor.data_ptr, views),
+        *map(torch.Tensor.numel, views),
+        *[t.dtype for t in views],
+    )
     plan = _PLAN_CACHE.get(key)
     if plan is None:
+        _check_inputs(views, device)
         kernel_tensors = [(i, t) for i, t in enumerate(views) if t.dtype in _FORMATS]
         plan = _build_plan(kernel_tensors, device, cfg)
         _PLAN_CACHE[key] = plan
         if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
             _PLAN_CACHE.popitem(last=False)
-    else:
-        _PLAN_CACHE.move_to_end(key)
     out = torch.empty(len(views), N_STATS, dtype=torch.float64, device=device)
-    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+    switch = device.type == "cuda" and device.index != torch.cuda.current_device()
+    with torch.cuda.device(device) if switch else nullcontext():
         if plan.kernel_rows:
             partials = torch.empty(_N_PARTIALS, max(plan.n_chunks, 1), device=device)
             for dtype, chunk_base, n_chunks, aligned in plan.launches:
@@ -527,7 +558,7 @@ def _tensor_stats_triton(
                 t_uf = t_own if underflow_dtype is None else _threshold_bits(underflow_dtype)
                 _stats_partials_kernel[(n_chunks,)](
                     plan.table, partials, plan.kernel_rows, plan.n_chunks, chunk_base,
-                    t_own, t_uf, max(t_own, t_uf), FMT=_FORMATS[dtype], SAME_UF=t_own == t_uf,
+                    t_own, t_uf, FMT=_FORMATS[dtype], SAME_UF=t_own == t_uf,
                     ALIGNED=aligned, BLOCK=cfg.block, num_warps=cfg.num_warps,
                 )  # fmt: skip
             _stats_finalize_kernel[(plan.kernel_rows,)](

@@ -215,7 +215,7 @@ def test_backend_selection_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="backend must be"):
         tensor_stats([x], backend="cuda")
     with pytest.raises(TypeError, match="floating-point"):
-        tensor_stats([torch.ones(3, dtype=torch.int32)], backend="triton")
+        tensor_stats([torch.ones(3, dtype=torch.int32, device=_device())], backend="triton")
     with pytest.raises(ValueError, match="at least one"):
         tensor_stats([], backend="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
