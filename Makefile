@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean prometheus
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,7 +18,19 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/numwatch demo
 
-test: $(VENV)/.installed
+# Debian's prometheus (server and promtool) for tests/test_grafana_e2e.py and the promtool checks
+# of tests/test_prometheus.py: installed when missing and apt-get can run (root); otherwise those
+# tests skip and say why.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends prometheus; } >/dev/null 2>&1 \
+	      || echo "note: apt-get could not install prometheus; its tests will skip"; \
+	  else echo "note: prometheus is not installed (needs root and apt-get); its tests will skip"; \
+	  fi; }
+
+test: $(VENV)/.installed prometheus
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)

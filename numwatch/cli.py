@@ -10,6 +10,8 @@ USAGE = """usage: numwatch <command> [options]
 
 commands:
   demo      train a small GPT on synthetic data with the monitor attached
+  report    write an HTML report (plots, events, heads) of a JSONL run log
+  tail      follow a JSONL run log in the terminal
 """
 
 
@@ -23,6 +25,14 @@ def main(argv: list[str] | None = None) -> int:
         from numwatch.demo import main as demo
 
         return demo(rest)
+    if command == "report":
+        from numwatch.sinks.report import main as report
+
+        return report(rest)
+    if command == "tail":
+        from numwatch.sinks.tail import main as tail
+
+        return tail(rest)
     print(f"numwatch: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -120,6 +120,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="duplicate an attention-sink key in every layer (repeated row maxima)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics on 127.0.0.1 at this port (0 = any free port)",
+    )
+    p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoint")
     p.add_argument("--no-monitor", action="store_true", help="train without numwatch (baseline)")
     return p.parse_args(argv)
 
@@ -138,9 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"flush_every": args.flush_every, "run_name": "demo"}
     if args.jsonl:
         overrides["sinks__jsonl__path"] = args.jsonl
+    if not args.no_metrics:
+        overrides |= {
+            "sinks__prometheus__enabled": True,
+            "sinks__prometheus__port": args.metrics_port,
+        }
     monitor = None if args.no_monitor else numwatch.Monitor(model, **overrides).attach(opt)
     if monitor is not None and monitor.jsonl_path:
         print(f"numwatch demo: JSONL log at {monitor.jsonl_path}")
+    if monitor is not None and monitor.prometheus_url:
+        print(f"numwatch demo: Prometheus metrics at {monitor.prometheus_url} while it runs")
     dtype = torch.bfloat16
     start = time.perf_counter()
     for step in range(args.steps):

@@ -366,6 +366,19 @@ class Monitor:
         kernel = self._attention.route_for(layer)
         return kernel if isinstance(kernel, AttentionKernel) else None
 
+    # --- integrations: training steps that run submodules without calling model.forward
+    def begin_forward(self) -> None:
+        """Open one forward of the model by hand (attention interception and kernel routing
+        follow model.forward otherwise); Lightning's training_step needs it. Pair each call
+        with ``end_forward()``; nested real forwards inside are fine."""
+        if self._attention is not None:
+            self._attention._enter(self.model, ())
+
+    def end_forward(self) -> None:
+        """Close the forward ``begin_forward()`` opened."""
+        if self._attention is not None:
+            self._attention._exit(self.model, (), None)
+
     # ----------------------------------------------------------------------------- flush
     def flush(self) -> Snapshot | None:
         """Read the device-side statistics (one transfer per device), emit events and sinks."""

@@ -1,0 +1,78 @@
+"""What the Lightning and Hugging Face callbacks share: one Monitor per fit, steps closed by the
+framework hook where gradients are final, the loss of the step, and stop requests.
+
+A framework callback only decides *when*: it calls ``start`` at train start, ``close_step`` at
+its pre-optimizer hook, ``should_stop`` where the framework reads its stop flag, and ``finish``
+at the end. A ``NumwatchHalt`` raised by the monitor's ``halt`` action becomes a stop request
+(the framework finishes the current step and stops cleanly) instead of an exception in the
+middle of the framework's loop; the monitor detaches at once (its log is complete).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from numwatch.config import MonitorConfig
+from numwatch.errors import NumwatchHalt
+from numwatch.events import Event
+from numwatch.monitor import Monitor
+
+_log = logging.getLogger("numwatch")
+
+
+class MonitorDriver:
+    def __init__(
+        self,
+        config: MonitorConfig | Mapping[str, Any] | str | os.PathLike[str] | None,
+        overrides: dict[str, Any],
+        stop_on: Iterable[str],
+    ) -> None:
+        self.config = config
+        self.overrides = overrides
+        self.stop_on = tuple(stop_on)
+        self.monitor: Monitor | None = None
+        self.halt: NumwatchHalt | None = None
+        self.stop_reason: str | None = None
+        self.loss: torch.Tensor | float | None = None
+
+    def start(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Monitor:
+        self.finish()  # a second fit on the same callback starts a fresh monitor
+        self.halt, self.stop_reason = None, None
+        self.monitor = Monitor(model, self.config, **self.overrides).attach(optimizer)
+        for kind in self.stop_on:
+            self.monitor.on(kind, self._stop_on_event)
+        return self.monitor
+
+    def _stop_on_event(self, event: Event) -> None:
+        self.request_stop(f"{event.kind} event ({event.rule or 'no rule'}): {event.message}")
+
+    def request_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            _log.warning("numwatch: stopping training: %s", reason)
+            self.stop_reason = reason
+
+    def close_step(self) -> None:
+        if self.monitor is None:
+            return
+        loss, self.loss = self.loss, None
+        try:
+            self.monitor.step(loss)
+        except NumwatchHalt as halt:
+            self.halt = halt
+            self.request_stop(f"halt by rule {halt.report.get('rule', '?')!r}")
+            self.finish()  # numwatch is done: the framework ends its step without it
+
+    def finish(self) -> None:
+        if self.monitor is not None:
+            try:
+                self.monitor.detach()
+            except NumwatchHalt as halt:  # the final flush halted: record it, finish detaching
+                self.halt = self.halt or halt
+                self.monitor.detach()
+            self.monitor = None

@@ -1,0 +1,104 @@
+"""Hugging Face ``Trainer``: ``NumwatchTrainerCallback`` monitors ``trainer.train()``.
+
+>>> trainer = Trainer(model, args, train_dataset=data, callbacks=[NumwatchTrainerCallback()])
+
+- The monitor attaches at ``on_train_begin`` to the trainer's model and optimizer (the torch
+  optimizer inside Accelerate's wrapper: optimizer probe, skip_step, LR back-off) and detaches
+  at ``on_train_end``.
+- Steps close in ``on_pre_optimizer_step``, the Trainer's only hook that sees final gradients:
+  it runs **after** the Trainer clips them (``max_grad_norm``), so gradient statistics are of
+  the clipped gradients the optimizer applies (``on_step_end`` sees none: they are zeroed).
+  Clipping multiplies every gradient by NaN once one is NaN, so a non-finite event names the
+  first parameter in backward order, not necessarily the origin; for the true unclipped
+  statistics set ``max_grad_norm=0`` and clip yourself after ``monitor.step()``.
+- The loss of the step is the ``loss`` of the model's output in its last forward (the last
+  micro-batch under gradient accumulation); models without one report no loss.
+- Stopping: ``request_stop(reason)``, the event kinds in ``stop_on`` and the ``halt`` action
+  (``NumwatchHalt``, kept in ``.halt``) set ``control.should_training_stop``; the Trainer
+  finishes the current step and ends training cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from numwatch.config import MonitorConfig
+from numwatch.errors import NumwatchHalt
+from numwatch.integrations._driver import MonitorDriver
+from numwatch.monitor import Monitor
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:
+    raise ImportError(
+        "numwatch.integrations.hf_trainer needs transformers and accelerate: "
+        "pip install 'numwatch[hf]'"
+    ) from exc
+
+__all__ = ["NumwatchTrainerCallback"]
+
+
+class NumwatchTrainerCallback(TrainerCallback):
+    """A numwatch Monitor for the duration of ``Trainer.train`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: MonitorConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        *,
+        stop_on: Iterable[str] = (),
+        **overrides: Any,
+    ) -> None:
+        self._driver = MonitorDriver(config, overrides, stop_on)
+        self._loss_hook: Any = None
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """The monitor of the training in progress (None outside training)."""
+        return self._driver.monitor
+
+    @property
+    def halt(self) -> NumwatchHalt | None:
+        """The ``NumwatchHalt`` that stopped the last training, with its ``report``."""
+        return self._driver.halt
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._driver.stop_reason
+
+    def request_stop(self, reason: str) -> None:
+        """Stop training after the current step (``control.should_training_stop``)."""
+        self._driver.request_stop(reason)
+
+    # ------------------------------------------------------------------ Trainer hooks
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw
+    ) -> None:
+        torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # inside Accelerate's wrapper
+        if not isinstance(torch_optimizer, torch.optim.Optimizer):
+            torch_optimizer = None
+        self._driver.start(model, torch_optimizer)
+        self._loss_hook = model.register_forward_hook(self._capture_loss)
+
+    def _capture_loss(self, module: Any, inputs: Any, output: Any) -> None:
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and module.training:
+            self._driver.loss = loss.detach()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._driver.close_step()
+        if self._driver.stop_reason is not None:
+            control.should_training_stop = True
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._driver.stop_reason is not None:
+            control.should_training_stop = True
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+            self._loss_hook = None
+        self._driver.finish()

@@ -1,0 +1,145 @@
+"""`numwatch tail RUN.jsonl`: follow a run log in the terminal, one Rich line per flush.
+
+The log is read, never locked: the training process keeps appending. A line still being written
+(no newline yet) waits for the rest; a log that does not exist yet is waited for; a log that is
+truncated or replaced (a new run on the same path) is read again from its start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from numwatch.events import Event
+from numwatch.sinks.console import summary_line
+from numwatch.snapshot import MetricRecord, Snapshot
+
+__all__ = ["follow", "main", "record_to_snapshot"]
+
+_SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "green"}
+
+
+def record_to_snapshot(record: dict[str, Any]) -> tuple[Snapshot, list[Event]]:
+    """A JSONL record back as the Snapshot and Events the sinks saw."""
+    metrics = [MetricRecord(m["name"], m["labels"], _number(m["value"])) for m in record["metrics"]]
+    snapshot = Snapshot(record["step"], metrics, time=record["time"], rank=record.get("rank", 0))
+    fields = set(Event.__dataclass_fields__)
+    events = [Event(**{k: v for k, v in e.items() if k in fields}) for e in record["events"]]
+    return snapshot, events
+
+
+def _number(value: float | str) -> float:
+    return float(value) if isinstance(value, str) else value  # "nan", "inf", "-inf"
+
+
+def follow(
+    path: str | Path,
+    *,
+    offset: int = 0,
+    poll: float = 0.5,
+    stop: Callable[[], bool] = lambda: False,
+) -> Iterator[dict[str, Any]]:
+    """Records of the log at ``path`` from byte ``offset`` (a line start), then as they are
+    appended, until ``stop()`` is true at a moment with nothing new to read."""
+    path = Path(path)
+    while not path.exists():
+        if stop():
+            return
+        time.sleep(poll)
+    f = path.open("rb")
+    f.seek(offset)
+    try:
+        inode = os.fstat(f.fileno()).st_ino
+        pending = b""
+        while True:
+            chunk = f.readline()
+            if chunk:
+                pending += chunk
+                if pending.endswith(b"\n"):
+                    line, pending = pending, b""
+                    if line.strip():
+                        yield json.loads(line)
+                continue
+            if _replaced(path, inode, f.tell()):
+                f.close()
+                f = path.open("rb")
+                inode, pending = os.fstat(f.fileno()).st_ino, b""
+                continue
+            if stop():
+                return
+            time.sleep(poll)
+    finally:
+        f.close()
+
+
+def _replaced(path: Path, inode: int, position: int) -> bool:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    return st.st_ino != inode or st.st_size < position
+
+
+def print_record(console: Console, record: dict[str, Any], *, events: bool = True) -> None:
+    snapshot, found = record_to_snapshot(record)
+    console.print(summary_line(snapshot, found))
+    if events:
+        for e in found:
+            style = _SEVERITY_STYLE.get(e.severity, "")
+            where = " ".join(f"{k}={v}" for k, v in e.labels.items())
+            console.print(
+                f"  [{style}]{e.kind}[/] step {e.step} [dim]{escape(e.rule)}[/] "
+                f"{escape(where)} — {escape(e.message)}"
+            )
+
+
+def backlog(path: Path, last: int) -> tuple[list[dict[str, Any]], int]:
+    """The last ``last`` complete records of the log now, and the byte offset after them."""
+    if not path.is_file():
+        return [], 0
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1  # a line still being written is read by follow()
+    lines = [line for line in data[:end].splitlines() if line.strip()]
+    return [json.loads(line) for line in lines[len(lines) - last :] if last > 0], end
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="numwatch tail", description="Follow a numwatch JSONL run log in the terminal."
+    )
+    parser.add_argument("log", help="the run's JSONL log (sinks.jsonl.path)")
+    parser.add_argument(
+        "-n", "--lines", type=int, default=10, help="flushes already in the log to show first"
+    )
+    parser.add_argument(
+        "--no-follow", action="store_true", help="print what the log holds and exit"
+    )
+    parser.add_argument("--interval", type=float, default=0.5, help="seconds between polls")
+    parser.add_argument("--no-events", action="store_true", help="no line per event")
+    args = parser.parse_args(argv)
+    console = Console(highlight=False, soft_wrap=True)
+    path = Path(args.log)
+    if args.no_follow and not path.is_file():
+        console.print(f"numwatch tail: no log at {escape(str(path))}")
+        return 1
+    old, offset = backlog(path, args.lines)
+    for record in old:
+        print_record(console, record, events=not args.no_events)
+    if args.no_follow:
+        return 0
+    if not path.exists():
+        console.print(f"[dim]waiting for {escape(str(path))} ...[/]")
+    try:
+        for record in follow(path, offset=offset, poll=args.interval):
+            print_record(console, record, events=not args.no_events)
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,269 @@
+"""Lightning and Hugging Face Trainer callbacks with the real frameworks on a tiny GPT: where the
+gradient statistics are taken (before / after clipping), loss and attention metrics, detach at
+the end, and stop requests (event kinds, request_stop, the halt action)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from numwatch.demo import GPTConfig, TinyGPT, bigram_batches
+
+CFG = GPTConfig(vocab=16, seq_len=8, d_model=16, n_heads=2, n_layers=2)
+CLIP = 1e-3  # far below the gradient norm of a fresh model: clipping always acts
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = bigram_batches(CFG, 4, seed=1)
+    return [next(data) for _ in range(n)]
+
+
+def loader(n: int) -> DataLoader:
+    """n batches of 4 sequences, in order."""
+    x, y = (torch.cat(parts) for parts in zip(*batches(n), strict=True))
+    return DataLoader(TensorDataset(x, y), batch_size=4)
+
+
+def monitor_options(**extra):
+    return {
+        "flush_every": 1,
+        "attention__every": 1,
+        "sinks__jsonl__enabled": False,
+        "sinks__console__enabled": False,
+        **extra,
+    }
+
+
+HALT_ON_ANY_LOSS = {
+    "defaults": False,
+    "add": [
+        {
+            "type": "threshold",
+            "name": "loss_seen",
+            "metric": "loss",
+            "threshold": -1.0,
+            "actions": ["halt"],
+        }
+    ],
+}
+
+
+# ------------------------------------------------------------------------------ Lightning
+@pytest.fixture(scope="module")
+def pl():
+    return pytest.importorskip("lightning.pytorch", reason="lightning (test extra) not installed")
+
+
+def lightning_module(pl, nan_at: int | None = None):
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = TinyGPT(CFG)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+        def on_after_backward(self):
+            if self.global_step == nan_at:
+                self.model.head.weight.grad[0, 0] = float("nan")
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Module()
+
+
+def grad_norm(module: nn.Module) -> float:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+
+
+def lightning_trainer(pl, callbacks, steps: int, clip: float | None = None):
+    return pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=clip,
+        callbacks=callbacks,
+    )
+
+
+def test_lightning_statistics_are_before_clipping(pl):
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    before_clipping, norms = [], []
+
+    class After(pl.Callback):  # runs after NumwatchCallback: the same, unclipped gradients
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            before_clipping.append(grad_norm(module))
+
+        def on_train_batch_end(self, trainer, module, *args):
+            norms.append(callback.monitor.snapshot().value("grad_norm"))
+
+    callback = NumwatchCallback(**monitor_options())
+    module = lightning_module(pl)
+    lightning_trainer(pl, [callback, After()], steps=3, clip=CLIP).fit(module, loader(3))
+    assert len(norms) == 3 and all(n > 10 * CLIP for n in norms)  # not clipped
+    assert norms == pytest.approx(before_clipping, rel=1e-5)
+    assert callback.monitor is None  # detached at train end
+    assert not module.model._forward_hooks
+    assert all(not p._post_accumulate_grad_hooks for p in module.parameters())
+
+
+def test_lightning_loss_attention_and_optimizer_metrics(pl):
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    snapshots = []
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            snap = callback.monitor.snapshot()
+            snapshots.append((outputs["loss"].item(), snap))
+
+    callback = NumwatchCallback(**monitor_options())
+    lightning_trainer(pl, [callback, Keep()], steps=3).fit(lightning_module(pl), loader(3))
+    for loss, snap in snapshots:
+        assert snap.value("loss") == pytest.approx(loss)
+    last = snapshots[-1][1]
+    assert {r.labels["layer"] for r in last.series("attn_max_logit")} == {
+        "model.blocks.0.attn",
+        "model.blocks.1.attn",
+    }
+    assert last.series("optimizer_lr")  # the optimizer was attached (optimizer probe)
+
+
+def test_lightning_stops_on_event_kind(pl):
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    callback = NumwatchCallback(stop_on=["nonfinite"], **monitor_options())
+    trainer = lightning_trainer(pl, [callback], steps=6)
+    trainer.fit(lightning_module(pl, nan_at=1), loader(6))
+    assert trainer.global_step == 2  # the step with the NaN ran to its end, then the fit stopped
+    assert "nonfinite event" in callback.stop_reason
+
+
+def test_lightning_halt_becomes_should_stop(pl):
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    callback = NumwatchCallback(**monitor_options(rules=HALT_ON_ANY_LOSS))
+    trainer = lightning_trainer(pl, [callback], steps=6)
+    trainer.fit(lightning_module(pl), loader(6))  # no exception escapes the fit
+    assert trainer.global_step == 1
+    assert callback.halt.report["rule"] == "loss_seen"
+
+
+def test_lightning_request_stop(pl):
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    callback = NumwatchCallback(**monitor_options())
+
+    class Stopper(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 2:
+                callback.request_stop("enough")
+
+    trainer = lightning_trainer(pl, [callback, Stopper()], steps=6)
+    trainer.fit(lightning_module(pl), loader(6))
+    assert trainer.global_step == 2 and callback.stop_reason == "enough"
+
+
+# ------------------------------------------------------------------------------ HF Trainer
+@pytest.fixture(scope="module")
+def hf():
+    pytest.importorskip("accelerate", reason="accelerate (test extra) not installed")
+    return pytest.importorskip("transformers", reason="transformers (test extra) not installed")
+
+
+class LMWrapper(nn.Module):
+    """A model the Trainer can train: input_ids and labels in, {'loss', 'logits'} out."""
+
+    def __init__(self, nan_at: int | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TinyGPT(CFG)
+        self.nan_at = nan_at
+        self.calls = 0
+
+    def forward(self, input_ids, labels):
+        logits = self.model(input_ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        if self.calls == self.nan_at:
+            loss = loss + self.model.head.weight[0, 0] * float("nan")
+        self.calls += 1
+        return {"loss": loss, "logits": logits}
+
+
+def hf_trainer(hf, tmp_path, model, callbacks, steps: int, clip: float = 0.0):
+    args = hf.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        learning_rate=0.05,
+        max_grad_norm=clip,
+        logging_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    rows = [{"input_ids": x[i], "labels": y[i]} for x, y in batches(steps) for i in range(4)]
+    return hf.Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks)
+
+
+def test_hf_statistics_are_after_clipping(hf, tmp_path):
+    from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+
+    norms, losses = [], []
+
+    class Keep(hf.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            snap = callback.monitor.snapshot()
+            norms.append(snap.value("grad_norm"))
+            losses.append(snap.value("loss"))
+
+    callback = NumwatchTrainerCallback(**monitor_options())
+    model = LMWrapper()
+    hf_trainer(hf, tmp_path, model, [callback, Keep()], steps=3, clip=CLIP).train()
+    assert norms == pytest.approx([CLIP] * 3, rel=1e-3)  # the clipped gradients
+    assert all(math.isfinite(v) and v > 0 for v in losses)
+    assert callback.monitor is None and not model._forward_hooks
+
+
+def test_hf_optimizer_attached_and_stop_on_event(hf, tmp_path):
+    from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+
+    callback = NumwatchTrainerCallback(stop_on=["nonfinite"], **monitor_options())
+    seen = []
+
+    class Keep(hf.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if callback.monitor is not None:
+                seen.append(bool(callback.monitor.snapshot().series("optimizer_lr")))
+
+    trainer = hf_trainer(hf, tmp_path, LMWrapper(nan_at=1), [callback, Keep()], steps=6)
+    trainer.train()
+    assert trainer.state.global_step == 2 and "nonfinite event" in callback.stop_reason
+    assert seen and all(seen)
+
+
+def test_hf_halt_becomes_should_training_stop(hf, tmp_path):
+    from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+
+    callback = NumwatchTrainerCallback(**monitor_options(rules=HALT_ON_ANY_LOSS))
+    trainer = hf_trainer(hf, tmp_path, LMWrapper(), [callback], steps=6)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert callback.halt.report["rule"] == "loss_seen"

@@ -1,0 +1,155 @@
+"""`numwatch report`: a planted run log gives the summary, heads and events it holds, with
+embedded PNG plots and markers at the events and mitigations."""
+
+from __future__ import annotations
+
+import base64
+import re
+import sys
+
+import pytest
+
+from numwatch.cli import main as cli
+from numwatch.errors import NumwatchError
+from numwatch.events import Event
+from numwatch.sinks.jsonl import JsonlSink
+from numwatch.sinks.report import load_run, render_html, write_report
+from numwatch.snapshot import MetricRecord, Snapshot
+
+pytest.importorskip("matplotlib", reason="numwatch[report] extra (matplotlib) not installed")
+
+
+def flush(step: int, *, logit: float, repeated: float, stabilized: float, loss: float, skipped=0):
+    records = [
+        MetricRecord("loss", {}, loss),
+        MetricRecord("grad_norm", {}, 1.0 + step / 100),
+        MetricRecord("grad_absmax", {"param": "w"}, 0.5),
+        MetricRecord("grad_nonfinite", {"param": "w"}, 3.0 if step == 29 else 0.0),
+        MetricRecord("step_seconds", {}, 0.1),
+        MetricRecord("monitor_overhead_seconds", {}, 0.002),
+        MetricRecord("mitigation_skipped_steps_total", {}, float(skipped)),
+        MetricRecord("mitigation_lr_factor", {}, 1.0),
+    ]
+    for layer in range(2):
+        name = f"blocks.{layer}.attn"
+        records.append(MetricRecord("attn_kernel_stabilized", {"layer": name}, stabilized))
+        for head in range(3):
+            labels = {"layer": name, "head": str(head)}
+            hot = layer == 1 and head == 2
+            records.append(MetricRecord("attn_max_logit", labels, logit if hot else 5.0))
+            records.append(
+                MetricRecord("attn_repeated_max_fraction", labels, repeated if hot else 0.0)
+            )
+    return Snapshot(step, records, time=1000.0 + step)
+
+
+PRECURSOR = Event(
+    kind="precursor",
+    step=19,
+    message="[attn_repeated_max] attn_repeated_max_fraction = 0.3 > 0.05 for 3 flushes",
+    rule="attn_repeated_max",
+    metric="attn_repeated_max_fraction",
+    labels={"layer": "blocks.1.attn", "head": "2"},
+    value=0.3,
+    threshold=0.05,
+)
+SWAP = Event(
+    kind="action",
+    step=19,
+    message="swap_attention_kernel: routed layer 'blocks.1.attn' to the stabilized kernel",
+    severity="info",
+    rule="attn_repeated_max",
+    labels={"layer": "blocks.1.attn", "head": "2"},
+)
+NAN = Event(
+    kind="nonfinite",
+    step=27,
+    message="NaN/Inf first seen in the gradient of param 'w' (backward) at step 27",
+    severity="critical",
+    rule="nonfinite",
+    labels={"param": "w"},
+)
+
+
+@pytest.fixture
+def log(tmp_path):
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path, "planted")
+    sink.emit(flush(9, logit=10.0, repeated=0.0, stabilized=0.0, loss=3.0), [])
+    sink.emit(flush(19, logit=40.0, repeated=0.3, stabilized=0.0, loss=2.0), [PRECURSOR, SWAP])
+    sink.emit(flush(29, logit=120.0, repeated=0.1, stabilized=1.0, loss=1.5, skipped=1), [NAN])
+    sink.emit(flush(39, logit=90.0, repeated=0.0, stabilized=1.0, loss=1.2, skipped=1), [])
+    sink.close()
+    return path
+
+
+def text_of(page: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page))
+
+
+def test_summary_heads_and_events(log):
+    page = render_html(load_run(log))
+    text = text_of(page)
+    assert "steps 9 .. 39 in 4 flushes" in text
+    assert "events 1 precursor, 1 action, 1 nonfinite" in text
+    assert "loss last 1.2, lowest 1.2" in text
+    assert "grad_nonfinite elements first at flush step 29, 3 in all" in text
+    assert "largest attention logit 120 at step 29 (head=2, layer=blocks.1.attn)" in text
+    assert "most repeated-max rows 0.3 at step 19 (head=2, layer=blocks.1.attn)" in text
+    assert "skipped optimizer steps 1" in text
+    assert "layers on the stabilized kernel at the end blocks.0.attn, blocks.1.attn" in text
+    assert "monitor overhead 2.00 ms/step (2.0 % of 100.0 ms)" in text
+    # heads that triggered: only the precursor names a head (actions are not triggers)
+    heads = page.split("Heads that triggered")[1].split("</table>")[0]
+    assert text_of(heads).strip() == (
+        "layer head rules (events) first step last step blocks.1.attn 2 attn_repeated_max x1 19 19"
+    )
+    assert "NaN/Inf first seen in the gradient of param &#x27;w&#x27;" in page
+
+
+def test_page_is_self_contained_with_png_plots(log, tmp_path):
+    out = write_report(log, tmp_path / "r.html")
+    page = out.read_text()
+    images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
+    assert len(images) == 4  # training, attention, tensors, cost
+    assert all(base64.b64decode(b).startswith(b"\x89PNG\r\n\x1a\n") for b in images)
+    assert not re.search(r"(src|href)=['\"]?https?:", page)
+
+
+def test_markers_at_events_and_mitigations(log):
+    from matplotlib.figure import Figure
+
+    from numwatch.sinks.report import _markers
+
+    ax = Figure().subplots()
+    _markers(ax, load_run(log))
+    vertical = sorted(line.get_xdata()[0] for line in ax.lines if line.get_marker() in ("None", ""))
+    assert vertical == [19, 19, 27]  # precursor and action at 19, nonfinite at 27
+    skipped = [line.get_xdata()[0] for line in ax.lines if line.get_marker() == "v"]
+    assert skipped == [29]
+    # the stabilized kernel ran in the windows (19, 29] and (29, 39]: one span from 19 to 39
+    (span,) = ax.patches
+    assert (span.get_x(), span.get_x() + span.get_width()) == (19, 39)
+
+
+def test_last_run_of_a_reused_log(log):
+    sink = JsonlSink(log, "second")  # the same path again: a new run appends
+    sink.emit(flush(4, logit=1.0, repeated=0.0, stabilized=0.0, loss=9.0), [])
+    sink.close()
+    run = load_run(log)
+    assert run.name == "second" and run.steps == [4] and run.skipped_runs == 1
+    assert "the last of 2 runs" in render_html(run)
+
+
+def test_cli(log, tmp_path, capsys):
+    out = tmp_path / "cli.html"
+    assert cli(["report", str(log), "-o", str(out)]) == 0
+    assert out.is_file() and "wrote" in capsys.readouterr().out
+    assert cli(["report", str(tmp_path / "missing.jsonl")]) == 1
+    assert "no run log" in capsys.readouterr().err
+
+
+def test_without_matplotlib_says_what_to_install(log, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(NumwatchError, match=r"numwatch\[report\]"):
+        write_report(log, tmp_path / "x.html")
