@@ -409,7 +409,7 @@ if triton is not None:
         EVEN_D: tl.constexpr, MUL_SCALE: tl.constexpr, UPCAST: tl.constexpr,
         PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """One (BLOCK_M, BLOCK_N) tile of S in loop units, -inf where masked.
+        """One (BLOCK_M, BLOCK_N) tile of S in loop units: (-inf, +inf) where masked.
 
         Loop units: S itself, or S / scale when scale is a power of two (then QK^T needs no
         multiply: scaling by 2^k commutes with fp32 rounding). EDGE: bounds and causal checks.
@@ -431,28 +431,30 @@ if triton is not None:
             s = _mul_rn(s, scale, not UPCAST)
         if MASK_KIND == 1:
             mv = tl.load(mask_ptrs, mask=col_ok[None, :], other=0) if EDGE else tl.load(mask_ptrs)
-            s = tl.where(mv != 0, s, float("-inf"))
+            keep = mv != 0
         elif MASK_KIND == 2:
             if EDGE:
                 mv = tl.load(mask_ptrs, mask=col_ok[None, :], other=float("-inf"))
             else:
                 mv = tl.load(mask_ptrs)
             mv = mv.to(tl.float32)
-            # mv * inv_unit is exact (inv_unit is 1 or a power of two)
-            s = tl.where(mv > mask_floor, s + mv * inv_unit, float("-inf"))
-        if EDGE:
+            keep = mv > mask_floor
+            s = s + mv * inv_unit  # exact product: inv_unit is 1 or a power of two
+        if EDGE and MASK_KIND == 0:  # masks load "masked" past Tk and never come with causal
             keep = col_ok[None, :]
             if IS_CAUSAL:
                 keep = keep & (cols[None, :] <= qrow[:, None])
-            s = tl.where(keep, s, float("-inf"))
-        return s
+        if EDGE or MASK_KIND != 0:
+            # -inf for the max and counts, +inf for the min
+            return tl.where(keep, s, float("-inf")), tl.where(keep, s, float("inf"))
+        return s, s
 
     @triton.jit
     def _count_ge(s, bound, ASM: tl.constexpr):
         """Per-row count of s >= bound[:, None], in fp32 (exact below 2^24).
 
-        On GPUs one `set.ge.f32` per entry (a 1.0/0.0 result) plus an FADD: compare-and-select
-        takes two ALU-pipe instructions, and this loop is bound by instruction issue.
+        On GPUs one `set.ge.f32` per entry (a 1.0/0.0 result) plus an FADD, where a
+        compare-and-select would take two ALU-pipe instructions.
         """
         b = tl.broadcast_to(bound[:, None], s.shape)
         if ASM:
@@ -465,12 +467,33 @@ if triton is not None:
         return tl.sum(hit, 1)
 
     @triton.jit
-    def _saturation_bound(m, thr):
+    def _count_ge_fma(s, bound, ASM: tl.constexpr):
+        """_count_ge on the FMA pipe, which this loop leaves idle while min and max queue on
+        the half-rate ALU pipe: with p the float just below the bound, hit =
+        sat(fma(s, 2^64, -p * 2^64)) = sat((s - p) * 2^64 rounded once) is exactly 0.0 when
+        s <= p and exactly 1.0 when s >= bound, as then s - p >= ulp(p) >= 2^-63, provided
+        2^-40 <= |bound| < 2^64 (the caller flags other rows for an exact recount)."""
+        if ASM:
+            p = (bound.to(tl.int32, bitcast=True) + tl.where(bound > 0.0, -1, 1)).to(
+                tl.float32, bitcast=True
+            )
+            c = tl.broadcast_to((p * -1.8446744073709552e19)[:, None], s.shape)  # exact: 2^64
+            hit = tl.inline_asm_elementwise(
+                "fma.rn.sat.f32 $0, $1, 0f5F800000, $2;", "=r,r,r", [s, c], dtype=tl.float32,
+                is_pure=True, pack=1,
+            )  # fmt: skip
+        else:
+            hit = tl.where(s >= tl.broadcast_to(bound[:, None], s.shape), 1.0, 0.0)
+        return tl.sum(hit, 1)
+
+    @triton.jit
+    def _saturation_bound(m, thr, FMA_COUNT: tl.constexpr):
         """Per row, the smallest fp32 x with fp32(x - m) >= thr, and where that is not certain.
 
         For |m| >= 2|thr| (or m == 0) the subtraction x - m is exact near the boundary
         (Sterbenz), so the boundary is ceil_fp32(m + thr): c = fp32(m + thr) or the next float.
-        Rows with 0 < |m| < 2|thr| are flagged: their count is redone entry by entry.
+        Rows with 0 < |m| < 2|thr|, or with a boundary outside [2^-40, 2^64) in magnitude
+        (where _count_ge_fma is not exact), are flagged: their count is redone entry by entry.
         """
         c = m + thr
         c_up = (c.to(tl.int32, bitcast=True) + tl.where(c >= 0.0, 1, -1)).to(
@@ -478,12 +501,16 @@ if triton is not None:
         )
         bound = tl.where(c - m >= thr, c, c_up)
         unsure = (tl.abs(m) < -2.0 * thr) & (m != 0.0)
+        if FMA_COUNT:
+            b = tl.abs(bound)
+            unsure = unsure | (b < 9.094947017729282e-13) | (b >= 1.8446744073709552e19)
         return bound, unsure
 
     @triton.jit
     def _merge_tile(
-        s, m, t, c, dirty, mn, lsum, usum, thr, ent_coef,
+        s, s_min, m, t, c, dirty, mn, lsum, usum, thr, ent_coef,
         MASKED: tl.constexpr, ENTROPY: tl.constexpr, ASM: tl.constexpr,
+        FMA_COUNT: tl.constexpr, LAZY_TIES: tl.constexpr,
     ):  # fmt: skip
         """Online per-row merge of one score tile into the running row state.
 
@@ -492,24 +519,32 @@ if triton is not None:
         fp32(m_old - m_new) >= thr (exactly their own predicate); if the old window also held
         entries below the old max, which of them survive is unknowable here, so the row is
         marked dirty and recounted after the sweep. Otherwise they are all dropped (exact, as
-        fp32 subtraction is monotone). Entropy: l = sum 2^arg, u = sum 2^arg arg with
-        arg = (S - m) log2(e) (u in bits; the caller converts), both rescaled when m grows.
+        fp32 subtraction is monotone). LAZY_TIES: ties are counted entry by entry only when some
+        row of the block has two saturated entries in the tile, as otherwise a tile holds the
+        max at most once. FMA_COUNT: count saturated entries on the FMA pipe. Entropy:
+        l = sum 2^arg, u = sum 2^arg arg with arg = (S - m) log2(e) (u in bits; the caller
+        converts), both rescaled when m grows.
         """
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing unmasked yet
-        bound, unsure = _saturation_bound(m_safe, thr)
-        n_tie = _count_ge(s, m_safe, ASM)
-        n_sat = _count_ge(s, bound, ASM)
+        tmax = tl.max(s, 1)
+        m_new = tl.maximum(m, tmax)
+        valid = m_new > float("-inf")  # rows with something unmasked so far
+        m_safe = tl.where(valid, m_new, 0.0)  # (their t and c restart when the max appears)
+        bound, unsure = _saturation_bound(m_safe, thr, FMA_COUNT)
+        n_sat = _count_ge_fma(s, bound, ASM) if FMA_COUNT else _count_ge(s, bound, ASM)
+        if LAZY_TIES:
+            has_max = tmax == m_new
+            n_tie = tl.where(has_max, 1.0, 0.0)  # exact unless two entries of the tile saturate
+            if tl.max((has_max & (n_sat >= 2.0)).to(tl.int32)) > 0:
+                n_tie = tl.where(has_max, _count_ge(s, m_safe, ASM), 0.0)
+        else:
+            n_tie = _count_ge(s, m_safe, ASM)
         gap = m - m_safe  # 0 if the max did not grow, -inf before the first unmasked entry
         grew = m_new > m
         keep = gap >= thr
-        dirty = dirty | (grew & keep & (c != t)) | unsure
+        dirty = dirty | (grew & keep & (c != t)) | (valid & unsure)
         c = tl.where(grew, tl.where(keep & (c == t), c, 0.0), c) + n_sat
         t = tl.where(grew, 0.0, t) + n_tie
-        if MASKED:
-            mn = tl.minimum(mn, tl.min(tl.where(s > float("-inf"), s, float("inf")), 1))
-        else:
-            mn = tl.minimum(mn, tl.min(s, 1))
+        mn = tl.minimum(mn, tl.min(s_min, 1))
         if ENTROPY:
             arg = tl.fma(s, ent_coef, (-ent_coef * m_safe)[:, None])  # one FMA, no S - m
             e = tl.exp2(arg)
@@ -532,6 +567,7 @@ if triton is not None:
         IS_CAUSAL: tl.constexpr, ENTROPY: tl.constexpr, MUL_SCALE: tl.constexpr,
         UPCAST: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        FMA_COUNT: tl.constexpr, LAZY_TIES: tl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_M sampled query rows of one (batch, head); writes 9 partials.
 
@@ -584,24 +620,25 @@ if triton is not None:
         lsum = tl.zeros([BLOCK_M], tl.float32)
         usum = tl.zeros([BLOCK_M], tl.float32)
         for n0 in range(0, full_end, BLOCK_N):
-            s = _scores_tile(
+            s, s_min = _scores_tile(
                 q, k_ptrs + n0 * stride_kn, mask_ptrs + n0 * stride_mn, n0 + offs_n, qrow, d_ok,
                 Tk, scale, inv_unit, mask_floor, MASK_KIND, IS_CAUSAL, False, EVEN_D, MUL_SCALE,
                 UPCAST, PRECISION,
             )  # fmt: skip
             m, t, c, dirty, mn, lsum, usum = _merge_tile(
-                s, m, t, c, dirty, mn, lsum, usum, thr, ent_coef, MASK_KIND != 0, ENTROPY,
-                not UPCAST,
+                s, s_min, m, t, c, dirty, mn, lsum, usum, thr, ent_coef, MASK_KIND != 0,
+                ENTROPY, not UPCAST, FMA_COUNT, LAZY_TIES,
             )  # fmt: skip
         for n0 in range(full_end, hi, BLOCK_N):
-            s = _scores_tile(
+            s, s_min = _scores_tile(
                 q, k_ptrs + n0 * stride_kn, mask_ptrs + n0 * stride_mn, n0 + offs_n, qrow, d_ok,
                 Tk, scale, inv_unit, mask_floor, MASK_KIND, IS_CAUSAL, True, EVEN_D, MUL_SCALE,
                 UPCAST, PRECISION,
             )  # fmt: skip
             m, t, c, dirty, mn, lsum, usum = _merge_tile(
-                s, m, t, c, dirty, mn, lsum, usum, thr, ent_coef, True, ENTROPY, not UPCAST
-            )
+                s, s_min, m, t, c, dirty, mn, lsum, usum, thr, ent_coef, True, ENTROPY,
+                not UPCAST, FMA_COUNT, LAZY_TIES,
+            )  # fmt: skip
 
         # Rare: a row's max grew by less than |thr| over a window that held non-tied entries,
         # or its max is within 2|thr| of 0. Recount this block's saturated entries entry by
@@ -610,7 +647,7 @@ if triton is not None:
         if tl.max(dirty.to(tl.int32)) > 0:
             m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
             for n0 in range(0, hi, BLOCK_N):
-                s = _scores_tile(
+                s, _ = _scores_tile(
                     q, k_ptrs + n0 * stride_kn, mask_ptrs + n0 * stride_mn, n0 + offs_n, qrow,
                     d_ok, Tk, scale, inv_unit, mask_floor, MASK_KIND, IS_CAUSAL, True, EVEN_D,
                     MUL_SCALE, UPCAST, PRECISION,
@@ -619,7 +656,7 @@ if triton is not None:
             m2 = tl.where(m2 == float("-inf"), 0.0, m2)
             c2 = tl.zeros([BLOCK_M], tl.float32)
             for n0 in range(0, hi, BLOCK_N):
-                s = _scores_tile(
+                s, _ = _scores_tile(
                     q, k_ptrs + n0 * stride_kn, mask_ptrs + n0 * stride_mn, n0 + offs_n, qrow,
                     d_ok, Tk, scale, inv_unit, mask_floor, MASK_KIND, IS_CAUSAL, True, EVEN_D,
                     MUL_SCALE, UPCAST, PRECISION,
@@ -648,10 +685,7 @@ if triton is not None:
             tl.store(p + 8, tl.full([], float("inf"), tl.float64))
 
     def _gpu_configs() -> list[triton.Config]:
-        return [
-            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-            for bm, bn, w, st in _TUNED_CONFIGS
-        ]
+        return [triton.Config(**_launch_config(cf)) for cf in _TUNED_CONFIGS]
 
     def _prune(configs: list, named_args: dict, **kwargs) -> list:
         """Big head dims need narrower key tiles to stay in registers."""
@@ -660,21 +694,29 @@ if triton is not None:
         return keep or [min(configs, key=lambda cf: cf.kwargs["BLOCK_N"])]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner on GPUs; chosen on the H200
-# by bench/bench_attention_stats.py --sweep.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, FMA_COUNT, LAZY_TIES) tried by the autotuner on
+# GPUs; chosen on the H200 by bench/bench_attention_stats.py --sweep.
 _TUNED_CONFIGS = [
-    (128, 64, 8, 2),
-    (128, 128, 8, 2),
-    (128, 64, 4, 3),
-    (64, 64, 4, 3),
+    (64, 64, 4, 3, True, True),
+    (64, 128, 4, 3, True, True),
+    (128, 64, 8, 3, True, True),
+    (64, 64, 4, 3, False, False),
 ]
 # Interpreter (CPU) tiles: small, so that tests cross several tiles per row.
-_INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32}
+_INTERPRET_CONFIG = (32, 32, 4, 1, True, True)
 # Problems with fewer score entries than this skip autotuning (one compile, no tuning runs).
 _AUTOTUNE_MIN_ENTRIES = 1 << 26
-_SMALL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+_SMALL_CONFIG = (64, 64, 4, 2, True, True)
 # Exact fp32 products run on FMA units, not tensor cores: small tiles keep them in registers.
-_FP32_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+_FP32_CONFIG = (32, 32, 4, 2, True, True)
+
+
+def _launch_config(cf: tuple) -> dict:
+    """A config tuple as the kernel's constexprs (kwargs) plus launch options."""
+    bm, bn, warps, stages, fma_count, lazy_ties = cf
+    kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "FMA_COUNT": fma_count, "LAZY_TIES": lazy_ties}
+    return {"kwargs": kwargs, "num_warps": warps, "num_stages": stages}
+
 
 _tuned_kernel = None
 
@@ -708,8 +750,8 @@ def _head_stats_triton(
 ) -> torch.Tensor:
     """Launch the kernel, then reduce its per-row-block partials per head in torch.
 
-    ``mask`` is already broadcast to (B, Hq, Tq, Tk). ``config`` (BLOCK_M, BLOCK_N, num_warps,
-    num_stages) bypasses the autotuner (tuning sweeps).
+    ``mask`` is already broadcast to (B, Hq, Tq, Tk). ``config`` (a _TUNED_CONFIGS-style tuple)
+    bypasses the autotuner (tuning sweeps).
     """
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
@@ -750,13 +792,15 @@ def _head_stats_triton(
             config = _SMALL_CONFIG
     kernel = _head_stats_kernel if config is not None else _autotuned()
     if config is not None:
-        args.update(config)
+        launch = _launch_config(config)
+        args.update(launch["kwargs"], num_warps=launch["num_warps"])
+        args.update(num_stages=launch["num_stages"])
 
     def grid(meta: dict) -> tuple[int, int, int]:
         return (triton.cdiv(R, meta["BLOCK_M"]), Hq, Bs)
 
     # every launched block writes its partials; room for the smallest BLOCK_M the tuner may pick
-    min_bm = config["BLOCK_M"] if config is not None else min(cf[0] for cf in _TUNED_CONFIGS)
+    min_bm = config[0] if config is not None else min(cf[0] for cf in _TUNED_CONFIGS)
     part = torch.empty((Bs, Hq, triton.cdiv(R, min_bm), 9), dtype=torch.float64, device=q.device)
     rows_arg = q if rows is None else rows.to(device=q.device, dtype=torch.int64)
     batch_arg = q if batch is None else batch.to(device=q.device, dtype=torch.int64)
@@ -767,7 +811,7 @@ def _head_stats_triton(
         enable_fp_fusion=True,  # S itself is multiplied with mul.rn: never contracted
         **args,
     )  # fmt: skip
-    bm = config["BLOCK_M"] if config is not None else kernel.best_config.kwargs["BLOCK_M"]
+    bm = config[0] if config is not None else kernel.best_config.kwargs["BLOCK_M"]
     return _reduce_partials(part, triton.cdiv(R, bm))
 
 

@@ -292,6 +292,7 @@ def test_fp32_rounding_at_the_saturation_boundary(impl):
     saturates, 2^-34 does not.
     Head 3: two ties at thr, then the max 0 in a later tile (for any tile width): exactly at
     the threshold, the old ties stay saturated.
+    Head 4: logits of 2^70, two tied (the GPU's counting trick needs a bound below 2^64).
     """
     thr = torch.tensor(A.saturation_threshold(torch.bfloat16), dtype=torch.float32)
     rows = []
@@ -302,20 +303,22 @@ def test_fp32_rounding_at_the_saturation_boundary(impl):
     m = _next_up(-thr)
     rows.append([m, torch.tensor(1.5 * 2.0**-33), torch.tensor(2.0**-34), m + thr])
     rows.append([thr, thr, torch.tensor(0.0)])
+    big = torch.tensor(2.0**70)
+    rows.append([big, _next_up(big, -1), big])
     Tk, D = 210, 16
-    k = torch.full((1, 4, Tk, D), 0.0)
+    k = torch.full((1, 5, Tk, D), 0.0)
     k[..., 0] = -1000.0
     want_sat = []
     for h, vals in enumerate(rows):
         v = torch.stack(vals).float()
         k[0, h, [3, 9, 200, 33, 38][: len(v)], 0] = v
         want_sat.append(((v - v.max()) >= thr).sum().item())
-    q = torch.zeros(1, 4, 5, D)
+    q = torch.zeros(1, 5, 5, D)
     q[..., 0] = 1.0
     got = stats(impl, q, k, scale=1.0).cpu()
-    assert want_sat == [3, 3, 3, 3]
+    assert want_sat == [3, 3, 3, 3, 2]
     assert got[:, A.SATURATED_ENTRIES].tolist() == [5.0 * n for n in want_sat]
-    assert got[:, A.TIE_ENTRIES].tolist() == [5.0] * 4
+    assert got[:, A.TIE_ENTRIES].tolist() == [5.0] * 4 + [10.0]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
