@@ -149,6 +149,10 @@ def tensor_stats_reference(
 # exact in fp32). A second launch reduces each tensor's partials in float64, in a fixed order,
 # and writes the row. No atomics. One partials launch per storage format, one finalize launch.
 #
+# A program first reads its chunk assuming every value is finite (moments, extremes and the zero /
+# subnormal / underflow counts, about 12 integer and float ops per value); only a chunk that holds
+# an Inf or NaN is read a second time with non-finite values excluded and counted by kind.
+#
 # Classification works on the fp32 bit pattern of each value (after an exact upcast), with integer
 # compares, so the counts do not depend on how the GPU treats subnormal floats. fp8 is decoded from
 # its bytes with integer ops (the Triton 3.9 interpreter mis-converts fp8 NaN).
