@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -34,11 +35,10 @@ from numwatch.kernels import attention_stats as A
 
 B, H, T = 4, 16, 4096
 SHAPES = [(B, H, T, d, causal) for d in (128, 64) for causal in (False, True)]
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, FMA_COUNT, LAZY_TIES): tiles x counting strategy
+# (BLOCK_M, BLOCK_N, num_warps, num_stages)
 CANDIDATES = [
-    (bm, bn, w, st, fma, lazy)
-    for bm, bn, w, st in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2))
-    for fma, lazy in ((True, True), (False, True), (False, False))
+    (bm, bn, w, st)
+    for (bm, w), bn, st in itertools.product(((64, 4), (128, 4), (128, 8)), (64, 128), (2, 3))
 ]
 THR = A.saturation_threshold(torch.bfloat16)
 

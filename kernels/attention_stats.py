@@ -467,33 +467,12 @@ if triton is not None:
         return tl.sum(hit, 1)
 
     @triton.jit
-    def _count_ge_fma(s, bound, ASM: tl.constexpr):
-        """_count_ge on the FMA pipe, which this loop leaves idle while min and max queue on
-        the half-rate ALU pipe: with p the float just below the bound, hit =
-        sat(fma(s, 2^64, -p * 2^64)) = sat((s - p) * 2^64 rounded once) is exactly 0.0 when
-        s <= p and exactly 1.0 when s >= bound, as then s - p >= ulp(p) >= 2^-63, provided
-        2^-40 <= |bound| < 2^64 (the caller flags other rows for an exact recount)."""
-        if ASM:
-            p = (bound.to(tl.int32, bitcast=True) + tl.where(bound > 0.0, -1, 1)).to(
-                tl.float32, bitcast=True
-            )
-            c = tl.broadcast_to((p * -1.8446744073709552e19)[:, None], s.shape)  # exact: 2^64
-            hit = tl.inline_asm_elementwise(
-                "fma.rn.sat.f32 $0, $1, 0f5F800000, $2;", "=r,r,r", [s, c], dtype=tl.float32,
-                is_pure=True, pack=1,
-            )  # fmt: skip
-        else:
-            hit = tl.where(s >= tl.broadcast_to(bound[:, None], s.shape), 1.0, 0.0)
-        return tl.sum(hit, 1)
-
-    @triton.jit
-    def _saturation_bound(m, thr, FMA_COUNT: tl.constexpr):
+    def _saturation_bound(m, thr):
         """Per row, the smallest fp32 x with fp32(x - m) >= thr, and where that is not certain.
 
         For |m| >= 2|thr| (or m == 0) the subtraction x - m is exact near the boundary
         (Sterbenz), so the boundary is ceil_fp32(m + thr): c = fp32(m + thr) or the next float.
-        Rows with 0 < |m| < 2|thr|, or with a boundary outside [2^-40, 2^64) in magnitude
-        (where _count_ge_fma is not exact), are flagged: their count is redone entry by entry.
+        Rows with 0 < |m| < 2|thr| are flagged: their count is redone entry by entry.
         """
         c = m + thr
         c_up = (c.to(tl.int32, bitcast=True) + tl.where(c >= 0.0, 1, -1)).to(
@@ -501,16 +480,12 @@ if triton is not None:
         )
         bound = tl.where(c - m >= thr, c, c_up)
         unsure = (tl.abs(m) < -2.0 * thr) & (m != 0.0)
-        if FMA_COUNT:
-            b = tl.abs(bound)
-            unsure = unsure | (b < 9.094947017729282e-13) | (b >= 1.8446744073709552e19)
         return bound, unsure
 
     @triton.jit
     def _merge_tile(
         s, s_min, m, t, c, dirty, mn, lsum, usum, thr, ent_coef,
         MASKED: tl.constexpr, ENTROPY: tl.constexpr, ASM: tl.constexpr,
-        FMA_COUNT: tl.constexpr, LAZY_TIES: tl.constexpr,
     ):  # fmt: skip
         """Online per-row merge of one score tile into the running row state.
 
@@ -519,25 +494,15 @@ if triton is not None:
         fp32(m_old - m_new) >= thr (exactly their own predicate); if the old window also held
         entries below the old max, which of them survive is unknowable here, so the row is
         marked dirty and recounted after the sweep. Otherwise they are all dropped (exact, as
-        fp32 subtraction is monotone). LAZY_TIES: ties are counted entry by entry only when some
-        row of the block has two saturated entries in the tile, as otherwise a tile holds the
-        max at most once. FMA_COUNT: count saturated entries on the FMA pipe. Entropy:
-        l = sum 2^arg, u = sum 2^arg arg with arg = (S - m) log2(e) (u in bits; the caller
-        converts), both rescaled when m grows.
+        fp32 subtraction is monotone). Entropy: l = sum 2^arg, u = sum 2^arg arg with
+        arg = (S - m) log2(e) (u in bits; the caller converts), both rescaled when m grows.
         """
-        tmax = tl.max(s, 1)
-        m_new = tl.maximum(m, tmax)
+        m_new = tl.maximum(m, tl.max(s, 1))
         valid = m_new > float("-inf")  # rows with something unmasked so far
         m_safe = tl.where(valid, m_new, 0.0)  # (their t and c restart when the max appears)
-        bound, unsure = _saturation_bound(m_safe, thr, FMA_COUNT)
-        n_sat = _count_ge_fma(s, bound, ASM) if FMA_COUNT else _count_ge(s, bound, ASM)
-        if LAZY_TIES:
-            has_max = tmax == m_new
-            n_tie = tl.where(has_max, 1.0, 0.0)  # exact unless two entries of the tile saturate
-            if tl.max((has_max & (n_sat >= 2.0)).to(tl.int32)) > 0:
-                n_tie = tl.where(has_max, _count_ge(s, m_safe, ASM), 0.0)
-        else:
-            n_tie = _count_ge(s, m_safe, ASM)
+        bound, unsure = _saturation_bound(m_safe, thr)
+        n_tie = _count_ge(s, m_safe, ASM)
+        n_sat = _count_ge(s, bound, ASM)
         gap = m - m_safe  # 0 if the max did not grow, -inf before the first unmasked entry
         grew = m_new > m
         keep = gap >= thr
@@ -562,17 +527,16 @@ if triton is not None:
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_mb, stride_mh, stride_mm, stride_mn,
-        R, Tk, D, GROUP, scale, unit, thr, mask_floor,
+        R, Tk, D, GROUP, PART_BLOCKS, scale, unit, thr, mask_floor,
         HAS_ROWS: tl.constexpr, HAS_BATCH: tl.constexpr, MASK_KIND: tl.constexpr,
         IS_CAUSAL: tl.constexpr, ENTROPY: tl.constexpr, MUL_SCALE: tl.constexpr,
         UPCAST: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        FMA_COUNT: tl.constexpr, LAZY_TIES: tl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_M sampled query rows of one (batch, head); writes 9 partials.
 
         ``unit`` converts loop units to S (scale when MUL_SCALE is off, else 1); ``thr`` is in
-        loop units.
+        loop units. PART is (Bs, Hq, PART_BLOCKS, 9) whatever BLOCK_M the autotuner tries.
         """
         pid_m = tl.program_id(0)
         n_blocks = tl.num_programs(0)
@@ -627,7 +591,7 @@ if triton is not None:
             )  # fmt: skip
             m, t, c, dirty, mn, lsum, usum = _merge_tile(
                 s, s_min, m, t, c, dirty, mn, lsum, usum, thr, ent_coef, MASK_KIND != 0,
-                ENTROPY, not UPCAST, FMA_COUNT, LAZY_TIES,
+                ENTROPY, not UPCAST,
             )  # fmt: skip
         for n0 in range(full_end, hi, BLOCK_N):
             s, s_min = _scores_tile(
@@ -637,7 +601,7 @@ if triton is not None:
             )  # fmt: skip
             m, t, c, dirty, mn, lsum, usum = _merge_tile(
                 s, s_min, m, t, c, dirty, mn, lsum, usum, thr, ent_coef, True, ENTROPY,
-                not UPCAST, FMA_COUNT, LAZY_TIES,
+                not UPCAST,
             )  # fmt: skip
 
         # Rare: a row's max grew by less than |thr| over a window that held non-tied entries,
@@ -666,7 +630,7 @@ if triton is not None:
 
         ok = row_ok & (m > float("-inf"))
         sat_row = ok & (c >= 2.0)
-        p = PART + ((bi * tl.num_programs(1) + h) * n_blocks + pid_m) * 9
+        p = PART + ((bi * tl.num_programs(1) + h) * PART_BLOCKS + pid_m) * 9
         tl.store(p + 0, tl.sum(ok.to(tl.float64)))
         tl.store(p + 1, tl.sum((ok & (t >= 2.0)).to(tl.float64)))
         tl.store(p + 2, tl.sum(tl.where(ok, t, 0.0).to(tl.float64)))
@@ -694,28 +658,26 @@ if triton is not None:
         return keep or [min(configs, key=lambda cf: cf.kwargs["BLOCK_N"])]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, FMA_COUNT, LAZY_TIES) tried by the autotuner on
-# GPUs; chosen on the H200 by bench/bench_attention_stats.py --sweep.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner on GPUs: the winners of
+# bench/bench_attention_stats.py --sweep on the H200 (bench/results/attention_stats.json).
 _TUNED_CONFIGS = [
-    (64, 64, 4, 3, True, True),
-    (64, 128, 4, 3, True, True),
-    (128, 64, 8, 3, True, True),
-    (64, 64, 4, 3, False, False),
+    (64, 128, 4, 3),
+    (64, 64, 4, 3),
+    (128, 128, 8, 2),
 ]
 # Interpreter (CPU) tiles: small, so that tests cross several tiles per row.
-_INTERPRET_CONFIG = (32, 32, 4, 1, True, True)
+_INTERPRET_CONFIG = (32, 32, 4, 1)
 # Problems with fewer score entries than this skip autotuning (one compile, no tuning runs).
 _AUTOTUNE_MIN_ENTRIES = 1 << 26
-_SMALL_CONFIG = (64, 64, 4, 2, True, True)
+_SMALL_CONFIG = (64, 64, 4, 2)
 # Exact fp32 products run on FMA units, not tensor cores: small tiles keep them in registers.
-_FP32_CONFIG = (32, 32, 4, 2, True, True)
+_FP32_CONFIG = (32, 32, 4, 2)
 
 
 def _launch_config(cf: tuple) -> dict:
     """A config tuple as the kernel's constexprs (kwargs) plus launch options."""
-    bm, bn, warps, stages, fma_count, lazy_ties = cf
-    kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "FMA_COUNT": fma_count, "LAZY_TIES": lazy_ties}
-    return {"kwargs": kwargs, "num_warps": warps, "num_stages": stages}
+    bm, bn, warps, stages = cf
+    return {"kwargs": {"BLOCK_M": bm, "BLOCK_N": bn}, "num_warps": warps, "num_stages": stages}
 
 
 _tuned_kernel = None
@@ -807,7 +769,7 @@ def _head_stats_triton(
     kernel[grid](
         q, k, mask_arg, rows_arg, batch_arg, part,
         *q.stride(), *k.stride(), *ms,
-        R, Tk, D, Hq // Hkv, scale, unit, thr / unit, floor,
+        R, Tk, D, Hq // Hkv, part.shape[2], scale, unit, thr / unit, floor,
         enable_fp_fusion=True,  # S itself is multiplied with mul.rn: never contracted
         **args,
     )  # fmt: skip
