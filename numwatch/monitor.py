@@ -276,11 +276,12 @@ class Monitor:
             self.flush()
 
     def _close_step_body(self, loss: torch.Tensor | float | None) -> None:
+        # The loss first: it came before the gradients, so a NaN loss is named as the origin.
+        self._record_loss(loss)
         for probe in self._probes:
             if hasattr(probe, "on_step"):
                 self._guard.run(probe.component, probe.on_step)
         self._dist.on_step(self._gradients)  # this rank's share of the global gradient norm
-        self._record_loss(loss)
         if self._engine.step_rules:
             self._check_step()
 
@@ -500,7 +501,7 @@ class Monitor:
         self, origin: NonfiniteOrigin, flush_step: int, seen: Mapping[str, Any] | None = None
     ) -> Event:
         """``seen``: distributed, {'rank': who saw it first, 'ranks': everyone who saw one}."""
-        where = f"{origin.label} {origin.name!r}" if origin.label else "the loss"
+        where = f"{origin.label} {origin.name!r}" if origin.label else "loss"
         what = {"forward": "forward output of", "backward": "gradient of", "loss": ""}[origin.phase]
         subject = f"{what} {where}".strip() if origin.label else where
         labels = {origin.label: origin.name} if origin.label else {}

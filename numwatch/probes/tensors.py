@@ -18,6 +18,7 @@ from torch import nn
 
 from numwatch.buffers import DeviceTables, NonfiniteOrigin, nonfinite_counts, reduce_rows
 from numwatch.config import ActivationConfig, GradientConfig
+from numwatch.distributed import local_tensor
 from numwatch.kernels import tensor_stats as ts
 from numwatch.probes.base import ProbeContext
 from numwatch.selection import select_modules, select_parameters
@@ -86,6 +87,8 @@ class GradientProbe:
         self._index_cache: dict[tuple[torch.device, tuple[int, ...]], tuple[Any, Any]] = {}
         self._norm_sq_last: torch.Tensor | None = None
         self._norm_max: torch.Tensor | None = None
+        # (table rows, stats) read at the last closed step: cross-rank gradient norms use them
+        self.step_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def attach(self) -> None:
         for i, (_, p) in enumerate(self.params):
@@ -106,23 +109,27 @@ class GradientProbe:
         """Read every gradient of the closing step (called by Monitor.step, guarded)."""
         fired, fired_set = self._fired, self._fired_set
         self._fired, self._fired_set = [], set()
+        self.step_stats = []
         if self.ctx.step % self.cfg.every:
             return
         # Backward order first (closest to the loss first), then gradients no hook saw.
         rest = [i for i in reversed(range(len(self.params))) if i not in fired_set]
         groups: dict[torch.device, list[int]] = {}
         for i in fired + rest:
-            g = self.params[i][1].grad
-            if g is None or not g.is_floating_point() or g.numel() == 0 or g.is_meta:
+            g = local_tensor(self.params[i][1].grad)  # FSDP2 (DTensor): this rank's shard
+            if g is None or not g.is_floating_point() or g.is_meta:
+                continue
+            self._dtypes.setdefault(i, g.dtype)  # an empty shard too: other ranks fill its row
+            if g.numel() == 0:
                 continue
             groups.setdefault(g.device, []).append(i)
-            self._dtypes.setdefault(i, g.dtype)
         norm_sq = []
         for device, indices in groups.items():
-            grads = [self.params[i][1].grad for i in indices]
+            grads = [local_tensor(self.params[i][1].grad) for i in indices]
             stats = ts.tensor_stats(grads, self.ctx.underflow_dtype, self.ctx.backend_for(device))
             rows, rel_order = self._indices(device, indices)
             self._tables[device].add_rows(rows, stats)
+            self.step_stats.append((rows, stats))
             first = self.ctx.tracker.reserve(
                 [
                     NonfiniteOrigin("backward", "param", self.params[i][0], self.ctx.step)

@@ -1,0 +1,578 @@
+"""Running under torch.distributed: ranks, global statistics at flush, one decision for all.
+
+Data-parallel ranks see different data (activations, attention, the loss); FSDP2 ranks hold
+different shards of every gradient; DDP ranks hold identical copies of it. At each flush the
+monitor's device-side tables go through ``Aggregator.aggregate`` before its one host read: all of
+them are packed into two flat float64 buffers, one all-reduced with SUM (counts, sums, sums of
+squares, the loss) and one with MAX (maxima; minima as negated maxima; rows every rank holds in
+full), both in flight at once. A tiny all-reduce on the CPU first checks that every rank packed
+the same layout, so a rank whose probe failed can never hang the others. Every rank then holds
+the same global values, so the rules fire and the actions run alike on all ranks, at one step.
+
+Between flushes nothing is exchanged, except one 5-value all-reduce per step when a rule decides
+before the optimizer update (skip_step): that decision has to be global as well.
+
+``ShardedPowerIteration`` estimates spectral norms of row-sharded weights (FSDP2) with one small
+all-reduce per iteration, never gathering a weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from numwatch.buffers import NonfiniteOrigin, NonfiniteTracker, nonfinite_counts
+from numwatch.kernels import attention_stats as ats
+from numwatch.kernels import tensor_stats as ts
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.5
+    try:
+        from torch.distributed._tensor import DTensor
+    except ImportError:
+        DTensor = None
+
+if TYPE_CHECKING:
+    from numwatch.config import DistributedConfig
+    from numwatch.probes.tensors import GradientProbe
+
+__all__ = [
+    "REPLICA",
+    "SHARD",
+    "SHARD_COPY",
+    "Aggregator",
+    "MatrixBlock",
+    "ShardedPowerIteration",
+    "element_ops",
+    "get_rank",
+    "get_world_size",
+    "is_initialized",
+    "local_tensor",
+    "shard_role",
+]
+
+log = logging.getLogger("numwatch")
+INF = float("inf")
+
+# How one element combines across ranks. NONE: summed, but this rank adds nothing because another
+# rank holds the same shard and counts it (HSDP replicas).
+SUM, MAX, MIN, MEAN, NONE = range(5)
+# How a rank's local piece of a tensor relates to the whole tensor.
+REPLICA, SHARD, SHARD_COPY = range(3)
+
+
+# ------------------------------------------------------------------------------- ranks
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """Global rank: from torch.distributed, or the RANK variable torchrun sets before init."""
+    return dist.get_rank() if is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_tensor(t: Any) -> Any:
+    """The rank-local part of a DTensor (an FSDP2 shard), or ``t`` itself."""
+    if DTensor is not None and isinstance(t, DTensor):
+        return t.to_local()
+    return t
+
+
+def shard_role(t: torch.Tensor) -> int:
+    """REPLICA: this rank holds all of ``t`` (plain tensors, DDP); SHARD: a piece that this rank
+    counts; SHARD_COPY: a piece whose identical copy on another rank is counted (HSDP)."""
+    if DTensor is None or not isinstance(t, DTensor):
+        return REPLICA
+    placements = t.placements
+    if not any(p.is_shard() for p in placements):
+        return REPLICA
+    coord = t.device_mesh.get_coordinate() or [0] * len(placements)
+    first_copy = all(coord[d] == 0 for d, p in enumerate(placements) if not p.is_shard())
+    return SHARD if first_copy else SHARD_COPY
+
+
+# ------------------------------------------------------------------------------- layouts
+def _columns(n: int, max_cols: Sequence[int], min_cols: Sequence[int]) -> torch.Tensor:
+    ops = torch.full((n,), SUM, dtype=torch.int8)
+    ops[list(max_cols)] = MAX
+    ops[list(min_cols)] = MIN
+    return ops
+
+
+# Merged as combine_stats and the attention probe merge calls: extremes max/min, the rest adds.
+_STAT_OPS = _columns(ts.N_STATS, (ts.ABSMAX, ts.MAX), (ts.MIN,))
+_HEAD_OPS = _columns(ats.N_HEAD_STATS, (ats.MAX_LOGIT,), (ats.MIN_LOGIT, ats.ENTROPY_MIN))
+_KNOWN_MAX = ("weights/", "opt/", "grad_norm_sq_")  # full values every rank holds already
+
+
+def element_ops(key: str, shape: Sequence[int], roles: Sequence[int] | None = None) -> torch.Tensor:
+    """Cross-rank op of every element of the monitor's device tensor ``key`` (flat int8).
+
+    ``roles`` (``shard_role`` of each parameter) sets how the additive columns of gradient rows
+    combine: shards add up (SUM), replicas are one value held everywhere (MAX, which is also the
+    worst value should replicas ever differ), HSDP copies add nothing (NONE). Keys the table does
+    not know hold values every rank already has in full (spectral norms, optimizer ratios): MAX.
+    """
+    head = key.split("/", 1)[0]
+    numel = math.prod(shape)
+    if head in ("grad_table", "act_table"):
+        ops = _STAT_OPS.expand(*shape).clone()  # (rows, N_STATS)
+        if head == "grad_table" and roles is not None:
+            role = torch.tensor(roles, dtype=torch.int8)[:, None]
+            additive = ops == SUM
+            ops[additive & (role == REPLICA)] = MAX
+            ops[additive & (role == SHARD_COPY)] = NONE
+        return ops.reshape(-1)
+    if head == "attn" and key.endswith("/heads"):
+        return _HEAD_OPS.expand(*shape).reshape(-1).clone()
+    if (head == "attn" and key.endswith("/errors")) or key == "grad_norm_steps":
+        return torch.full((numel,), SUM, dtype=torch.int8)
+    if head == "nonfinite_first":
+        return torch.full((numel,), MIN, dtype=torch.int8)
+    if key == "loss":
+        return torch.full((numel,), MEAN, dtype=torch.int8)
+    if not key.startswith(_KNOWN_MAX):
+        log.debug("numwatch: %r has no cross-rank layout; reduced with MAX", key)
+    return torch.full((numel,), MAX, dtype=torch.int8)
+
+
+class _Plan:
+    """Index sets that split one flat vector (all tensors of a layout) into the two buffers."""
+
+    def __init__(self, ops: torch.Tensor, device: torch.device) -> None:
+        index = torch.arange(ops.numel())
+        adds = (ops == SUM) | (ops == MEAN) | (ops == NONE)
+        self.numel = ops.numel()
+        self.i_sum = index[adds].to(device)
+        self.i_max = index[ops == MAX].to(device)
+        self.i_min = index[ops == MIN].to(device)
+        none, mean = (ops[adds] == NONE), (ops[adds] == MEAN)
+        self.none = none.to(device) if bool(none.any()) else None
+        self.mean = mean.to(device) if bool(mean.any()) else None
+        self.n_max = self.i_max.numel() + self.i_min.numel()
+
+    def pack(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = flat[self.i_sum]
+        if self.none is not None:
+            s = s.masked_fill(self.none, 0.0)
+        m = torch.cat([flat[self.i_max], -flat[self.i_min]])
+        # MAX all-reduces drop NaN (gloo, NCCL); carry it as a flag so NaN wins, as in torch.
+        nan = torch.isnan(m)
+        return s, torch.cat([m.masked_fill(nan, -INF), nan.to(torch.float64)])
+
+    def unpack(self, s: torch.Tensor, m: torch.Tensor, world: int) -> torch.Tensor:
+        if self.mean is not None:
+            s = torch.where(self.mean, s / world, s)
+        m = m[: self.n_max].masked_fill(m[self.n_max :] > 0, float("nan"))
+        n = self.i_max.numel()
+        out = torch.empty(self.numel, dtype=torch.float64, device=s.device)
+        out.index_copy_(0, self.i_sum, s)
+        out.index_copy_(0, self.i_max, m[:n])
+        out.index_copy_(0, self.i_min, -m[n:])
+        return out
+
+
+def _identity(ops: torch.Tensor) -> torch.Tensor:
+    """The value a rank that lacks a tensor contributes: 0 to sums, -inf to max, +inf to min."""
+    out = torch.zeros(ops.shape, dtype=torch.float64)
+    out[ops == MAX] = -INF
+    out[ops == MIN] = INF
+    return out
+
+
+# ------------------------------------------------------------------------------- aggregation
+class Aggregator:
+    """Cross-rank aggregation for one monitor (inactive unless torch.distributed runs with 2+
+    ranks and ``distributed.aggregate`` is on); see the module docstring."""
+
+    LOCAL = "local/"  # prefix of the rank-local copies read in the same host transfer
+
+    def __init__(self, cfg: DistributedConfig) -> None:
+        self.cfg = cfg
+        self._cpu_group: Any = None
+        self._plans: dict[tuple, tuple[_Plan, list[tuple[str, tuple[int, ...]]], Any]] = {}
+        self._roles: tuple[int, ...] | None = None
+        self._counted: dict[torch.device, torch.Tensor] = {}
+        self._norms: list[torch.Tensor] = []  # per closed step: (2,) [counted norm^2, bad]
+        self.collectives = 0  # issued so far (benchmarks, tests)
+
+    @property
+    def active(self) -> bool:
+        return self.cfg.aggregate and is_initialized() and dist.get_world_size() > 1
+
+    @property
+    def keeps_local(self) -> bool:
+        """Rank-local values of every tensor are read too (per-rank JSONL)."""
+        return self.active and self.cfg.jsonl == "per_rank"
+
+    # --------------------------------------------------------------------- per step
+    def on_step(self, gradients: GradientProbe | None) -> None:
+        """After the gradient probe read this step's gradients: this rank's share of the global
+        squared gradient norm, and whether it saw a non-finite gradient (device tensors)."""
+        if gradients is None or not gradients.step_stats or not self.active:
+            return
+        parts = []
+        for rows, stats in gradients.step_stats:
+            counted = self._counted_rows(gradients, rows.device)[rows]  # (n,) bool
+            bad_here = nonfinite_counts(stats)
+            sumsq = torch.where(counted, stats[:, ts.SUMSQ], 0.0).sum()
+            # NaN as in clip_grad_norm_ when a counted gradient is non-finite
+            sumsq = sumsq.masked_fill(torch.where(counted, bad_here, 0.0).sum() > 0, math.nan)
+            parts.append(torch.stack([sumsq, (bad_here.sum() > 0).double()]))
+        entry = parts[0]
+        for p in parts[1:]:
+            entry = entry + p.to(entry.device, non_blocking=True)
+        self._norms.append(entry)
+
+    def step_values(self, loss: torch.Tensor | float | None) -> dict[str, float]:
+        """Global squared gradient norm and mean loss of the step closing now, from one SUM
+        all-reduce of [norm^2 share, non-finite flag, has norm, loss, has loss].
+
+        SYNC: one per step, only when a rule decides every step (skip_step). The norm is NaN on
+        every rank when any rank saw a non-finite gradient, so all of them skip together.
+        """
+        entry = self._norms[-1] if self._norms else None
+        parts = [entry if entry is not None else torch.zeros(2, dtype=torch.float64)]
+        if isinstance(loss, torch.Tensor):
+            parts.append(loss.detach().reshape(1).to(parts[0].device, torch.float64))
+        host = torch.cat([p.to(parts[0].device) for p in parts]).cpu().tolist()  # SYNC
+        has_loss = loss is not None
+        loss_value = (host[2] if isinstance(loss, torch.Tensor) else float(loss)) if has_loss else 0
+        packet = torch.tensor(
+            [host[0], host[1], float(entry is not None), loss_value, float(has_loss)],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(packet, group=self._group_cpu())
+        self.collectives += 1
+        norm_sq, bad, n_norm, loss_sum, n_loss = packet.tolist()
+        out = {}
+        if n_norm:
+            out["grad_norm"] = math.nan if bad else norm_sq
+        if n_loss:
+            out["loss"] = loss_sum / n_loss
+        return out
+
+    # --------------------------------------------------------------------- at flush
+    def aggregate(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        loss: torch.Tensor | float | None,
+        gradients: GradientProbe | None,
+    ) -> dict[str, torch.Tensor]:
+        """Global values of the monitor's device tensors, plus ``local/``-prefixed rank-local
+        copies (the non-finite origins; all of them with ``jsonl='per_rank'``)."""
+        # A DTensor value (a probe reading sharded weights) goes as its local part; a probe that
+        # failed half-way may leave None: absent here, as on a rank where it never ran.
+        tensors = {k: local_tensor(t) for k, t in tensors.items() if isinstance(t, torch.Tensor)}
+        if isinstance(loss, float):
+            tensors["loss"] = torch.tensor(loss, dtype=torch.float64)
+        norms, self._norms = self._norms, []
+        local = {
+            k: t for k, t in tensors.items() if self.keeps_local or k.startswith("nonfinite_first/")
+        }
+        if "grad_norm_sq_last" in tensors and norms:
+            # Max over steps of a sum over ranks: the per-step shares go, not the local maxima.
+            device = norms[0].device
+            tensors["grad_norm_steps"] = torch.stack([n.to(device) for n in norms])  # (steps, 2)
+            del tensors["grad_norm_sq_last"], tensors["grad_norm_sq_max"]
+        if gradients is not None and self._roles is None:
+            self._roles = tuple(shard_role(p) for _, p in gradients.params)
+        out = self._reduce(tensors)
+        steps = out.pop("grad_norm_steps", None)
+        if steps is not None:
+            norm_sq = steps[:, 0].masked_fill(steps[:, 1] > 0, math.nan)  # (steps,)
+            out["grad_norm_sq_last"], out["grad_norm_sq_max"] = norm_sq[-1], norm_sq.max()
+        out.update({self.LOCAL + k: t for k, t in local.items()})
+        return out
+
+    def split(self, host: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+        """(global, rank-local) views of one host read."""
+        glob = {k: v for k, v in host.items() if not k.startswith(self.LOCAL)}
+        local = {k[len(self.LOCAL) :]: v for k, v in host.items() if k.startswith(self.LOCAL)}
+        return glob, local
+
+    def first_nonfinite(
+        self,
+        tracker: NonfiniteTracker,
+        host: Mapping[str, torch.Tensor],
+        local_host: Mapping[str, torch.Tensor],
+    ) -> tuple[NonfiniteOrigin | None, dict[str, Any]]:
+        """Where a NaN/Inf appeared first over all ranks, and ``{'rank', 'ranks'}`` (which rank
+        saw it first; every rank that saw one).
+
+        Only when some rank saw one: the ranks exchange their own first origin (an object
+        all-gather on the CPU), so the names come from the rank that saw it and the event is
+        the same on every rank. First means earliest step, then execution order, then rank.
+        """
+        if not self.active:
+            return tracker.first_origin(host), {}
+        orders = [float(v) for k, v in host.items() if k.startswith("nonfinite_first/")]
+        if min(orders, default=INF) == INF:
+            return None, {}
+        mine = [float(v) for k, v in local_host.items() if k.startswith("nonfinite_first/")]
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(
+            gathered, (min(mine, default=INF), tracker.first_origin(local_host)), self._group_cpu()
+        )
+        self.collectives += 1
+        seen = [(o.step, order, r, o) for r, (order, o) in enumerate(gathered) if o is not None]
+        if not seen:
+            return None, {}
+        _, _, rank, origin = min(seen, key=lambda s: s[:3])
+        return origin, {"rank": rank, "ranks": sorted({s[2] for s in seen})}
+
+    # --------------------------------------------------------------------- internals
+    def _counted_rows(self, gradients: GradientProbe, device: torch.device) -> torch.Tensor:
+        """(n_params,) bool: this rank's rows count in global sums (shards; replicas on rank 0)."""
+        counted = self._counted.get(device)
+        if counted is None:
+            first = dist.get_rank() == 0
+            roles = [shard_role(p) for _, p in gradients.params]
+            flags = [r == SHARD or (r == REPLICA and first) for r in roles]
+            counted = self._counted[device] = torch.tensor(flags, device=device)
+        return counted
+
+    def _reduce(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        layout = [(k, tuple(tensors[k].shape)) for k in sorted(tensors)]
+        device = self._device(tensors.values())
+        agreed = self._agree(layout)
+        if agreed is None:  # shapes disagree: no aggregation this flush, on any rank
+            return dict(tensors)
+        plan_key = (tuple(agreed), self._roles, device)
+        cached = self._plans.get(plan_key)
+        if cached is None:
+            ops = torch.cat([element_ops(k, s, self._roles) for k, s in agreed])
+            fill = {k: _identity(element_ops(k, s, self._roles)) for k, s in agreed}
+            cached = self._plans[plan_key] = (_Plan(ops, device), agreed, fill)
+            if len(self._plans) > 16:
+                self._plans.pop(next(iter(self._plans)))
+        plan, agreed, fill = cached
+        flat = torch.cat(
+            [
+                tensors[k].detach().reshape(-1).to(device, torch.float64)
+                if k in tensors
+                else fill[k].to(device)
+                for k, _ in agreed
+            ]
+        )
+        s, m = plan.pack(flat)
+        works = [
+            dist.all_reduce(buf, op=op, async_op=True)
+            for buf, op in ((s, dist.ReduceOp.SUM), (m, dist.ReduceOp.MAX))
+            if buf.numel()
+        ]
+        self.collectives += len(works)
+        for work in works:
+            work.wait()
+        out = plan.unpack(s, m, dist.get_world_size())
+        sizes = [math.prod(shape) for _, shape in agreed]
+        return {
+            k: piece.reshape(shape)
+            for (k, shape), piece in zip(agreed, out.split(sizes), strict=True)
+        }
+
+    def _agree(self, layout: list[tuple[str, tuple[int, ...]]]) -> list | None:
+        """The layout every rank packs: its own when all agree (a 2-value CPU all-reduce), else
+        the union (an object all-gather), or None when two ranks hold one key in two shapes."""
+        crc = float(zlib.crc32(repr((layout, self._roles)).encode()))
+        check = torch.tensor([crc, -crc], dtype=torch.float64)
+        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=self._group_cpu())
+        self.collectives += 1
+        if check[0] == -check[1]:
+            return layout
+        layouts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(layouts, layout, self._group_cpu())
+        self.collectives += 1
+        shapes: dict[str, set[tuple[int, ...]]] = {}
+        for each in layouts:
+            for k, shape in each:
+                shapes.setdefault(k, set()).add(shape)
+        if any(len(s) > 1 for s in shapes.values()):
+            log.warning("numwatch: ranks hold statistics of different shapes; not aggregated")
+            return None
+        return [(k, next(iter(shapes[k]))) for k in sorted(shapes)]
+
+    def _device(self, tensors: Any) -> torch.device:
+        """CUDA when the backend is NCCL (current device), the CPU otherwise (gloo)."""
+        backend = _backend()
+        on_cuda = any(t.is_cuda for t in tensors)
+        if "nccl" in backend and (on_cuda or "gloo" not in backend):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _group_cpu(self) -> Any:
+        """A group for small host-side exchanges: the default one if it has a CPU backend, else
+        a gloo group made once (collectively: every rank gets here at the same flush)."""
+        if self._cpu_group is None:
+            has_cpu = "gloo" in _backend()
+            self._cpu_group = dist.group.WORLD if has_cpu else dist.new_group(backend="gloo")
+        return self._cpu_group
+
+
+def _backend() -> str:
+    get = getattr(dist, "get_backend_config", None)
+    return str(get() if get is not None else dist.get_backend())
+
+
+# ------------------------------------------------------------------------------- spectral norms
+@dataclass(frozen=True)
+class MatrixBlock:
+    """A matrix for ``ShardedPowerIteration``: ``weight`` (2-D; a DTensor sharded on dim 0, as
+    FSDP2 makes them, or a plain tensor every rank holds in full), restricted to the range
+    [start, stop) along ``dim`` and split there into ``groups`` equal parts (attention heads):
+    ``dim=0`` for ``nn.Linear`` rows, ``dim=1`` for GPT-2 ``Conv1D`` columns (as ``HeadSlice``)."""
+
+    weight: torch.Tensor
+    groups: int = 1
+    dim: int = 0
+    start: int = 0
+    stop: int | None = None
+
+
+class ShardedPowerIteration:
+    """Warm-started spectral norms of row-sharded matrices (FSDP2 ``Shard(0)`` weights), whole
+    or per head, with one small all-reduce per iteration and no weight ever gathered.
+
+    The vector ``u`` of each matrix lives in its column space and is the same on every rank. One
+    iteration: each rank multiplies its rows ``A_r`` into ``v_r = A_r u`` and sends
+    ``[A_r^T v_r, ||v_r||^2]``; one SUM all-reduce over all matrices gives ``A^T A u`` and
+    ``||A u||^2``; ``sigma = ||A^T A u|| / ||A u||`` (PowerIteration's estimate, on ``A^T``) and
+    ``u <- A^T A u / ||A^T A u||``. Arithmetic is float32. A zero estimate, or a non-finite one
+    (a weight holding NaN/Inf; reported as NaN), restarts ``u`` from its first value.
+
+    ``step(blocks)`` takes ``MatrixBlock``s or bare 2-D tensors (one whole matrix each) and returns
+    the ``(sum of groups,)`` float32 estimates in order, on the weights' device, identical on all
+    ranks. Empty and uneven shards are fine; plain tensors need no exchange.
+    """
+
+    def __init__(self, iters: int = 1, seed: int = 0) -> None:
+        if iters < 1:
+            raise ValueError(f"ShardedPowerIteration iters must be >= 1, got {iters}")
+        self.iters = iters
+        self.seed = seed
+        self._signature: tuple = ()
+        self._u: list[torch.Tensor] = []  # per block: (groups, k) float32 unit rows
+        self._u0: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def step(self, blocks: Sequence[torch.Tensor | MatrixBlock]) -> torch.Tensor:
+        if not blocks:
+            raise ValueError("ShardedPowerIteration.step needs at least one matrix")
+        pieces = [_piece(b if isinstance(b, MatrixBlock) else MatrixBlock(b)) for b in blocks]
+        groups = {id(p.group): p.group for p in pieces if p.group is not None}
+        if len(groups) > 1:
+            raise ValueError("ShardedPowerIteration needs all sharded weights on one mesh")
+        group = next(iter(groups.values()), None)
+        device = pieces[0].rows.device
+        self._ensure_vectors([(p.groups, p.rows.shape[-1]) for p in pieces], device)
+        sigmas: list[torch.Tensor] = []
+        for _ in range(self.iters):
+            packets = [_packet(p, u) for p, u in zip(pieces, self._u, strict=True)]
+            shared = [q for q, p in zip(packets, pieces, strict=True) if p.group is not None]
+            if shared:
+                flat = torch.cat([q.reshape(-1) for q in shared])
+                dist.all_reduce(flat, group=group)  # the one exchange of this iteration
+                summed = iter(flat.split([q.numel() for q in shared]))
+                packets = [
+                    next(summed).view_as(q) if p.group is not None else q
+                    for q, p in zip(packets, pieces, strict=True)
+                ]
+            sigmas = []
+            for j, q in enumerate(packets):
+                w, nv2 = q[:, :-1], q[:, -1]  # (G, k) A^T A u, (G,) ||A u||^2
+                nw = w.norm(dim=-1)
+                ok = (nv2 > 0) & torch.isfinite(nv2) & (nw > 0) & torch.isfinite(nw)
+                sigma = torch.where(ok, nw / nv2.sqrt(), math.nan)
+                sigmas.append(torch.where(nv2 == 0, 0.0, sigma))
+                unit = w / nw.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+                self._u[j] = torch.where(ok.unsqueeze(-1), unit, self._u0[j])
+        return torch.cat(sigmas)
+
+    def _ensure_vectors(self, shapes: list[tuple[int, int]], device: torch.device) -> None:
+        signature = tuple(shapes)
+        if signature == self._signature and self._u and self._u[0].device == device:
+            return
+        gen = torch.Generator(device="cpu").manual_seed(self.seed)  # the same on every rank
+        self._u0 = []
+        for g, k in shapes:
+            u = torch.randn(g, k, generator=gen)
+            self._u0.append((u / u.norm(dim=-1, keepdim=True)).to(device))
+        self._u = list(self._u0)
+        self._signature = signature
+
+
+@dataclass
+class _Piece:
+    rows: torch.Tensor  # (local groups, rows per group, k) float32: this rank's rows
+    first: int  # index of the first local group
+    groups: int
+    group: Any  # process group holding the other rows; None = all rows are here
+
+
+def _local_rows(w: torch.Tensor) -> tuple[torch.Tensor, int, Any]:
+    """This rank's rows of ``w``, the global index of the first one, and the group sharing ``w``."""
+    if DTensor is None or not isinstance(w, DTensor):
+        return w, 0, None
+    dims = [d for d, p in enumerate(w.placements) if p.is_shard()]
+    if not dims:
+        return w.to_local(), 0, None
+    if len(dims) > 1 or w.placements[dims[0]].dim != 0:
+        raise NotImplementedError(
+            f"ShardedPowerIteration needs weights sharded on dim 0 over one mesh dim, got "
+            f"{w.placements}"
+        )
+    n, pos = w.device_mesh.size(dims[0]), w.device_mesh.get_coordinate()[dims[0]]
+    chunk = -(-w.shape[0] // n)  # torch.chunk's split, which Shard(0) and FSDP2 use
+    return w.to_local(), min(pos * chunk, w.shape[0]), w.device_mesh.get_group(dims[0])
+
+
+def _piece(block: MatrixBlock) -> _Piece:
+    w = block.weight
+    if w.dim() != 2 or block.dim not in (0, 1):
+        raise ValueError(f"MatrixBlock needs a 2-D weight and dim 0 or 1, got {tuple(w.shape)}")
+    start, stop = block.start, w.shape[block.dim] if block.stop is None else block.stop
+    if not 0 <= start < stop <= w.shape[block.dim] or block.groups < 1:
+        raise ValueError(f"MatrixBlock range [{start}, {stop}) / {block.groups} groups is invalid")
+    if (stop - start) % block.groups:
+        raise ValueError(f"{stop - start} rows/columns do not split into {block.groups} groups")
+    size = (stop - start) // block.groups
+    local, lo, group = _local_rows(w)
+    if block.dim == 1:  # column groups: every group has some of this rank's rows
+        a = local[:, start:stop].float()  # (m_r, G * size)
+        rows = a.view(a.shape[0], block.groups, size).permute(1, 0, 2)  # (G, m_r, size)
+        return _Piece(rows, 0, block.groups, group)
+    k = w.shape[1]
+    s, e = max(lo, start), min(lo + local.shape[0], stop)  # global rows held here
+    if s >= e:
+        return _Piece(local.new_zeros(0, size, k, dtype=torch.float32), 0, block.groups, group)
+    a = local[s - lo : e - lo].float()
+    top = (s - start) % size
+    bottom = -(top + e - s) % size
+    if top or bottom:  # a group split between ranks: zero rows stand for the others' rows
+        a = torch.cat([a.new_zeros(top, k), a, a.new_zeros(bottom, k)])
+    return _Piece(a.view(-1, size, k), (s - start) // size, block.groups, group)
+
+
+def _packet(piece: _Piece, u: torch.Tensor) -> torch.Tensor:
+    """(G, k + 1): [A_g^T A_g u_g, ||A_g u_g||^2] over this rank's rows of each group g."""
+    k = u.shape[-1]
+    out = torch.zeros(piece.groups, k + 1, dtype=torch.float32, device=u.device)
+    n = piece.rows.shape[0]
+    if n and piece.rows.shape[1]:
+        v = torch.bmm(piece.rows, u[piece.first : piece.first + n].unsqueeze(-1))  # (n, rows, 1)
+        out[piece.first : piece.first + n, :k] = torch.bmm(piece.rows.transpose(1, 2), v)[..., 0]
+        out[piece.first : piece.first + n, k] = v[..., 0].square().sum(-1)
+    return out

@@ -1,0 +1,622 @@
+"""Distributed: global statistics, the first non-finite's rank, rank-consistent mitigation.
+
+Two gloo processes are spawned once for the whole file; they run every scenario in one process
+group (DDP, then FSDP2 ``fully_shard`` on the CPU) and save what they saw (snapshots, events,
+the raw tensors the probes read, parameters); the tests compare that with float64 oracles
+computed here on the concatenation of both ranks' data. The packing itself is also checked
+in-process against ``combine_stats`` with two simulated ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import numwatch
+from numwatch.config import DistributedConfig
+from numwatch.distributed import (
+    MAX,
+    REPLICA,
+    SHARD,
+    MatrixBlock,
+    ShardedPowerIteration,
+    _Plan,
+    element_ops,
+)
+from numwatch.kernels import tensor_stats as ts
+from numwatch.sinks.jsonl import read_jsonl
+
+WORLD = 2
+D, HEADS, T = 16, 2, 8
+
+
+# ------------------------------------------------------------------------------ model
+class Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+        self.plant = False  # two identical sink keys: every row's maximum is repeated
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, _, C = x.shape
+        q, k, v = (
+            t.view(B, T, HEADS, C // HEADS).transpose(1, 2) for t in self.qkv(x).split(C, dim=2)
+        )
+        if self.plant:
+            sink = q.mean(2, keepdim=True)
+            sink = sink / sink.norm(dim=-1, keepdim=True) * 50
+            k = torch.cat([sink, sink, k[:, :, 2:]], dim=2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        self.seen = [t.detach().clone() for t in (q, k, v, y)]
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Attn()
+        self.b = Attn()
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.b(self.a(x))))
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(3, T, D, generator=gen)
+
+
+# ------------------------------------------------------------------------------ workers
+def _monitor(model: nn.Module, out: Path, name: str, **kw) -> numwatch.Monitor:
+    kw.setdefault("sinks__console__enabled", False)
+    kw.setdefault("sinks__jsonl__path", str(out / f"{name}.rank{{rank}}.jsonl"))
+    kw.setdefault("flush_every", 1)
+    kw.setdefault("activations__every", 1)
+    kw.setdefault("attention__every", 1)
+    kw.setdefault("attention__batch", 0)
+    kw.setdefault("rules__defaults", False)
+    return numwatch.Monitor(model, **kw)
+
+
+def _events(monitor: numwatch.Monitor) -> list[dict]:
+    return [{k: v for k, v in e.to_dict().items() if k != "time"} for e in monitor.events]
+
+
+def _capture(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Forward outputs of every submodule of the last forward (what the activation probe saw)."""
+    seen: dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        if name:
+            m.register_forward_hook(lambda _m, _i, o, name=name: seen.__setitem__(name, o.detach()))
+    return seen
+
+
+def _skip_rules() -> dict:
+    return {
+        "defaults": False,
+        "add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}],
+    }
+
+
+def scenario_ddp_stats(rank: int, out: Path) -> dict:
+    """DDP, per-rank JSONL: global values vs. the concatenated data, local values per rank."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = Net()
+    net.b.plant = rank == 1
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    monitor = _monitor(net, out, "ddp_stats", distributed__jsonl="per_rank").attach(opt)
+    acts = _capture(net)
+    loss = ddp(batch(rank, 0)).square().mean()
+    loss.backward()
+    monitor.step(loss)
+    res = {
+        "acts": dict(acts),
+        "attn": {layer: getattr(net, layer).seen for layer in ("a", "b")},
+        "grads": {n: p.grad.clone() for n, p in net.named_parameters()},
+        "loss": loss.item(),
+        "snapshot": monitor.snapshot().to_dict(),
+    }
+    opt.step()
+    monitor.detach()
+    res["jsonl"] = monitor.jsonl_path
+    return res
+
+
+def scenario_ddp_nan(rank: int, out: Path) -> dict:
+    """DDP: a NaN in rank 1's input at step 2; skip_step on both ranks; rank-0-only JSONL."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    monitor = _monitor(net, out, "ddp_nan", rules=_skip_rules()).attach(opt)
+    res: dict = {}
+    for step in range(4):
+        x = batch(rank, step)
+        if step == 2 and rank == 1:
+            x[0, 3, 5] = float("nan")
+        loss = ddp(x).square().mean()
+        loss.backward()
+        monitor.step(loss)
+        before = {n: p.detach().clone() for n, p in net.named_parameters()}
+        opt.step()
+        if step == 2:
+            res["unchanged"] = all(torch.equal(before[n], p) for n, p in net.named_parameters())
+        opt.zero_grad()
+    res["params"] = {n: p.detach().clone() for n, p in net.named_parameters()}
+    res["events"] = _events(monitor)
+    res["skipped"] = monitor.snapshot().value("mitigation_skipped_steps_total")
+    monitor.detach()
+    res["jsonl"] = monitor.jsonl_path
+    return res
+
+
+def _fsdp_net() -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    net = Net()
+    for block in (net.a, net.b):
+        fully_shard(block)
+    fully_shard(net)
+    return net
+
+
+def scenario_fsdp_stats(rank: int, out: Path) -> dict:
+    """FSDP2: gradient statistics of local shards aggregate to those of the full gradient."""
+    net = _fsdp_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    monitor = _monitor(net, out, "fsdp_stats", weights__enabled=False, optimizer__enabled=False)
+    monitor.attach(opt)
+    loss = net(batch(rank, 0)).square().mean()
+    loss.backward()
+    full = {n: p.grad.full_tensor() for n, p in net.named_parameters()}  # the test's oracle only
+    monitor.step(loss)
+    opt.step()
+    res = {"grads": full, "snapshot": monitor.snapshot().to_dict()}
+    monitor.detach()
+    return res
+
+
+def scenario_fsdp_nan(rank: int, out: Path, aggregate: bool) -> dict:
+    """FSDP2: a NaN in rank 1's shard of one gradient at step 1 (rank 0's shard is clean)."""
+    net = _fsdp_net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    monitor = _monitor(
+        net,
+        out,
+        f"fsdp_nan_{aggregate}",
+        rules=_skip_rules(),
+        weights__enabled=False,
+        optimizer__enabled=False,
+        distributed__aggregate=aggregate,
+    ).attach(opt)
+    res: dict = {}
+    for step in range(3):
+        net(batch(rank, step)).square().mean().backward()
+        if step == 1 and rank == 1:
+            net.a.qkv.weight.grad.to_local()[0, 0] = float("nan")
+        monitor.step()
+        before = {n: p.to_local().clone() for n, p in net.named_parameters()}
+        opt.step()
+        if step == 1:
+            after = dict(net.named_parameters())
+            res["unchanged"] = all(torch.equal(before[n], after[n].to_local()) for n in before)
+        opt.zero_grad()
+    res["events"] = _events(monitor)
+    res["skipped"] = monitor.optimizer_control.skipped_steps
+    monitor.detach()
+    return res
+
+
+def scenario_swap(rank: int, out: Path, aggregate: bool) -> dict:
+    """DDP: repeated maxima on rank 1 only; the swap rule decides on the global fraction."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = Net()
+    net.b.plant = rank == 1
+    ddp = DDP(net)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    rule = {
+        "type": "threshold",
+        "name": "ties",
+        "metric": "attn_repeated_max_fraction",
+        "threshold": 0.05,
+        "for_flushes": 2,
+        "actions": ["swap_attention_kernel"],
+    }
+    monitor = _monitor(
+        net,
+        out,
+        f"swap_{aggregate}",
+        rules={"defaults": False, "add": [rule]},
+        distributed__aggregate=aggregate,
+    ).attach(opt)
+    for step in range(4):
+        ddp(batch(rank, step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    kernel = monitor.attention_kernel("b")
+    res = {
+        "events": _events(monitor),
+        "stabilized": kernel is not None and kernel.stabilized,
+        "other_layer": monitor.attention_kernel("a"),
+        "params": {n: p.detach().clone() for n, p in net.named_parameters()},
+    }
+    monitor.detach()
+    return res
+
+
+# (index into _sigma_weights, groups, dim, start, stop) of each MatrixBlock
+SIGMA_BLOCKS = [
+    (0, 2, 0, 0, None),  # 2 groups of 24 rows: one per rank
+    (1, 3, 0, 0, None),  # 3 groups of 4 rows; group 1 split over the ranks
+    (2, 1, 0, 0, None),  # uneven shards (3 + 2 rows)
+    (3, 1, 0, 0, None),  # rank 1's shard is empty
+    (4, 2, 0, 8, 16),  # the K part of a fused qkv: one head on each rank
+    (5, 3, 1, 0, 12),  # Conv1D column heads, rows sharded 5 + 5
+]
+
+
+def _sigma_weights() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(48, 16), (12, 8), (5, 6), (1, 9), (24, 8), (10, 12)]
+    return [torch.randn(*shape, generator=gen) for shape in shapes]
+
+
+def _sigma_blocks(weights: list[torch.Tensor]) -> list[MatrixBlock]:
+    return [MatrixBlock(weights[i], g, d, a, b) for i, g, d, a, b in SIGMA_BLOCKS]
+
+
+def scenario_sharded_sigma(rank: int, out: Path) -> dict:
+    """ShardedPowerIteration on DTensor weights (and one plain weight every rank holds)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    full = _sigma_weights()
+    blocks = _sigma_blocks([distribute_tensor(w, mesh, [Shard(0)]) for w in full])
+    blocks.append(MatrixBlock(full[1], 3))
+    pi = ShardedPowerIteration(iters=3)
+    first = pi.step(blocks)
+    converged = [pi.step(blocks) for _ in range(100)][-1]
+    return {"first": first, "converged": converged}
+
+
+SCENARIOS = {
+    "ddp_stats": scenario_ddp_stats,
+    "ddp_nan": scenario_ddp_nan,
+    "fsdp_stats": scenario_fsdp_stats,
+    "fsdp_nan": lambda r, o: scenario_fsdp_nan(r, o, aggregate=True),
+    "fsdp_nan_local": lambda r, o: scenario_fsdp_nan(r, o, aggregate=False),
+    "swap": lambda r, o: scenario_swap(r, o, aggregate=True),
+    "swap_local": lambda r, o: scenario_swap(r, o, aggregate=False),
+    "sharded_sigma": scenario_sharded_sigma,
+}
+
+
+def _worker(rank: int, out: str) -> None:
+    out_dir = Path(out)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out_dir / 'rendezvous'}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    results: dict = {}
+    try:
+        for name, fn in SCENARIOS.items():
+            start = time.perf_counter()
+            try:
+                results[name] = fn(rank, out_dir)
+            except Exception:
+                results[name] = {"error": traceback.format_exc()}
+            results[name]["seconds"] = time.perf_counter() - start
+            dist.barrier()
+    finally:
+        torch.save(results, out_dir / f"results.rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both ranks' results of every scenario: runs[name][rank]."""
+    out = tmp_path_factory.mktemp("distributed")
+    ctx = mp.start_processes(
+        _worker, args=(str(out),), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("distributed workers did not finish in 240 s")
+    loaded = [torch.load(out / f"results.rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return {name: [loaded[r][name] for r in range(WORLD)] for name in SCENARIOS}
+
+
+def _ok(results: list[dict]) -> list[dict]:
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r} failed:\n{res['error']}"
+    return results
+
+
+def _value(snapshot: dict, name: str, **labels: str) -> float:
+    hits = [m["value"] for m in snapshot["metrics"] if m["name"] == name and m["labels"] == labels]
+    assert len(hits) == 1, (name, labels, len(hits))
+    return hits[0]
+
+
+# ------------------------------------------------------------------------------ oracles
+def _stats64(x: torch.Tensor) -> dict[str, float]:
+    x = x.double().reshape(-1)
+    finite = x[torch.isfinite(x)]
+    return {
+        "numel": x.numel(),
+        "absmax": finite.abs().max().item(),
+        "min": finite.min().item(),
+        "max": finite.max().item(),
+        "mean": finite.mean().item(),
+        "rms": finite.square().mean().sqrt().item(),
+        "nan": torch.isnan(x).sum().item(),
+        "zeros": (x == 0).sum().item(),
+    }
+
+
+def _check_stats(snapshot: dict, prefix: str, labels: dict, x: torch.Tensor) -> None:
+    for stat, want in _stats64(x).items():
+        got = _value(snapshot, f"{prefix}_{stat}", **labels)
+        if stat in ("numel", "absmax", "min", "max", "nan", "zeros"):
+            assert got == want, (prefix, labels, stat)  # exact: counts and extremes
+        else:  # rms: the statistics square in the tensor's dtype, then add in float64
+            assert got == pytest.approx(want, rel=1e-12 if stat == "mean" else 1e-7), stat
+
+
+def _attention64(q, k, v, y) -> list[dict[str, float]]:
+    """Per-head float64 oracle of the attention probe's metrics (causal SDPA, no mask)."""
+    q, k, v, y = (t.double() for t in (q, k, v, y))
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    s = s.masked_fill(~causal, -math.inf)
+    rowmax = s.amax(-1, keepdim=True)
+    p = torch.softmax(s, -1)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)  # (B, H, T)
+    err = y - p @ v
+    out = []
+    for h in range(q.shape[1]):
+        sh = s[:, h]
+        unmasked = sh[causal.expand_as(sh)]
+        out.append(
+            {
+                "attn_rows": sh.shape[0] * T,
+                "attn_repeated_max_rows": ((sh == rowmax[:, h]).sum(-1) >= 2).sum().item(),
+                "attn_max_logit": unmasked.max().item(),
+                "attn_min_logit": unmasked.min().item(),
+                "attn_entropy_mean": entropy[:, h].mean().item(),
+                "attn_entropy_min": entropy[:, h].min().item(),
+                "attn_output_bias": (err[:, h].sum() / err[:, h].abs().sum()).item(),
+                "attn_output_error_rms": err[:, h].square().mean().sqrt().item(),
+            }
+        )
+    return out
+
+
+def _check_attention(snapshot: dict, layer: str, seen: list[torch.Tensor]) -> None:
+    for h, want in enumerate(_attention64(*seen)):
+        for name, value in want.items():
+            got = _value(snapshot, name, layer=layer, head=str(h))
+            if name in ("attn_rows", "attn_repeated_max_rows"):
+                assert got == value, (layer, h, name)
+            elif name.startswith("attn_output"):
+                # the probe's error is vs its own float64 recomputation, ours vs another order
+                assert got == pytest.approx(value, rel=1e-6, abs=1e-12), (layer, h, name)
+            else:  # fp32 scores in the probe, float64 here
+                assert got == pytest.approx(value, rel=1e-5), (layer, h, name)
+
+
+# ------------------------------------------------------------------------------ tests: packing
+def _table(gen: torch.Generator, rows: int) -> torch.Tensor:
+    t = torch.randn(rows, ts.N_STATS, generator=gen, dtype=torch.float64).abs() * 10
+    t[:, ts.MIN] = -t[:, ts.MIN]
+    return t
+
+
+def test_packing_two_simulated_ranks_matches_combine_stats():
+    """SUM/MAX buffers of two ranks, reduced elementwise, unpack to the merged tables: shards
+    merge as combine_stats does, replicas keep their one value; NaN survives the MAX buffer."""
+    gen = torch.Generator().manual_seed(0)
+    roles = [SHARD, REPLICA, SHARD]
+    tables = [_table(gen, 3) for _ in range(WORLD)]
+    tables[1][1] = tables[0][1]  # the replica row: the same on both ranks
+    heads = [torch.randn(2, 9, generator=gen, dtype=torch.float64) for _ in range(WORLD)]
+    heads[1][0, 5] = float("nan")  # a NaN max logit on rank 1 only
+    order = [torch.tensor(7.0, dtype=torch.float64), torch.tensor(math.inf, dtype=torch.float64)]
+    layout = [
+        ("attn/x/heads", (2, 9)),
+        ("grad_table/0", (3, ts.N_STATS)),
+        ("nonfinite_first/0", ()),
+    ]
+    ops = torch.cat([element_ops(k, s, roles) for k, s in layout])
+    plan = _Plan(ops, torch.device("cpu"))
+    bufs = [
+        plan.pack(torch.cat([heads[r].reshape(-1), tables[r].reshape(-1), order[r].reshape(1)]))
+        for r in range(WORLD)
+    ]
+    s = bufs[0][0] + bufs[1][0]
+    m = torch.maximum(bufs[0][1], bufs[1][1])  # a MAX all-reduce that drops NaN is fine too
+    out = plan.unpack(s, m, WORLD)
+    got_heads, got_table, got_order = out[:18].view(2, 9), out[18:-1].view(3, -1), out[-1]
+
+    want = ts.combine_stats(tables[0].clone(), tables[1])
+    assert torch.equal(got_table[[0, 2]], want[[0, 2]])
+    assert torch.equal(got_table[1], tables[0][1])  # replica: not doubled
+    assert math.isnan(got_heads[0, 5]) and got_heads[1, 5] == max(heads[0][1, 5], heads[1][1, 5])
+    assert got_heads[0, 0] == heads[0][0, 0] + heads[1][0, 0]  # ROWS add
+    assert got_heads[1, 6] == min(heads[0][1, 6], heads[1][1, 6])  # MIN_LOGIT via -max(-x)
+    assert got_order == 7.0
+
+
+def test_unknown_keys_reduce_with_max():
+    assert bool((element_ops("weights/sigma", (5,)) == MAX).all())
+    assert DistributedConfig().aggregate and DistributedConfig().jsonl == "rank0"
+
+
+def test_sharded_power_iteration_single_process_matches_svd():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(12, 8, generator=gen)
+    w[4:8] *= 5  # group 1 dominates, so the groups differ
+    pi = ShardedPowerIteration(iters=200)
+    sigma = pi.step([MatrixBlock(w, 3)])
+    want = torch.linalg.matrix_norm(w.double().view(3, 4, 8), ord=2)
+    torch.testing.assert_close(sigma.double(), want, rtol=1e-5, atol=0)
+    w[0, 0] = float("nan")  # group 0 reports NaN and restarts; the others go on
+    sigma = pi.step([MatrixBlock(w, 3)])
+    assert torch.isnan(sigma[0]) and torch.isfinite(sigma[1:]).all()
+
+
+# ------------------------------------------------------------------------------ tests: 2 ranks
+def test_ddp_global_values_equal_float64_oracle_on_concatenated_data(runs):
+    res = _ok(runs["ddp_stats"])
+    snap = res[0]["snapshot"]
+    host_side = ("step_seconds", "monitor_overhead_seconds")  # timings stay per rank
+    same = [
+        [
+            (m["name"], m["labels"], m["value"])
+            for m in r["snapshot"]["metrics"]
+            if m["name"] not in host_side
+        ]
+        for r in res
+    ]
+    assert same[0] == same[1]  # every rank holds the same global values
+    for r in range(WORLD):
+        for name in res[0]["acts"]:
+            both = torch.cat([res[i]["acts"][name].reshape(-1) for i in range(WORLD)])
+            _check_stats(res[r]["snapshot"], "activation", {"module": name}, both)
+        for layer in ("a", "b"):
+            seen = [torch.cat([res[i]["attn"][layer][j] for i in range(WORLD)]) for j in range(4)]
+            _check_attention(res[r]["snapshot"], layer, seen)
+        for name, g in res[0]["grads"].items():
+            assert torch.equal(g, res[1]["grads"][name])  # DDP: synchronized
+            _check_stats(res[r]["snapshot"], "grad", {"param": name}, g)  # not doubled
+        norm = math.sqrt(sum(g.double().square().sum().item() for g in res[0]["grads"].values()))
+        assert _value(res[r]["snapshot"], "grad_norm") == pytest.approx(norm, rel=1e-7)
+        mean_loss = (res[0]["loss"] + res[1]["loss"]) / 2
+        assert _value(res[r]["snapshot"], "loss") == pytest.approx(mean_loss, rel=1e-12)
+    # planted ties on rank 1 only: half of the global rows of layer b repeat their maximum
+    assert _value(snap, "attn_repeated_max_fraction", layer="b", head="0") >= 0.4
+
+
+def test_ddp_per_rank_jsonl_holds_each_ranks_own_values(runs):
+    res = _ok(runs["ddp_stats"])
+    for r in range(WORLD):
+        record = read_jsonl(res[r]["jsonl"])[0]
+        assert record["rank"] == r
+        _check_stats(record, "activation", {"module": "a.qkv"}, res[r]["acts"]["a.qkv"])
+        _check_attention(record, "b", res[r]["attn"]["b"])
+        assert _value(record, "loss") == pytest.approx(res[r]["loss"], rel=1e-12)
+    rows = [
+        _value(read_jsonl(res[r]["jsonl"])[0], "attn_repeated_max_rows", layer="b", head="0")
+        for r in range(WORLD)
+    ]
+    assert rows[0] == 0 and rows[1] > 0
+
+
+def test_nan_on_rank1_is_reported_with_rank1_and_skipped_on_both_ranks(runs):
+    res = _ok(runs["ddp_nan"])
+    assert repr(res[0]["events"]) == repr(
+        res[1]["events"]
+    )  # NaN values compare equal  # the same events, hence the same actions
+    origin = next(e for e in res[0]["events"] if e["kind"] == "nonfinite" and e["labels"])
+    assert origin["labels"] == {"module": "a.qkv"} and origin["step"] == 2
+    assert origin["evidence"]["rank"] == 1 and origin["evidence"]["ranks"] == [0, 1]
+    assert origin["message"].endswith("at step 2 on rank 1")
+    skips = [e for e in res[0]["events"] if e["kind"] == "action"]
+    assert [e["step"] for e in skips] == [2]
+    for r in range(WORLD):
+        assert res[r]["unchanged"] and res[r]["skipped"] == 1
+    for name, p in res[0]["params"].items():
+        assert torch.equal(p, res[1]["params"][name]), name  # replicas bitwise identical
+    assert Path(res[0]["jsonl"]).exists() and res[1]["jsonl"] is None  # rank 0 logs alone
+
+
+def test_fsdp2_shard_statistics_aggregate_to_the_full_gradient(runs):
+    res = _ok(runs["fsdp_stats"])
+    full = res[0]["grads"]
+    assert any(g.shape[0] < WORLD for g in full.values())  # an empty shard is covered
+    for r in range(WORLD):
+        snap = res[r]["snapshot"]
+        for name, g in full.items():
+            _check_stats(snap, "grad", {"param": name}, g)
+        norm = math.sqrt(sum(g.double().square().sum().item() for g in full.values()))
+        assert _value(snap, "grad_norm") == pytest.approx(norm, rel=1e-7)  # squares in fp32
+        assert _value(snap, "grad_norm_max") == _value(snap, "grad_norm")
+
+
+def test_fsdp2_nan_in_one_ranks_shard_skips_on_every_rank(runs):
+    res = _ok(runs["fsdp_nan"])
+    assert repr(res[0]["events"]) == repr(res[1]["events"])  # NaN values compare equal
+    origin = next(e for e in res[0]["events"] if e["kind"] == "nonfinite" and e["labels"])
+    assert origin["labels"] == {"param": "a.qkv.weight"} and origin["step"] == 1
+    assert origin["evidence"]["rank"] == 1 and origin["evidence"]["ranks"] == [1]
+    for r in range(WORLD):
+        assert res[r]["skipped"] == 1 and res[r]["unchanged"]
+
+
+def test_fsdp2_without_aggregation_the_ranks_fork(runs):
+    """The control: deciding on local values, only rank 1 skips; its shard and rank 0's now
+    belong to two different models. This is what aggregation prevents."""
+    res = _ok(runs["fsdp_nan_local"])
+    assert [res[r]["skipped"] for r in range(WORLD)] == [0, 1]
+
+
+def test_swap_decided_on_global_attention_statistics_happens_on_both_ranks(runs):
+    res = _ok(runs["swap"])
+    assert repr(res[0]["events"]) == repr(res[1]["events"])  # NaN values compare equal
+    swaps = [e for e in res[0]["events"] if e["kind"] == "action"]
+    assert len(swaps) == 1 and swaps[0]["labels"]["layer"] == "b"
+    for r in range(WORLD):
+        assert res[r]["stabilized"] and res[r]["other_layer"] is None
+    for name, p in res[0]["params"].items():
+        assert torch.equal(p, res[1]["params"][name]), name
+    local = _ok(runs["swap_local"])
+    assert [local[r]["stabilized"] for r in range(WORLD)] == [False, True]  # the control
+
+
+def test_sharded_power_iteration_matches_single_process_and_svd(runs):
+    res = _ok(runs["sharded_sigma"])
+    assert torch.equal(res[0]["first"], res[1]["first"])  # the same estimates on every rank
+    assert torch.equal(res[0]["converged"], res[1]["converged"])
+    full = _sigma_weights()
+    single = ShardedPowerIteration(iters=3).step([*_sigma_blocks(full), MatrixBlock(full[1], 3)])
+    torch.testing.assert_close(res[0]["first"], single, rtol=1e-5, atol=0)
+    want = []
+    for i, g, d, a, b in [*SIGMA_BLOCKS, (1, 3, 0, 0, None)]:
+        w = full[i].double().narrow(d, a, (b or full[i].shape[d]) - a)
+        heads = w.split(w.shape[d] // g, dim=d)
+        want += [torch.linalg.matrix_norm(h, ord=2) for h in heads]
+    torch.testing.assert_close(res[0]["converged"].double(), torch.stack(want), rtol=1e-4, atol=0)
+
+
+def test_scenarios_are_fast(runs):
+    for name, results in runs.items():
+        assert max(r["seconds"] for r in results) < 30, name
