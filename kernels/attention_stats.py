@@ -240,7 +240,7 @@ def _reduce_head_rows(
     """(Hq, r) per-row stats -> (Hq, N_HEAD_STATS) float64 partial."""
     f64 = torch.float64
     sat_rows = row_ok & (sat >= 2)
-    inf = torch.tensor(float("inf"), dtype=f64, device=mx.device)
+    inf = float("inf")  # a Python scalar: a device tensor built from it would cost a copy
     cols = [
         row_ok.sum(-1, dtype=f64),
         (row_ok & (ties >= 2)).sum(-1, dtype=f64),
