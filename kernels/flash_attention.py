@@ -47,6 +47,16 @@ running row maximum in fp32:
   row LSE for the backward uses the unrounded fp32 sum, so the backward stays the exact softmax
   gradient (P = exp(S - LSE), delta = rowsum(dO * O)); it needs no stabilization.
 
+Measured (bench/results/flash_attention_h200.json), bias ratio mean(err)/mean|err| of O against
+float64 on DESIGN.md's planted ties (B4 H8 N1024 d64 causal bf16, 2 / 4 sink keys, gap 14,
+V < 0; exact result rounded to bf16: -0.001 / -0.062): paper_repro -0.984 / -0.514, stabilized
++0.142 / +0.073, plain +0.106 / +0.071, cuDNN +0.106 / +0.071, SDPA flash +0.037 / -0.018. The
+positive remainder on the H200 comes from the tensor cores, which truncate low bits when they add
+small products into a large accumulator (V < 0: errors toward zero); where fp32 adds round to
+nearest (the CPU interpreter), stabilized matches the rounded exact result within 0.003. Adding
+each block's P̄V to O by separate fp32 FMAs does not help in Triton: it folds the add into the
+dot's accumulator (bit-identical results on the H200).
+
 ``mode="plain"`` runs the same kernel without the shift (``stabilize=False`` does the same in the
 default mode). ``mode="paper_repro"`` is for reproduction and tests only: it emulates the
 paper's failing kernel (github ucker/why-low-precision-training-fails, attention.py): S rounded

@@ -15,6 +15,7 @@ Measured on CPU (interpreter): forward errors 0.11-0.19 of that bound, gradients
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -202,9 +203,8 @@ def test_masks_match_fp64(name, causal, dtype):
     o64, grads64 = _oracle_with_grads(q, k, v, do, attn_mask=mask, is_causal=causal)
     _check_against_oracle(o, grads, o64, grads64, dtype)
     if name == "bool_2d_with_empty_row":
+        # Zero like SDPA's CPU and math paths (its CUDA memory-efficient path averages V there).
         assert (o[:, :, 3] == 0).all() and (grads[0][:, :, 3] == 0).all()
-        o_sdpa = F.scaled_dot_product_attention(q, k, v, **kw)
-        assert (o_sdpa[:, :, 3] == 0).all()
     ref, _ = _run_with_grads(flash_attention_reference, q, k, v, do, **kw)
     assert (o.float() - ref.float()).abs().max() <= 2 * EPS[dtype] * o64.abs().max()
 
@@ -249,11 +249,18 @@ def _bias_ratio(o, o64):
 
 # Thresholds: the paper's rounding must show (<= -0.5); ours must not add bias beyond what
 # rounding the exact fp64 result to the output dtype has by itself on these few distinct rows
-# (|ratio - ideal| <= 0.05). Measured on CPU (interpreter, T256, gap 14), ratio / ideal:
-#   bf16 2 ties: paper_repro -0.992, stabilized -0.042 / -0.043;  4 ties: -0.691, -0.299 / -0.301
-#   fp16 2 ties: paper_repro -0.969, stabilized +0.010 / +0.010;  4 ties: -0.583, +0.027 / +0.028
+# ("ideal"): |ratio - ideal| <= 0.05 where all fp32 arithmetic rounds to nearest (CPU). On a GPU,
+# tensor cores truncate the low bits when they add small products to large ones, which moves
+# results toward zero (V < 0 here: a positive error), in every fused kernel: the GPU bound is 0.2.
+# Measured, ratio / ideal (T256, gap 14):
+#   CPU bf16 2 ties: paper_repro -0.992, stabilized -0.042 / -0.043; 4 ties: -0.691, -0.299 / -0.301
+#   CPU fp16 2 ties: paper_repro -0.969, stabilized +0.010 / +0.010; 4 ties: -0.583, +0.027 / +0.028
+#   H200 bf16 2 ties: stabilized +0.041 / -0.043; 4 ties: -0.172 / -0.301
+#   H200 B4 H8 N1024 (bench/results/flash_attention_h200.json), 2 ties / 4 ties, ideal -0.001 /
+#   -0.062: paper_repro -0.984 / -0.514, stabilized +0.142 / +0.073, plain +0.106 / +0.071,
+#   SDPA flash (FA2) +0.037 / -0.018, cuDNN +0.106 / +0.071, memory-efficient +0.125 / +0.095.
 PAPER_MAX_RATIO = -0.5
-STABLE_MAX_EXCESS = 0.05
+STABLE_MAX_EXCESS = {"cpu": 0.05, "cuda": 0.2}
 
 
 @needs_kernel
@@ -266,7 +273,7 @@ def test_bias_on_planted_ties(dtype, n_ties):
     paper = _bias_ratio(flash_attention(q, k, v, is_causal=True, mode="paper_repro"), o64)
     stable = _bias_ratio(flash_attention(q, k, v, is_causal=True), o64)
     assert paper <= PAPER_MAX_RATIO, (paper, ideal)
-    assert abs(stable - ideal) <= STABLE_MAX_EXCESS, (stable, ideal)
+    assert abs(stable - ideal) <= STABLE_MAX_EXCESS[_device()], (stable, ideal)
 
 
 # Up to gap 14: past ~17 the other keys' weights fall below fp32 resolution next to the ties, and
@@ -280,7 +287,7 @@ def test_reference_bias_over_gaps_and_betas(gap, n_ties, beta):
     o64 = _oracle(q, k, v, is_causal=True)
     ideal = _bias_ratio(o64.to(torch.bfloat16), o64)
     o = flash_attention_reference(q, k, v, is_causal=True, beta=beta)
-    assert abs(_bias_ratio(o, o64) - ideal) <= STABLE_MAX_EXCESS
+    assert abs(_bias_ratio(o, o64) - ideal) <= STABLE_MAX_EXCESS["cpu"]
 
 
 @requires_gpu
@@ -293,7 +300,7 @@ def test_bias_on_planted_ties_design_shape(n_ties):
     paper = _bias_ratio(flash_attention(q, k, v, is_causal=True, mode="paper_repro"), o64)
     stable = _bias_ratio(flash_attention(q, k, v, is_causal=True), o64)
     assert paper <= PAPER_MAX_RATIO, (paper, ideal)
-    assert abs(stable - ideal) <= STABLE_MAX_EXCESS, (stable, ideal)
+    assert abs(stable - ideal) <= STABLE_MAX_EXCESS["cuda"], (stable, ideal)
 
 
 @needs_kernel
@@ -303,6 +310,28 @@ def test_kernel_matches_reference_on_ties(mode):
     o = flash_attention(q, k, v, is_causal=True, mode=mode)
     ref = flash_attention_reference(q.cpu(), k.cpu(), v.cpu(), is_causal=True, mode=mode)
     assert (o.cpu().float() - ref.float()).abs().max() <= 2 * EPS[torch.bfloat16] * ref.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("split_stab", [False, True])
+def test_forward_variants_match_reference(monkeypatch, split_stab):
+    """Both schedules of the stabilization compute the same stabilized attention."""
+    device = _device()
+    d = 64
+    cfg = fa._tri.tile_config("fwd", d, True)._replace(split_stab=split_stab)
+    monkeypatch.setitem(fa._tri.CONFIG_OVERRIDES, ("fwd", d, True), cfg)
+    q, k, v = (x.to(device) for x in _planted_ties(3, 14.0, torch.bfloat16, t=96))
+    o = flash_attention(q, k, v, is_causal=True)
+    ref = flash_attention_reference(q.cpu(), k.cpu(), v.cpu(), is_causal=True)
+    assert (o.cpu().float() - ref.float()).abs().max() <= 2 * EPS[torch.bfloat16] * ref.abs().max()
+
+
+def test_tuned_configs_round_trip_through_json():
+    """The NUMWATCH_FLASH_CONFIGS file format reads back what the sweep writes."""
+    tri = pytest.importorskip("numwatch.kernels.flash_attention_triton")
+    cfgs = {("fwd", 64, True): tri.TileConfig(128, 64, 4, 3, False, True),
+            ("dq", 128, False): tri.TileConfig(128, 64, 8, 3)}  # fmt: skip
+    assert tri.configs_from_json(json.loads(json.dumps(tri.configs_to_json(cfgs)))) == cfgs
 
 
 # ----------------------------------------------------------------------------- the trigger
