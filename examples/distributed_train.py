@@ -122,9 +122,7 @@ def main() -> None:
         run_name=f"distributed-{'fsdp' if args.fsdp else 'ddp'}",
         flush_every=10,
         rules={"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]},
-        # Spectral norms and update ratios do not read DTensor parameters yet.
-        weights__enabled=not args.fsdp,
-        optimizer__enabled=not args.fsdp,
+        optimizer__enabled=not args.fsdp,  # update ratios do not read DTensor parameters yet
     ).attach(opt)
 
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank its own data
@@ -145,6 +143,8 @@ def main() -> None:
         print(f"{world} ranks, {'FSDP2' if args.fsdp else 'DDP'}, backend {dist.get_backend()}")
         print(f"global loss at step {snapshot.step}: {snapshot.value('loss'):.4f}")
         print(f"skipped optimizer updates: {snapshot.value('mitigation_skipped_steps_total'):g}")
+        sigma = snapshot.value("attn_q_spectral_norm", layer="blocks.0", head="0")
+        print(f"sigma(W_Q) of blocks.0 head 0: {sigma:.4f}; monitor errors: {monitor.errors}")
         for event in monitor.events:
             if event.kind in ("nonfinite", "action"):
                 print(f"  step {event.step}: {event.message}")

@@ -58,6 +58,7 @@ __all__ = [
     "is_initialized",
     "local_tensor",
     "shard_role",
+    "weight_blocks",
 ]
 
 log = logging.getLogger("numwatch")
@@ -512,6 +513,24 @@ class ShardedPowerIteration:
             self._u0.append((u / u.norm(dim=-1, keepdim=True)).to(device))
         self._u = list(self._u0)
         self._signature = signature
+
+
+def weight_blocks(
+    params: Sequence[tuple[str, torch.Tensor]], layers: Sequence[tuple[str, Any]]
+) -> list[MatrixBlock] | None:
+    """The weight probe's matrices (2-D ``params``, then each layer's Q heads and K heads of its
+    ``QKLayout``) as MatrixBlocks in the same order, when some are DTensors (FSDP2); else None."""
+    weights = [p for _, p in params] + [h.weight for _, lay in layers for h in (*lay.q, *lay.k)]
+    if DTensor is None or not any(isinstance(w, DTensor) for w in weights):
+        return None
+    blocks = [MatrixBlock(p) for _, p in params]
+    for _, layout in layers:
+        for heads in (layout.q, layout.k):
+            first = heads[0]
+            blocks.append(
+                MatrixBlock(first.weight, len(heads), first.dim, first.start, heads[-1].stop)
+            )
+    return blocks
 
 
 @dataclass

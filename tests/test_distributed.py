@@ -44,6 +44,7 @@ D, HEADS, T = 16, 2, 8
 class Attn(nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        self.n_head = HEADS  # so that the weight probe finds each head's W_Q, W_K rows
         self.qkv = nn.Linear(D, 3 * D)
         self.proj = nn.Linear(D, D)
         self.plant = False  # two identical sink keys: every row's maximum is repeated
@@ -183,14 +184,17 @@ def scenario_fsdp_stats(rank: int, out: Path) -> dict:
     """FSDP2: gradient statistics of local shards aggregate to those of the full gradient."""
     net = _fsdp_net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    monitor = _monitor(net, out, "fsdp_stats", weights__enabled=False, optimizer__enabled=False)
-    monitor.attach(opt)
+    monitor = _monitor(
+        net, out, "fsdp_stats", weights__every=1, weights__iters=100, optimizer__enabled=False
+    ).attach(opt)
     loss = net(batch(rank, 0)).square().mean()
     loss.backward()
-    full = {n: p.grad.full_tensor() for n, p in net.named_parameters()}  # the test's oracle only
+    # gathered for the test's oracles only
+    full = {n: p.grad.full_tensor() for n, p in net.named_parameters()}
+    weights = {n: p.full_tensor() for n, p in net.named_parameters()}
     monitor.step(loss)
     opt.step()
-    res = {"grads": full, "snapshot": monitor.snapshot().to_dict()}
+    res = {"grads": full, "weights": weights, "snapshot": monitor.snapshot().to_dict()}
     monitor.detach()
     return res
 
@@ -570,6 +574,27 @@ def test_fsdp2_shard_statistics_aggregate_to_the_full_gradient(runs):
         norm = math.sqrt(sum(g.double().square().sum().item() for g in full.values()))
         assert _value(snap, "grad_norm") == pytest.approx(norm, rel=1e-7)  # squares in fp32
         assert _value(snap, "grad_norm_max") == _value(snap, "grad_norm")
+
+
+def test_fsdp2_spectral_norms_of_shards_match_svd_of_full_weights(runs):
+    """The weight probe on DTensor weights: ShardedPowerIteration, 100 iterations at step 0."""
+    res = _ok(runs["fsdp_stats"])
+    for r in range(WORLD):
+        snap = res[r]["snapshot"]
+        assert _value(snap, "monitor_errors_total", component="weights") == 0
+        for name, w in res[0]["weights"].items():
+            if w.dim() == 2:
+                want = torch.linalg.matrix_norm(w.double(), ord=2).item()
+                got = _value(snap, "weight_spectral_norm", param=name)
+                assert got == pytest.approx(want, rel=1e-4), name
+        for layer in ("a", "b"):
+            qkv = res[0]["weights"][f"{layer}.qkv.weight"].double()  # rows: [q heads | k | v]
+            heads = qkv.view(3, HEADS, D // HEADS, D)
+            for h in range(HEADS):
+                for side, rows in (("q", heads[0, h]), ("k", heads[1, h])):
+                    want = torch.linalg.matrix_norm(rows, ord=2).item()
+                    got = _value(snap, f"attn_{side}_spectral_norm", layer=layer, head=str(h))
+                    assert got == pytest.approx(want, rel=1e-4), (layer, side, h)
 
 
 def test_fsdp2_nan_in_one_ranks_shard_skips_on_every_rank(runs):

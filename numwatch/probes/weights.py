@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from numwatch.config import WeightsConfig
+from numwatch.distributed import ShardedPowerIteration, weight_blocks
 from numwatch.kernels.power_iteration import PowerIteration
 from numwatch.probes.base import ProbeContext
 from numwatch.probes.qk_layout import QKLayout, find_qk_layout
@@ -44,6 +45,9 @@ class WeightProbe:
                         self.layers.append((name, layout))
         self._pi: dict[torch.device, PowerIteration] = {}
         self._sigma: torch.Tensor | None = None  # (N,) float32, latest estimates
+        # FSDP2 (DTensor) weights: norms from the local shards, never gathered (distributed.py)
+        self._blocks = weight_blocks(self.params, self.layers)
+        self._sharded = ShardedPowerIteration(cfg.iters) if self._blocks else None
 
     def attach(self) -> None:
         """Nothing to hook: the probe reads the weights at step time."""
@@ -60,6 +64,9 @@ class WeightProbe:
     @torch.no_grad()
     def on_step(self) -> None:
         if self.ctx.step % self.cfg.every:
+            return
+        if self._sharded is not None:
+            self._sigma = self._sharded.step(self._blocks)
             return
         matrices = self._matrices()
         if not matrices or any(m.is_meta for m in matrices):
