@@ -5,6 +5,7 @@ the end, and stop requests (event kinds, request_stop, the halt action)."""
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -143,6 +144,29 @@ def test_lightning_loss_attention_and_optimizer_metrics(pl):
     assert last.series("optimizer_lr")  # the optimizer was attached (optimizer probe)
 
 
+def test_lightning_skip_step_skips_the_step_it_judged(pl):
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
+    callback = NumwatchCallback(**monitor_options(rules=rules))
+    weights = []
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            weights.append([p.detach().clone() for p in module.parameters()])
+
+    module = lightning_module(pl, nan_at=2)
+    trainer = lightning_trainer(pl, [callback, Keep()], steps=5)
+    trainer.fit(module, loader(5))  # the closure ran on every step (Lightning checks it)
+    assert trainer.global_step == 5
+    same = [
+        all(torch.equal(a, b) for a, b in zip(w0, w1, strict=True)) for w0, w1 in pairwise(weights)
+    ]
+    assert same == [False, True, False, False]  # only the NaN step (the third) left them
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert "step" not in trainer.optimizers[0].__dict__  # wrappers removed at the end
+
+
 def test_lightning_stops_on_event_kind(pl):
     from numwatch.integrations.lightning import NumwatchCallback
 
@@ -257,6 +281,26 @@ def test_hf_optimizer_attached_and_stop_on_event(hf, tmp_path):
     trainer.train()
     assert trainer.state.global_step == 2 and "nonfinite event" in callback.stop_reason
     assert seen and all(seen)
+
+
+def test_hf_skip_step_reaches_the_optimizer_inside_accelerate(hf, tmp_path):
+    from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
+    callback = NumwatchTrainerCallback(**monitor_options(rules=rules))
+    weights = []
+
+    class Keep(hf.TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            weights.append([p.detach().clone() for p in model.parameters()])
+
+    model = LMWrapper(nan_at=2)
+    hf_trainer(hf, tmp_path, model, [callback, Keep()], steps=4).train()
+    same = [
+        all(torch.equal(a, b) for a, b in zip(w0, w1, strict=True)) for w0, w1 in pairwise(weights)
+    ]
+    assert same == [False, True, False]  # the NaN step (the third) did not update
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_hf_halt_becomes_should_training_stop(hf, tmp_path):

@@ -71,6 +71,7 @@ PLANTED = {
     "attn_min_logit": [[-1.0, -7.0, 0.0, -7.5], [-2.0, -3.0, -1.0, -4.0]],
     "attn_output_bias": [[0.1, -0.8, 0.5, 0.7], [0.2, 0.3, -0.1, 0.9]],
     "attn_rows": [[64.0] * 4, [64.0] * 4],
+    "attn_saturated_fraction": [[0.2, 0.5, 0.5, 0.1], [0.0, 0.0, 0.0, 0.0]],
 }
 
 
@@ -87,6 +88,10 @@ def test_layer_mode_keeps_worst_head_value_and_index():
     assert value(text, "numwatch_attn_output_bias", layer="blocks.0.attn") == -0.8
     assert value(text, "numwatch_attn_output_bias", layer="blocks.1.attn") == 0.9
     assert value(text, "numwatch_attn_rows", layer="blocks.0.attn") == 64.0
+    # without NaN (the C-level path): ties go to the first head as well
+    for layer, head in (("blocks.0.attn", 1), ("blocks.1.attn", 0)):
+        labels = {"layer": layer, "metric": "attn_saturated_fraction"}
+        assert value(text, "numwatch_worst_head", **labels) == head
     names = {name for name, _ in samples(text)}
     assert "numwatch_attn_rows" in names
     # no worst head for rows: every head of a layer sees the same rows

@@ -13,9 +13,10 @@
   the callback opens the forward that attention interception follows from
   ``on_train_batch_start`` to ``on_before_backward`` (``Monitor.begin_forward``).
 - The trainer's optimizer is attached to the monitor after the first step closes (optimizer
-  probe, LR back-off): Lightning runs forward and backward *inside* ``optimizer.step(closure)``,
-  so the optimizer's step pre-hook fires before the gradients of its step exist and cannot
-  close steps itself.
+  probe, skip_step, LR back-off). Lightning runs forward and backward *inside*
+  ``optimizer.step(closure)``, where the optimizer's pre-hooks and the monitor's step wrapper
+  would act before the step's gradients exist; the callback makes ``step`` run the closure
+  first, so a skip decided on a step's gradients skips that very step.
 - Stopping: ``request_stop(reason)`` (for rules, callbacks, or you), the event kinds in
   ``stop_on``, and the ``halt`` action (``NumwatchHalt``) set ``trainer.should_stop``; Lightning
   finishes the current step and ends the fit cleanly. The halt report stays in ``.halt``.
@@ -62,6 +63,7 @@ class NumwatchCallback(Callback):
         self._trainer: Any = None
         self._optimizer_attached = False
         self._forward_open = False
+        self._wrapped: tuple[torch.optim.Optimizer, Any, Any] | None = None
 
     @property
     def monitor(self) -> Monitor | None:
@@ -116,8 +118,40 @@ class NumwatchCallback(Callback):
             self._optimizer_attached = True
             if isinstance(optimizer, torch.optim.Optimizer):
                 monitor.attach(optimizer)
+                self._run_closure_first(optimizer)
         if self._driver.stop_reason is not None:
             trainer.should_stop = True
+
+    def _run_closure_first(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step(closure)`` run the closure (forward, backward, this callback's
+        step close, and so the monitor's decisions) before the step the monitor hooked or
+        wrapped: a skip_step decided on this step's gradients then skips this step, and the
+        closure always runs, as Lightning requires. Optimizers that call their closure several
+        times (LBFGS) are left alone."""
+        if isinstance(optimizer, torch.optim.LBFGS):
+            return
+        inner = optimizer.step
+
+        def step(closure: Any = None, **kwargs: Any) -> Any:
+            if closure is None:
+                return inner(**kwargs)
+            with torch.enable_grad():
+                loss = closure()
+            inner(**kwargs)
+            return loss
+
+        optimizer.step = step  # type: ignore[method-assign]
+        self._wrapped = (optimizer, step, inner)
+
+    def _unwrap(self) -> None:
+        if self._wrapped is not None:
+            optimizer, step, inner = self._wrapped
+            if optimizer.__dict__.get("step") is step:
+                if getattr(inner, "__self__", None) is optimizer:
+                    del optimizer.step  # the class's method again
+                else:
+                    optimizer.step = inner  # the monitor's wrapper: its uninstall removes it
+            self._wrapped = None
 
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         self._end_forward()  # a training_step that returned None never reached backward
@@ -126,6 +160,7 @@ class NumwatchCallback(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._end_forward()
+        self._unwrap()
         self._driver.finish()
         self._trainer = None
 

@@ -1,9 +1,13 @@
-"""Prometheus exporter: the latest flushed snapshot, served from a private registry over HTTP.
+"""Prometheus exporter: the latest flushed snapshot, over HTTP and through a private registry.
 
 The training thread only hands over a reference to the flushed ``Snapshot`` (host floats; the
 monitor never changes one after the flush) and the events' counts; the HTTP thread turns it into
-metric families on the first scrape after a flush and reuses them until the next flush. Nothing
-here touches a tensor, so a scrape never waits for, or synchronizes with, the device.
+metric families and renders the text exposition on the first scrape after a flush, and serves
+those bytes until the next flush. Nothing here touches a tensor, so a scrape never waits for,
+or synchronizes with, the device. The same families are a ``Collector`` on the private
+``PrometheusSink.registry`` (never the global one) for other ways of exposing them. What stays
+the same from flush to flush (record order, head grouping, label text) is kept and only checked,
+so a first scrape mostly reduces heads and formats values (bench/bench_scrape.py).
 
 Exposition (README, 'Prometheus'): every snapshot metric ``m`` becomes ``numwatch_m``; names
 ending in ``_total`` are counters, everything else a gauge (window values: the last flush's).
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import heapq
 import logging
 import math
 import re
@@ -24,9 +29,9 @@ import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain, groupby, repeat
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from socketserver import ThreadingMixIn
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry
@@ -162,7 +167,7 @@ class _Family:
 
     __slots__ = ("help", "name", "records", "type")
 
-    def __init__(self, name: str, typ: str, help: str, records: list[MetricRecord]) -> None:
+    def __init__(self, name: str, typ: str, help: str, records: list[Any]) -> None:
         self.name = PREFIX + name  # the sample name; a counter's ends in _total
         self.type = typ
         self.help = help
@@ -203,6 +208,12 @@ class SnapshotCollector(Collector):
         self._text: tuple[object, bytes] = (object(), b"")
         self._lock = threading.RLock()  # concurrent scrapes build a snapshot's output once
         self._selected: dict[str, bool] = {}
+        # names of the last snapshot's records, and per name a gather of its positions
+        self._plan: tuple[list[str], list[tuple[str, Callable[..., Any], int]], set[str]] | None
+        self._plan = None
+        self._layout = _HeadLayout()
+        # family name -> (label dicts, rendered line prefixes) of the last render
+        self._prefixes: dict[str, tuple[list[Mapping[str, str]], list[str]]] = {}
 
     def update(self, snapshot: Snapshot, events: Sequence[Event] = ()) -> None:
         """Serve ``snapshot`` from now on and count ``events`` (one reference swap)."""
@@ -273,17 +284,12 @@ class SnapshotCollector(Collector):
                 [MetricRecord("flush_timestamp_seconds", {}, snapshot.time)],
             )
         )
-        by_name: dict[str, list[MetricRecord]] = defaultdict(list)
-        for record in snapshot:
-            by_name[record.name].append(record)
-        worst_heads: list[MetricRecord] = []
-        layout: list[Any] = []
+        by_name, present = self._group_by_name(list(snapshot))
+        worst_heads: list[Any] = []
         for name, records in by_name.items():
-            if not self._wanted(name):
-                continue
             reduced = "head" in records[0].labels and self.heads != "all"
             if "head" in records[0].labels:
-                records, worst = _reduce_heads(name, records, self.heads, self.top_k, layout)
+                records, worst = _reduce_heads(name, records, self.heads, self.top_k, self._layout)
                 worst_heads += worst
             name = _sanitize(name)
             typ = "counter" if name.endswith("_total") else "gauge"
@@ -292,7 +298,7 @@ class SnapshotCollector(Collector):
         if worst_heads and self._wanted("worst_head"):
             text = "Index of the worst head of the layer for the metric named in label 'metric'."
             families.append(_Family("worst_head", "gauge", text, worst_heads))
-        if "events_total" not in by_name and self._wanted("events_total"):
+        if "events_total" not in present and self._wanted("events_total"):
             counts = [
                 MetricRecord("events_total", {"kind": kind, "rule": rule}, float(n))
                 for (kind, rule), n in sorted(events.items())
@@ -300,38 +306,53 @@ class SnapshotCollector(Collector):
             families.append(_Family("events_total", "counter", metric_help("events_total"), counts))
         return families
 
+    def _group_by_name(self, records: list[MetricRecord]) -> tuple[dict[str, list], set[str]]:
+        """Records of the exported metrics by name, in order, and every name present. Each
+        name's positions are kept and reused while the sequence of names is that of the
+        previous flush: C-level gathers then."""
+        names = [r.name for r in records]  # (a comprehension beats map(attrgetter) on 3.11+)
+        if self._plan is None or self._plan[0] != names:
+            positions: dict[str, list[int]] = defaultdict(list)
+            for i, name in enumerate(names):
+                positions[name].append(i)
+            gathers = [
+                (name, itemgetter(*index), len(index))
+                for name, index in positions.items()
+                if self._wanted(name)
+            ]
+            self._plan = (names, gathers, set(positions))
+        by_name = {
+            name: list(get(records)) if n > 1 else [get(records)] for name, get, n in self._plan[1]
+        }
+        return by_name, self._plan[2]
+
     def _render(self, families: list[_Family]) -> bytes:
-        """Text format 0.0.4; label strings rendered once per labels dict (records share them)."""
-        const = "".join(f'{k}="{_escape(v)}",' for k, v in self.const_labels.items())
-        label_text: dict[int, str] = {}  # id(labels dict) -> rendered, for this render only
-        by_content: dict[tuple[tuple[str, str], ...], str] = {}
+        """Text format 0.0.4. The ``name{labels} `` prefix of each line is kept per family and
+        reused while the family's label sets are the same as at the previous flush (the usual
+        case: the model does not change), so a render mostly formats values."""
         out: list[str] = []
         for fam in families:
             help_text = fam.help.replace("\\", r"\\").replace("\n", r"\n")
             out.append(f"# HELP {fam.name} {help_text}\n# TYPE {fam.name} {fam.type}\n")
-            labels = list(map(attrgetter("labels"), fam.records))
-            ids = list(map(id, labels))
-            unique = dict(zip(ids, labels, strict=True))
-            for key in unique.keys() - label_text.keys():
-                lab = unique[key]
-                content = tuple(lab.items())
-                text = by_content.get(content)
-                if text is None:
-                    text = by_content[content] = self._label_text(const, lab)
-                label_text[key] = text
-            values = list(map(repr, map(float, map(attrgetter("value"), fam.records))))
+            labels = [r.labels for r in fam.records]
+            cached = self._prefixes.get(fam.name)
+            if cached is None or cached[0] != labels:  # C-level: dicts compare by content
+                cached = (labels, self._line_prefixes(fam.name, labels))
+                self._prefixes[fam.name] = cached
+            values = list(map(repr, map(float, [r.value for r in fam.records])))
             if "nan" in values or "inf" in values or "-inf" in values:
                 values = [_SPECIAL.get(v, v) for v in values]
-            # sample{labels} value\n for every record, joined at C level.
-            lines = zip(
-                repeat(fam.name + "{"),
-                map(label_text.__getitem__, ids),
-                repeat("} "),
-                values,
-                repeat("\n"),
-            )
+            lines = zip(cached[1], values, repeat("\n"))  # joined at C level
             out.append("".join(chain.from_iterable(lines)))
         return "".join(out).encode()
+
+    def _line_prefixes(self, name: str, labels: list[Mapping[str, str]]) -> list[str]:
+        """``name{labels} `` per record; label text rendered once per labels dict (a
+        parameter's statistics share one)."""
+        const = "".join(f'{k}="{_escape(v)}",' for k, v in self.const_labels.items())
+        by_id = {id(lab): lab for lab in labels}
+        text = {key: f"{name}{{{self._label_text(const, lab)}}} " for key, lab in by_id.items()}
+        return list(map(text.__getitem__, map(id, labels)))
 
     def _label_text(self, const: str, labels: Mapping[str, str]) -> str:
         if any(k in labels for k in self.const_labels):  # a record's own label wins
@@ -342,66 +363,139 @@ class SnapshotCollector(Collector):
         return (const + own).rstrip(",")
 
 
+class _Row(NamedTuple):
+    """A record the exporter derived (a reduced head, a worst-head index): cheaper to make than
+    a MetricRecord, and all a family needs."""
+
+    labels: Mapping[str, str]
+    value: float
+
+
+class _HeadLayout:
+    """Where each layer's heads are in a per-head metric's records, kept across metrics and
+    flushes: every per-head metric of a probe has the same label sets in the same order, flush
+    after flush, so the grouping (and the label dicts of reduced series) is computed once and
+    then only checked (by identity within a flush, by content across flushes, at C level)."""
+
+    def __init__(self) -> None:
+        self.labels: list[Mapping[str, str]] | None = None
+        self.groups: list[tuple[slice | list[int], dict[str, str]]] = []
+        self.slices: list[slice] | None = None  # every layer's heads consecutive
+        self.rests: list[dict[str, str]] = []
+        self.head_numbers: list[float] = []
+        self._worst_labels: dict[str, list[dict[str, str]]] = {}
+
+    def match(self, labels: list[Mapping[str, str]]) -> None:
+        if self.labels is not labels and self.labels != labels:
+            self.groups = _layer_groups(labels)
+            self._worst_labels = {}
+            slices = [index for index, _ in self.groups if isinstance(index, slice)]
+            self.slices = slices if len(slices) == len(self.groups) else None
+            self.rests = [rest for _, rest in self.groups]
+            try:
+                self.head_numbers = list(map(float, map(itemgetter("head"), labels)))
+            except ValueError:  # heads not numbered: the generic path reads the labels
+                self.slices = None
+        self.labels = labels
+
+    def worst_labels(self, name: str) -> list[dict[str, str]]:
+        found = self._worst_labels.get(name)
+        if found is None:
+            found = [{**rest, "metric": name} for _, rest in self.groups]
+            self._worst_labels[name] = found
+        return found
+
+
 def _reduce_heads(
-    name: str, records: list[MetricRecord], mode: HeadMode, k: int, layout: list[Any]
-) -> tuple[list[MetricRecord], list[MetricRecord]]:
+    name: str, records: list[MetricRecord], mode: HeadMode, k: int, layout: _HeadLayout
+) -> tuple[list[Any], list[Any]]:
     """Per layer (all labels but ``head``): the worst head's record ('layer'), the k worst
     heads' records ('top_k') or all of them ('all'), and ``worst_head`` records naming the
-    worst head's index.
-
-    ``layout`` caches [labels, groups] between metrics: the probe gives every per-head metric
-    the same label dicts in the same order, so the grouping is computed once per snapshot.
-    """
+    worst head's index."""
     reduction = HEAD_REDUCTIONS.get(name, "max")
-    labels = list(map(attrgetter("labels"), records))
-    if not layout or layout[0] != labels:  # C-level: identical dicts compare by identity
-        layout[:] = [labels, list(_layer_groups(labels))]
-    values = list(map(attrgetter("value"), records))
-    kept: list[MetricRecord] = records if mode == "all" else []
-    worst: list[MetricRecord] = []
-    for index in layout[1]:
-        group = [records[i] for i in index] if isinstance(index, list) else records[index]
-        vals = [values[i] for i in index] if isinstance(index, list) else values[index]
-        order = _worst_first(vals, reduction, k if mode == "top_k" else 1)
-        rest = {k_: v for k_, v in group[0].labels.items() if k_ != "head"}
+    labels = [r.labels for r in records]
+    layout.match(labels)
+    values = [r.value for r in records]
+    worst_labels = layout.worst_labels(name) if name not in _NO_WORST_HEAD else None
+    if mode == "layer" and layout.slices is not None and not math.isnan(sum(values)):
+        return _reduce_layers_fast(values, reduction, layout, worst_labels)
+    kept: list[Any] = records if mode == "all" else []
+    worst: list[Any] = []
+    count = k if mode == "top_k" else 1
+    for g, (index, rest) in enumerate(layout.groups):
+        if isinstance(index, slice):
+            vals = values[index]
+            positions: Any = range(index.start, index.stop)
+        else:
+            vals = [values[i] for i in index]
+            positions = index
+        order = _worst_first(vals, reduction, count)
         if mode == "layer":
-            kept.append(MetricRecord(name, rest, vals[order[0]]))
+            kept.append(_Row(rest, vals[order[0]]))
         elif mode == "top_k":
-            kept += [group[i] for i in order]
-        if name not in _NO_WORST_HEAD:
-            head = float(group[order[0]].labels["head"])
-            worst.append(MetricRecord("worst_head", {**rest, "metric": name}, head))
+            kept += [records[positions[i]] for i in order]
+        if worst_labels is not None:
+            worst.append(_Row(worst_labels[g], float(labels[positions[order[0]]]["head"])))
     return kept, worst
+
+
+def _reduce_layers_fast(
+    values: list[float],
+    reduction: str,
+    layout: _HeadLayout,
+    worst_labels: list[dict[str, str]] | None,
+) -> tuple[list[Any], list[Any]]:
+    """_reduce_heads for mode 'layer' with no NaN and every layer's heads consecutive: the same
+    result from C-level maps over the layers (no Python loop over them)."""
+    slices = layout.slices
+    chunks = list(map(values.__getitem__, slices))  # per layer: its heads' values
+    if reduction == "min":
+        best = list(map(min, chunks))
+    elif reduction == "absmax":
+        hi, lo = list(map(max, chunks)), list(map(min, chunks))
+        best = [h if abs(h) >= abs(low) else low for h, low in zip(hi, lo, strict=True)]
+    else:
+        best = list(map(max, chunks))
+    kept = list(map(_Row, layout.rests, best))
+    if worst_labels is None:
+        return kept, []
+    at = map(list.index, chunks, best)  # the first head holding the worst value
+    heads = [layout.head_numbers[sl.start + i] for sl, i in zip(slices, at, strict=True)]
+    return kept, list(map(_Row, worst_labels, heads))
 
 
 def _rest_key(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, v) for k, v in labels.items() if k != "head"))
 
 
-def _layer_groups(labels: list[Mapping[str, str]]) -> Iterator[slice | list[int]]:
-    """Positions of each layer's heads: slices when each layer's heads are consecutive (the
-    probe's layout, found at C level), index lists otherwise."""
+def _layer_groups(labels: list[Mapping[str, str]]) -> list[tuple[slice | list[int], dict]]:
+    """(positions, labels without head) of each layer's heads: slices when each layer's heads
+    are consecutive (the probe's layout, found at C level), index lists otherwise."""
     try:  # the probe's records: labels exactly {layer, head}
         if set(map(len, labels)) != {2} or not all(map(itemgetter("head"), labels)):
             raise KeyError("head")
         keys = list(map(itemgetter("layer"), labels))
     except KeyError:
         keys = list(map(_rest_key, labels))
-    spans = []
+    spans: list[slice | list[int]] = []
     start = 0
     for _, run in groupby(keys):
         end = start + len(list(run))
         spans.append(slice(start, end))
         start = end
-    if len(spans) == len(set(keys)):
-        yield from spans
-        return
-    positions: dict[Any, list[int]] = defaultdict(list)
-    for i, key in enumerate(keys):
-        positions[key].append(i)
-    for index in positions.values():  # head order, so ties go to the lowest head as above
-        index.sort(key=lambda i: _head_order(labels[i]["head"]))
-        yield index
+    if len(spans) != len(set(keys)):
+        positions: dict[Any, list[int]] = defaultdict(list)
+        for i, key in enumerate(keys):
+            positions[key].append(i)
+        spans = []
+        for index in positions.values():  # head order, so ties go to the lowest head as above
+            index.sort(key=lambda i: _head_order(labels[i]["head"]))
+            spans.append(index)
+    groups = []
+    for index in spans:
+        first = labels[index.start if isinstance(index, slice) else index[0]]
+        groups.append((index, {k: v for k, v in first.items() if k != "head"}))
+    return groups
 
 
 def _head_order(head: str) -> tuple[int, str]:
@@ -409,16 +503,24 @@ def _head_order(head: str) -> tuple[int, str]:
 
 
 def _worst_first(values: list[float], reduction: str, k: int) -> list[int]:
-    """Indices of the k worst values, worst first (NaN before anything, then by reduction)."""
-    if k == 1 and not math.isnan(sum(values)):  # no NaN (and no +Inf/-Inf mix): C-level scan
-        if reduction == "max":
-            return [values.index(max(values))]
+    """Indices of the k worst values, worst first (NaN before anything, then by reduction;
+    ties: the first)."""
+    if not math.isnan(sum(values)):  # no NaN (and no +Inf/-Inf mix): C-level scans
+        if k == 1:
+            if reduction == "max":
+                return [values.index(max(values))]
+            if reduction == "min":
+                return [values.index(min(values))]
+            hi, lo = max(values), min(values)
+            return [values.index(hi if abs(hi) >= abs(lo) else lo)]
+        index = range(len(values))
         if reduction == "min":
-            return [values.index(min(values))]
-        hi, lo = max(values), min(values)
-        return [values.index(hi if abs(hi) >= abs(lo) else lo)]
+            return heapq.nsmallest(k, index, key=values.__getitem__)
+        if reduction == "absmax":
+            return heapq.nlargest(k, index, key=list(map(abs, values)).__getitem__)
+        return heapq.nlargest(k, index, key=values.__getitem__)
     badness = [_badness(v, reduction) for v in values]
-    return sorted(range(len(values)), key=badness.__getitem__, reverse=True)[:k]
+    return heapq.nlargest(k, range(len(values)), key=badness.__getitem__)
 
 
 def _badness(value: float, reduction: str) -> float:
