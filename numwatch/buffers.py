@@ -17,10 +17,15 @@ from numwatch.kernels.tensor_stats import (
     MIN,
     NAN,
     NEGINF,
+    NUMEL,
     POSINF,
+    SUM,
     combine_stats,
     empty_stats,
 )
+
+# add_rows slices the row by column ranges: NUMEL | ABSMAX MIN MAX | SUM ... (sums and counts).
+assert (NUMEL, ABSMAX, MIN, MAX, SUM) == (0, 1, 2, 3, 4)
 
 __all__ = [
     "DeviceTables",
@@ -61,10 +66,14 @@ class StatTable:
         combine_stats(self.rows[index], row)
 
     def add_rows(self, index: torch.Tensor, rows: torch.Tensor) -> None:
-        """Merge ``rows`` into the rows at ``index`` (a device LongTensor without repeats)."""
-        acc = self.rows.index_select(0, index)
-        combine_stats(acc, rows)
-        self.rows.index_copy_(0, index, acc)
+        """Merge ``rows`` into the table rows at ``index`` (a device LongTensor; repeats merge
+        too). Five launches whatever the number of rows."""
+        r = self.rows
+        r[:, :ABSMAX].index_add_(0, index, rows[:, :ABSMAX])  # NUMEL
+        r[:, SUM:].index_add_(0, index, rows[:, SUM:])  # sums and counts
+        r[:, ABSMAX : ABSMAX + 1].index_reduce_(0, index, rows[:, ABSMAX : ABSMAX + 1], "amax")
+        r[:, MAX : MAX + 1].index_reduce_(0, index, rows[:, MAX : MAX + 1], "amax")
+        r[:, MIN : MIN + 1].index_reduce_(0, index, rows[:, MIN : MIN + 1], "amin")
 
     def reset(self) -> None:
         self.rows.copy_(self._identity.expand_as(self.rows))

@@ -254,8 +254,8 @@ class Monitor:
             self._guard.run("step", self._record_loss, loss)
             self._last_close = "late-loss"
             return
+        self._last_close = "user"  # before closing: a halt raised by the flush leaves it right
         self._close_step(loss)
-        self._last_close = "user"
 
     def _on_optimizer_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self._before_optimizer_update()
@@ -263,8 +263,8 @@ class Monitor:
     def _before_optimizer_update(self) -> None:
         if self._last_close == "user" and not self._ctx.activity:
             return  # the user closed this step already
-        self._close_step(None)
         self._last_close = "optimizer"
+        self._close_step(None)
 
     def _close_step(self, loss: torch.Tensor | float | None) -> None:
         self._guard.run("step", self._close_step_body, loss)

@@ -304,7 +304,7 @@ def test_probe_failure_is_counted_and_survived(make_monitor, monkeypatch, caplog
     snap = monitor.snapshot()
     assert snap.step == 3
     assert snap.value("monitor_errors_total", component="gradients") == 4
-    assert snap.value("monitor_errors_total", component="activations") == 4 * 3  # 3 Linears
+    assert snap.value("monitor_errors_total", component="activations") == 4  # once a forward
     assert (
         sum(
             "planted probe failure" in r.getMessage() or r.exc_info is not None

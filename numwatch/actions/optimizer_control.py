@@ -61,13 +61,21 @@ class OptimizerControl:
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
             return self._original(*args, **kwargs)
+        closure = kwargs.pop("closure", args[0] if args else None)
+        loss = None
+        if closure is not None:
+            # The closure computes this step's gradients: run it before judging the step, then
+            # hand the optimizer its result (it must not run twice).
+            with torch.enable_grad():
+                loss = closure()
+            args, kwargs = (lambda: loss,), {}
         self._before_step()
         if self._skip:
             self._skip = False
             self.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
             self._tick()
-            return None
+            return loss
         factor = self.lr_factor
         saved = [group["lr"] for group in self.optimizer.param_groups]
         if factor != 1.0:

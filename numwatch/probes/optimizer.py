@@ -53,6 +53,7 @@ class OptimizerProbe:
         self._ratio: torch.Tensor | None = None  # (n,) float64 of the last sampled update
         self._absorbed: torch.Tensor | None = None
         self._scale_prev: torch.Tensor | None = None
+        self._index_cache: tuple[Any, torch.Tensor] | None = None
         self._drops: torch.Tensor | None = None
 
     def attach(self) -> None:
@@ -89,22 +90,35 @@ class OptimizerProbe:
             return
         params = [self.params[i][1].detach() for i in self._taken]
         grads = [self.params[i][1].grad for i in self._taken]
+        f32 = torch.float32
         updates = torch._foreach_sub(params, self._before)
-        u_norm = torch.stack(torch._foreach_norm(updates)).double()
-        w_norm = torch.stack(torch._foreach_norm(params)).double()
+        self._before = None
+        u_norm = torch.stack(torch._foreach_norm(updates, 2, dtype=f32)).double()
+        w_norm = torch.stack(torch._foreach_norm(params, 2, dtype=f32)).double()
         ratio = u_norm / w_norm.clamp_min(torch.finfo(torch.float64).tiny)
-        absorbed = []
-        for u, g in zip(updates, grads, strict=True):
-            moved = g != 0
-            stuck = (u == 0) & moved
-            absorbed.append(stuck.sum().double() / moved.sum().clamp_min(1).double())
+        # Multi-tensor ops only (a handful of launches for any number of parameters):
+        # sign(|g|) marks moved elements, sign(|g|) * sign(|u|) those whose weight changed.
+        moved = torch._foreach_abs(grads)
+        torch._foreach_sign_(moved)
+        changed = updates  # reused in place: the updates are no longer needed
+        torch._foreach_abs_(changed)
+        torch._foreach_sign_(changed)
+        torch._foreach_mul_(changed, moved)
+        n_moved = torch.stack(torch._foreach_norm(moved, 1, dtype=f32)).double()
+        n_changed = torch.stack(torch._foreach_norm(changed, 1, dtype=f32)).double()
+        absorbed = (n_moved - n_changed) / n_moved.clamp_min(1.0)
         n = len(self.params)
-        index = torch.tensor(self._taken, device=ratio.device)
+        index = self._index(ratio.device)
         self._ratio = torch.full((n,), float("nan"), dtype=torch.float64, device=ratio.device)
         self._ratio.index_copy_(0, index, ratio)
         self._absorbed = torch.full_like(self._ratio, float("nan"))
-        self._absorbed.index_copy_(0, index, torch.stack(absorbed))
-        self._before = None
+        self._absorbed.index_copy_(0, index, absorbed)
+
+    def _index(self, device: torch.device) -> torch.Tensor:
+        key = (device, tuple(self._taken))
+        if self._index_cache is None or self._index_cache[0] != key:
+            self._index_cache = (key, torch.tensor(self._taken, device=device))
+        return self._index_cache[1]
 
     def _loss_scale(self) -> None:
         scaler = self.scaler
@@ -120,7 +134,7 @@ class OptimizerProbe:
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         out = {}
-        if self._ratio is not None:
+        if self._ratio is not None and self._absorbed is not None:
             out["opt/ratio"], out["opt/absorbed"] = self._ratio, self._absorbed
         if self._scale_prev is not None:
             out["opt/scale"], out["opt/drops"] = self._scale_prev, self._drops

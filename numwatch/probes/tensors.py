@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from numwatch.buffers import DeviceTables, NonfiniteOrigin, nonfinite_counts, reduce_rows
+from numwatch.buffers import DeviceTables, NonfiniteOrigin, nonfinite_counts
 from numwatch.config import ActivationConfig, GradientConfig
 from numwatch.distributed import local_tensor
 from numwatch.kernels import tensor_stats as ts
@@ -190,50 +190,81 @@ class GradientProbe:
 
 
 class ActivationProbe:
-    """Per-module statistics of forward outputs on sampled steps."""
+    """Per-module statistics of forward outputs on sampled steps.
+
+    Forward hooks only collect the outputs (host-side bookkeeping); when the model's forward
+    returns, one fused statistics call per device and dtype measures all of them, and five
+    launches merge the rows into the table. The outputs are held until then, which is why the
+    collection ends with the root forward rather than with the step.
+    """
 
     component = "activations"
 
     def __init__(self, model: nn.Module, cfg: ActivationConfig, ctx: ProbeContext) -> None:
         self.cfg = cfg
         self.ctx = ctx
+        self.model = model
         self.modules = select_modules(model, cfg.modules, cfg.exclude, cfg.module_types)
         self._handles: list[Any] = []
         self._tables = DeviceTables("act_table", len(self.modules))
         self._dtypes: dict[int, torch.dtype] = {}
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (module index, output) in order
+        self._row_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
 
     def attach(self) -> None:
         for i, (_, m) in enumerate(self.modules):
             self._handles.append(m.register_forward_hook(partial(self._hook, i)))
+        self._handles.append(self.model.register_forward_hook(self._forward_done, always_call=True))
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._pending.clear()
 
     def _hook(self, index: int, module: nn.Module, _inputs: Any, output: Any) -> None:
         self.ctx.activity = True
         if self.ctx.step % self.cfg.every or (self.cfg.training_only and not module.training):
             return
-        self.ctx.guard.run(self.component, self._observe, index, output)
+        for t in _floating_tensors(output):
+            self._pending.append((index, t.detach()))
+
+    def _forward_done(self, *_: Any) -> None:
+        if self._pending:
+            self.ctx.guard.run(self.component, self._measure)
+
+    def on_step(self) -> None:
+        """Outputs of modules run outside the model's own forward are measured at step end."""
+        if self._pending:
+            self._measure()
+
+    def _rows(self, device: torch.device, indices: list[int]) -> torch.Tensor:
+        """Table rows of the outputs, on the device; one upload per distinct call sequence."""
+        key = (device, tuple(indices))
+        rows = self._row_cache.get(key)
+        if rows is None:
+            if len(self._row_cache) > 64:
+                self._row_cache.clear()
+            rows = self._row_cache[key] = torch.tensor(indices, dtype=torch.long, device=device)
+        return rows
 
     @torch.no_grad()
-    def _observe(self, index: int, output: Any) -> None:
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for t in _floating_tensors(output):
-            by_device.setdefault(t.device, []).append(t)
-        if not by_device:
-            return
-        name = self.modules[index][0]
-        order = self.ctx.tracker.next_order(
-            NonfiniteOrigin("forward", "module", name, self.ctx.step)
-        )
-        for device, tensors in by_device.items():
-            self._dtypes.setdefault(index, tensors[0].dtype)
+    def _measure(self) -> None:
+        pending, self._pending = self._pending, []
+        groups: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        for index, t in pending:
+            groups.setdefault(t.device, []).append((index, t))
+            self._dtypes.setdefault(index, t.dtype)
+        for device, items in groups.items():
+            tensors = [t for _, t in items]
             stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend_for(device))
-            row = reduce_rows(stats)
-            self._tables[device].add_row(index, row)
-            self.ctx.tracker.observe(order, nonfinite_counts(row))
+            self._tables[device].add_rows(self._rows(device, [i for i, _ in items]), stats)
+            first = self.ctx.tracker.reserve(
+                [NonfiniteOrigin("forward", "module", self.modules[i][0], self.ctx.step)
+                 for i, _ in items]
+            )  # fmt: skip
+            order = torch.arange(len(items), dtype=torch.float64, device=device) + first
+            self.ctx.tracker.observe_many(order, nonfinite_counts(stats))
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         return self._tables.device_tensors()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,12 @@ def _finite_or_str(value: Any) -> Any:
     return value
 
 
+def _number(value: float) -> str:
+    if math.isfinite(value):
+        return repr(float(value))
+    return '"nan"' if math.isnan(value) else ('"inf"' if value > 0 else '"-inf"')
+
+
 class JsonlSink:
     name = "jsonl"
 
@@ -39,11 +45,34 @@ class JsonlSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_name = run_name
         self._file = self.path.open("a", encoding="utf-8")
+        # '{"name": ..., "labels": {...}, "value": ' per series: the same every flush, so a flush
+        # encodes only its numbers (thousands of series per flush on a large model).
+        self._prefixes: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+
+    def _prefix(self, name: str, labels: Mapping[str, str]) -> str:
+        key = (name, tuple(labels.items()))
+        text = self._prefixes.get(key)
+        if text is None:
+            head = json.dumps({"name": name, "labels": dict(labels)})[:-1]
+            text = self._prefixes[key] = f'{head}, "value": '
+            if len(self._prefixes) > 1_000_000:
+                self._prefixes.clear()
+        return text
 
     def emit(self, snapshot: Snapshot, events: Sequence[Event]) -> None:
-        record = {"schema": SCHEMA_VERSION, "run": self.run_name, **snapshot.to_dict()}
-        record["events"] = [e.to_dict() for e in events]
-        self._file.write(json.dumps(_finite_or_str(record), allow_nan=False) + "\n")
+        head = {
+            "schema": SCHEMA_VERSION,
+            "run": self.run_name,
+            "step": snapshot.step,
+            "time": snapshot.time,
+            "rank": snapshot.rank,
+        }
+        metrics = ", ".join(
+            self._prefix(r.name, r.labels) + _number(r.value) + "}" for r in snapshot
+        )
+        tail = json.dumps(_finite_or_str([e.to_dict() for e in events]), allow_nan=False)
+        line = f'{json.dumps(head)[:-1]}, "metrics": [{metrics}], "events": {tail}}}\n'
+        self._file.write(line)
         self._file.flush()
 
     def close(self) -> None:

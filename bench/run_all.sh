@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Reruns every benchmark whose figures the issues and README quote; results land in bench/results/.
+# GPU benchmarks need a CUDA GPU (the figures were measured on an H200); CPU ones run anywhere.
+# Usage: bench/run_all.sh [gpu|cpu|all]   (default: all)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+R=bench/results
+py=${PYTHON:-python3}
+
+if [[ $what == gpu || $what == all ]]; then
+  $py bench/bench_tensor_stats.py --out $R/tensor_stats_h200.json
+  $py bench/bench_power_iteration.py --out $R/power_iteration_h200.json
+  $py bench/bench_attention_stats.py --out $R/attention_stats.json
+  $py bench/bench_flash_attention.py --out $R/flash_attention.json
+  $py bench/bench_overhead.py --out $R/overhead_gpt2_h200.json
+fi
+if [[ $what == cpu || $what == all ]]; then
+  $py bench/bench_overhead.py --preset demo --device cpu --batch 16 \
+    --configs baseline,default,default_flush_every_1 --out $R/overhead_cpu_demo.json
+  $py bench/bench_scrape.py --out $R/scrape.json
+  $py bench/bench_flush_collectives.py --out $R/flush_collectives_cpu.json
+fi
