@@ -6,6 +6,7 @@ per flush: all tensors of one device are packed into one buffer and copied in on
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from numwatch.kernels.tensor_stats import (
     empty_stats,
 )
 
-# add_rows slices the row by column ranges: NUMEL | ABSMAX MIN MAX | SUM ... (sums and counts).
+# merge_rows slices the row by column ranges: NUMEL | ABSMAX MIN MAX | SUM ... (sums, counts).
 assert (NUMEL, ABSMAX, MIN, MAX, SUM) == (0, 1, 2, 3, 4)
 
 __all__ = [
@@ -32,8 +33,10 @@ __all__ = [
     "NonfiniteOrigin",
     "NonfiniteTracker",
     "StatTable",
+    "merge_rows",
     "nonfinite_counts",
     "read_to_host",
+    "reduce_by_index",
     "reduce_rows",
 ]
 
@@ -49,6 +52,40 @@ def reduce_rows(stats: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_EXTREMES = slice(ABSMAX, MAX + 1)  # ABSMAX, MIN, MAX: max, min, max
+
+
+def merge_rows(acc: torch.Tensor, new: torch.Tensor) -> None:
+    """combine_stats in six launches (it is on the per-step path): sums add, extremes merge."""
+    acc[:, :ABSMAX] += new[:, :ABSMAX]
+    acc[:, SUM:] += new[:, SUM:]
+    a, b = acc[:, _EXTREMES], new[:, _EXTREMES]
+    acc[:, _EXTREMES] = torch.where(_min_mask(acc.device), torch.minimum(a, b), torch.maximum(a, b))
+
+
+def reduce_by_index(stats: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
+    """Merge the rows of ``stats`` that share a segment id ``seg`` into ``n`` rows."""
+    out = empty_stats(n, stats.device)
+    out[:, :ABSMAX].index_add_(0, seg, stats[:, :ABSMAX])
+    out[:, SUM:].index_add_(0, seg, stats[:, SUM:])
+    idx = seg[:, None].expand(-1, MAX + 1 - ABSMAX)
+    ext = stats[:, _EXTREMES]
+    hi = out[:, _EXTREMES].scatter_reduce(0, idx, ext, "amax", include_self=True)
+    lo = out[:, _EXTREMES].scatter_reduce(0, idx, ext, "amin", include_self=True)
+    out[:, _EXTREMES] = torch.where(_min_mask(stats.device), lo, hi)
+    return out
+
+
+_MIN_MASKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _min_mask(device: torch.device) -> torch.Tensor:
+    mask = _MIN_MASKS.get(device)
+    if mask is None:
+        mask = _MIN_MASKS[device] = torch.tensor([False, True, False], device=device)
+    return mask
+
+
 def nonfinite_counts(stats: torch.Tensor) -> torch.Tensor:
     """NaN + Inf count per row of ``stats`` (..., N_STATS)."""
     return stats[..., NAN] + stats[..., POSINF] + stats[..., NEGINF]
@@ -61,19 +98,26 @@ class StatTable:
         self.device = device
         self.rows = empty_stats(n_rows, device)  # (n_rows, N_STATS) float64
         self._identity = empty_stats(1, device)
+        self._arange: torch.Tensor | None = None
+
+    def full_index(self) -> torch.Tensor:
+        """The index meaning "every row, in order": add_rows then skips the gather/scatter."""
+        if self._arange is None:
+            self._arange = torch.arange(self.rows.shape[0], device=self.device)
+        return self._arange
 
     def add_row(self, index: int, row: torch.Tensor) -> None:
         combine_stats(self.rows[index], row)
 
     def add_rows(self, index: torch.Tensor, rows: torch.Tensor) -> None:
-        """Merge ``rows`` into the table rows at ``index`` (a device LongTensor; repeats merge
-        too). Five launches whatever the number of rows."""
-        r = self.rows
-        r[:, :ABSMAX].index_add_(0, index, rows[:, :ABSMAX])  # NUMEL
-        r[:, SUM:].index_add_(0, index, rows[:, SUM:])  # sums and counts
-        r[:, ABSMAX : ABSMAX + 1].index_reduce_(0, index, rows[:, ABSMAX : ABSMAX + 1], "amax")
-        r[:, MAX : MAX + 1].index_reduce_(0, index, rows[:, MAX : MAX + 1], "amax")
-        r[:, MIN : MIN + 1].index_reduce_(0, index, rows[:, MIN : MIN + 1], "amin")
+        """Merge ``rows`` into the table rows at ``index`` (a device LongTensor, no repeats;
+        ``full_index()`` for all rows in order, which needs no gather/scatter)."""
+        if index is self._arange:
+            merge_rows(self.rows, rows)
+            return
+        acc = self.rows.index_select(0, index)
+        merge_rows(acc, rows)
+        self.rows.index_copy_(0, index, acc)
 
     def reset(self) -> None:
         self.rows.copy_(self._identity.expand_as(self.rows))
@@ -130,17 +174,19 @@ class NonfiniteTracker:
 
     def __init__(self) -> None:
         self._first: dict[torch.device, torch.Tensor] = {}  # device -> 0-d float64 min order
-        self._origins: list[NonfiniteOrigin] = []
-        self._base = 0  # order number of _origins[0]
+        # One entry per reserved batch: (first order, phase, label, names, step); a step's
+        # gradients are one batch, so the host does O(1) work per observation batch.
+        self._batches: list[tuple[int, str, str, tuple[str, ...], int]] = []
+        self._next = 0  # the next order number (never reused: device minima stay comparable)
 
     def next_order(self, origin: NonfiniteOrigin) -> int:
-        self._origins.append(origin)
-        return self._base + len(self._origins) - 1
+        return self.reserve(origin.phase, origin.label, (origin.name,), origin.step)
 
-    def reserve(self, origins: list[NonfiniteOrigin]) -> int:
-        """Order numbers for a batch, in the given order; returns the first one."""
-        first = self._base + len(self._origins)
-        self._origins.extend(origins)
+    def reserve(self, phase: str, label: str, names: tuple[str, ...], step: int) -> int:
+        """Order numbers for ``names`` observed in this order; returns the first one."""
+        first = self._next
+        self._batches.append((first, phase, label, names, step))
+        self._next += len(names)
         return first
 
     def observe(self, order: int, nonfinite: torch.Tensor) -> None:
@@ -162,11 +208,13 @@ class NonfiniteTracker:
         best = min(orders, default=INF)
         if best == INF:
             return None
-        return self._origins[int(best) - self._base]
+        order = int(best)
+        i = bisect.bisect_right(self._batches, order, key=lambda b: b[0]) - 1
+        first, phase, label, names, step = self._batches[i]
+        return NonfiniteOrigin(phase, label, names[order - first], step)
 
     def reset(self) -> None:
-        self._base += len(self._origins)
-        self._origins.clear()
+        self._batches.clear()
         for t in self._first.values():
             t.fill_(INF)
 

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 __all__ = ["MetricRecord", "Snapshot"]
 
 
-@dataclasses.dataclass(frozen=True)
-class MetricRecord:
+class MetricRecord(NamedTuple):
+    """One value of one series; unpacks as ``name, labels, value``. A flush makes thousands."""
+
     name: str
     labels: Mapping[str, str]
     value: float
-
-    def __iter__(self) -> Iterator[object]:
-        return iter((self.name, self.labels, self.value))
 
 
 class Snapshot:
@@ -26,7 +24,13 @@ class Snapshot:
         self.time = time
         self.rank = rank
         self._records = records
-        self._index = {(r.name, _key(r.labels)): r.value for r in records}
+        self._index_cache: dict[tuple[str, tuple[tuple[str, str], ...]], float] | None = None
+
+    @property
+    def _index(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        if self._index_cache is None:  # built on the first lookup, not at every flush
+            self._index_cache = {(r.name, _key(r.labels)): r.value for r in self._records}
+        return self._index_cache
 
     def __iter__(self) -> Iterator[MetricRecord]:
         return iter(self._records)

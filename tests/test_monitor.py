@@ -542,3 +542,31 @@ def test_no_host_sync_between_flushes_on_gpu(make_monitor):
     snap = monitor.snapshot()
     assert snap.step == 3
     assert snap.series("attn_max_logit") and snap.series("weight_spectral_norm")
+
+
+def test_module_called_twice_and_several_outputs_merge_into_one_row(make_monitor):
+    shared = Emit((torch.tensor([1.0, -3.0]), torch.tensor([float("nan"), 0.5, 2.0])))
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = shared
+            self.last = Emit(torch.tensor([7.0]))
+
+        def forward(self, x):
+            self.shared(x)
+            self.last(x)
+            return self.shared(x)  # the same module again, after another one
+
+    model = Twice()
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    model(None)
+    monitor.step()
+    snap = monitor.snapshot()
+    assert snap.value("activation_numel", module="shared") == 10  # 2 calls x (2 + 3) elements
+    assert snap.value("activation_nan", module="shared") == 2
+    assert snap.value("activation_absmax", module="shared") == 3.0
+    assert snap.value("activation_min", module="shared") == -3.0
+    assert snap.value("activation_max", module="shared") == 2.0
+    assert snap.value("activation_numel", module="last") == 1
+    assert monitor.events[0].labels == {"module": "shared"}

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from numwatch.buffers import DeviceTables, NonfiniteOrigin, nonfinite_counts
+from numwatch.buffers import DeviceTables, nonfinite_counts, reduce_by_index
 from numwatch.config import ActivationConfig, GradientConfig
 from numwatch.distributed import local_tensor
 from numwatch.kernels import tensor_stats as ts
@@ -57,6 +57,13 @@ def stat_records(
     return [MetricRecord(f"{prefix}_{k}", labels, v) for k, v in values.items()]
 
 
+def _usable(g: torch.Tensor | None) -> torch.device | None:
+    """The device of a gradient with values to measure, else None."""
+    if g is None or not g.is_floating_point() or g.is_meta or g.numel() == 0:
+        return None
+    return g.device
+
+
 def _floating_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Floating tensors with data inside a (nested) module output; others are not statistics."""
     if isinstance(obj, torch.Tensor):
@@ -84,7 +91,7 @@ class GradientProbe:
         self._fired_set: set[int] = set()
         self._tables = DeviceTables("grad_table", len(self.params))
         self._dtypes: dict[int, torch.dtype] = {}
-        self._index_cache: dict[tuple[torch.device, tuple[int, ...]], tuple[Any, Any]] = {}
+        self._plans: dict[tuple, list[tuple]] = {}
         self._norm_sq_last: torch.Tensor | None = None
         self._norm_max: torch.Tensor | None = None
         # (table rows, stats) read at the last closed step: cross-rank gradient norms use them
@@ -107,39 +114,31 @@ class GradientProbe:
 
     def on_step(self) -> None:
         """Read every gradient of the closing step (called by Monitor.step, guarded)."""
-        fired, fired_set = self._fired, self._fired_set
+        fired = self._fired
         self._fired, self._fired_set = [], set()
         self.step_stats = []
         if self.ctx.step % self.cfg.every:
             return
-        # Backward order first (closest to the loss first), then gradients no hook saw.
-        rest = [i for i in reversed(range(len(self.params))) if i not in fired_set]
-        groups: dict[torch.device, list[int]] = {}
-        for i in fired + rest:
-            g = local_tensor(self.params[i][1].grad)  # FSDP2 (DTensor): this rank's shard
-            if g is None or not g.is_floating_point() or g.is_meta:
-                continue
-            self._dtypes.setdefault(i, g.dtype)  # an empty shard too: other ranks fill its row
-            if g.numel() == 0:
-                continue
-            groups.setdefault(g.device, []).append(i)
+        grads = [local_tensor(p.grad) for _, p in self.params]  # FSDP2 (DTensor): local shard
+        usable = tuple(_usable(g) for g in grads)
+        key = (tuple(fired), usable)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(fired, grads, usable)
+            if len(self._plans) > 16:
+                self._plans.clear()
+            self._plans[key] = plan
         norm_sq = []
-        for device, indices in groups.items():
-            grads = [local_tensor(self.params[i][1].grad) for i in indices]
-            stats = ts.tensor_stats(grads, self.ctx.underflow_dtype, self.ctx.backend_for(device))
-            rows, rel_order = self._indices(device, indices)
+        for device, indices, rows, rank, names in plan:
+            tensors = [grads[i] for i in indices]  # table order
+            stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend_for(device))
             self._tables[device].add_rows(rows, stats)
             self.step_stats.append((rows, stats))
-            first = self.ctx.tracker.reserve(
-                [
-                    NonfiniteOrigin("backward", "param", self.params[i][0], self.ctx.step)
-                    for i in indices
-                ]
-            )
-            self.ctx.tracker.observe_many(rel_order + first, nonfinite_counts(stats))
+            first = self.ctx.tracker.reserve("backward", "param", names, self.ctx.step)
+            bad = nonfinite_counts(stats)
+            self.ctx.tracker.observe_many(rank + first, bad)
             # A non-finite gradient makes the global norm NaN, as in clip_grad_norm_.
-            bad = nonfinite_counts(stats).sum() > 0
-            norm_sq.append(stats[:, ts.SUMSQ].sum().masked_fill(bad, float("nan")))
+            norm_sq.append(stats[:, ts.SUMSQ].sum().masked_fill(bad.sum() > 0, float("nan")))
         if norm_sq:
             total = norm_sq[0]
             for t in norm_sq[1:]:  # model split over devices
@@ -149,16 +148,31 @@ class GradientProbe:
                 total if self._norm_max is None else torch.maximum(self._norm_max, total)
             )
 
-    def _indices(self, device: torch.device, indices: list[int]) -> tuple[Any, Any]:
-        key = (device, tuple(indices))
-        cached = self._index_cache.get(key)
-        if cached is None:
-            if len(self._index_cache) > 64:
-                self._index_cache.clear()
-            rows = torch.tensor(indices, dtype=torch.long, device=device)
-            rel = torch.arange(len(indices), dtype=torch.float64, device=device)
-            cached = self._index_cache[key] = (rows, rel)
-        return cached
+    def _plan(self, fired: list[int], grads: list[Any], usable: tuple[Any, ...]) -> list[tuple]:
+        """Per device: table rows of the usable gradients (table order) and each one's rank in
+        backward order (closest to the loss first, then gradients no hook saw), which orders
+        the search for the first non-finite one. Built once per backward order and layout."""
+        seen = set(fired)
+        backward = fired + [i for i in reversed(range(len(self.params))) if i not in seen]
+        rank_of = {i: r for r, i in enumerate(backward)}
+        plan = []
+        devices = {d for d in usable if d is not None}
+        for i, g in enumerate(grads):
+            if g is not None and g.is_floating_point() and not g.is_meta:
+                self._dtypes.setdefault(i, g.dtype)  # an empty shard too: other ranks fill it
+        for device in devices:
+            indices = [i for i, d in enumerate(usable) if d == device]
+            table = self._tables[device]
+            if len(indices) == len(self.params):
+                rows = table.full_index()
+            else:
+                rows = torch.tensor(indices, dtype=torch.long, device=device)
+            by_rank = sorted(indices, key=rank_of.__getitem__)
+            local = {i: r for r, i in enumerate(by_rank)}
+            rank = torch.tensor([float(local[i]) for i in indices], dtype=torch.float64)
+            names = tuple(self.params[i][0] for i in by_rank)
+            plan.append((device, indices, rows, rank.to(device), names))
+        return plan
 
     def step_norm_sq(self) -> torch.Tensor | None:
         """Squared global norm of the last step's gradients (NaN if any was non-finite)."""
@@ -209,7 +223,7 @@ class ActivationProbe:
         self._tables = DeviceTables("act_table", len(self.modules))
         self._dtypes: dict[int, torch.dtype] = {}
         self._pending: list[tuple[int, torch.Tensor]] = []  # (module index, output) in order
-        self._row_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+        self._plans: dict[tuple[torch.device, tuple[int, ...]], tuple[Any, Any, int]] = {}
 
     def attach(self) -> None:
         for i, (_, m) in enumerate(self.modules):
@@ -238,15 +252,22 @@ class ActivationProbe:
         if self._pending:
             self._measure()
 
-    def _rows(self, device: torch.device, indices: list[int]) -> torch.Tensor:
-        """Table rows of the outputs, on the device; one upload per distinct call sequence."""
+    def _plan(self, device: torch.device, indices: list[int]) -> tuple[Any, Any, int]:
+        """(table rows, segment ids or None, number of rows) for outputs of these modules:
+        a module met twice in one forward (or with several outputs) is merged to one row."""
         key = (device, tuple(indices))
-        rows = self._row_cache.get(key)
-        if rows is None:
-            if len(self._row_cache) > 64:
-                self._row_cache.clear()
-            rows = self._row_cache[key] = torch.tensor(indices, dtype=torch.long, device=device)
-        return rows
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 64:
+                self._plans.clear()
+            uniq = list(dict.fromkeys(indices))
+            rows = torch.tensor(uniq, dtype=torch.long, device=device)
+            seg = None
+            if len(uniq) != len(indices):
+                pos = {m: k for k, m in enumerate(uniq)}
+                seg = torch.tensor([pos[i] for i in indices], dtype=torch.long, device=device)
+            plan = self._plans[key] = (rows, seg, len(uniq))
+        return plan
 
     @torch.no_grad()
     def _measure(self) -> None:
@@ -256,15 +277,17 @@ class ActivationProbe:
             groups.setdefault(t.device, []).append((index, t))
             self._dtypes.setdefault(index, t.dtype)
         for device, items in groups.items():
+            indices = [i for i, _ in items]
             tensors = [t for _, t in items]
             stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend_for(device))
-            self._tables[device].add_rows(self._rows(device, [i for i, _ in items]), stats)
-            first = self.ctx.tracker.reserve(
-                [NonfiniteOrigin("forward", "module", self.modules[i][0], self.ctx.step)
-                 for i, _ in items]
-            )  # fmt: skip
+            names = tuple(self.modules[i][0] for i in indices)
+            first = self.ctx.tracker.reserve("forward", "module", names, self.ctx.step)
             order = torch.arange(len(items), dtype=torch.float64, device=device) + first
             self.ctx.tracker.observe_many(order, nonfinite_counts(stats))
+            rows, seg, n = self._plan(device, indices)
+            self._tables[device].add_rows(
+                rows, stats if seg is None else reduce_by_index(stats, seg, n)
+            )
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         return self._tables.device_tensors()
