@@ -7,7 +7,8 @@ device syncs, and each configuration reports the median and the mean over all it
 - ``baseline``: no numwatch;
 - ``default``: numwatch with its default configuration;
 - ``default_flush_every_1``: the same, flushing (reading the device) every step;
-- ``default_every_50``: the defaults with every sampled probe and the flush every 50 steps;
+- ``every_10``: the defaults with every sampled probe and the flush every 10 steps (instead of
+  50);
 - ``attention_only``: only the attention probe, default cadence (issue 3's figure);
 - ``grads_spectral_every_step``: gradient statistics and spectral norms every step (issue 5);
 - ``everything_every_step``: every probe at every step, flush every step;
@@ -59,12 +60,12 @@ CONFIGS: dict[str, dict | str | None] = {
     "baseline": None,
     "default": {},
     "default_flush_every_1": {"flush_every": 1},
-    "default_every_50": {
-        "flush_every": 50,
-        "activations__every": 50,
-        "attention__every": 50,
-        "weights__every": 50,
-        "optimizer__every": 50,
+    "every_10": {
+        "flush_every": 10,
+        "activations__every": 10,
+        "attention__every": 10,
+        "weights__every": 10,
+        "optimizer__every": 10,
     },
     "attention_only": {**OFF, "attention__enabled": True},
     "grads_spectral_every_step": {

@@ -61,7 +61,7 @@ class ActivationConfig(_Section):
 
     enabled: bool = Field(True, description="Collect forward-output statistics.")
     every: PositiveInt = Field(
-        10, description="Steps between sampled forwards; steps where step % every == 0 are sampled."
+        50, description="Steps between sampled forwards; steps where step % every == 0 are sampled."
     )
     modules: list[str] = Field(
         default_factory=lambda: ["*"],
@@ -85,7 +85,7 @@ class AttentionConfig(_Section):
 
     enabled: bool = Field(True, description="Intercept attention calls on sampled steps.")
     every: PositiveInt = Field(
-        10, description="Steps between sampled forwards; steps where step % every == 0 are sampled."
+        50, description="Steps between sampled forwards; steps where step % every == 0 are sampled."
     )
     layers: list[str] = Field(
         default_factory=lambda: ["*"],
@@ -121,7 +121,7 @@ class WeightsConfig(_Section):
     """Spectral norms by warm-started power iteration (weights and attention heads' W_Q, W_K)."""
 
     enabled: bool = Field(True, description="Estimate spectral norms.")
-    every: PositiveInt = Field(10, description="Steps between power-iteration updates.")
+    every: PositiveInt = Field(50, description="Steps between power-iteration updates.")
     iters: PositiveInt = Field(
         1, description="Power iterations per update (warm-started: 1 tracks trained weights)."
     )
@@ -146,7 +146,7 @@ class OptimizerProbeConfig(_Section):
 
     enabled: bool = Field(True, description="Measure optimizer updates.")
     every: PositiveInt = Field(
-        10,
+        50,
         description="Optimizer steps between measured updates (each keeps a copy of the "
         "parameters during that step: one model's worth of memory, briefly).",
     )
@@ -269,7 +269,9 @@ class MonitorConfig(_Section):
         None, description="Name of the run in logs; default: a UTC timestamp at attach()."
     )
     flush_every: PositiveInt = Field(
-        10, description="Steps between host reads of the device-side statistics."
+        50,
+        description="Steps between host reads of the device-side statistics. Each flush costs "
+        "host time that grows with the number of series (see README, 'Overhead').",
     )
     strict: bool = Field(
         False, description="Re-raise exceptions from probes and sinks instead of counting them."

@@ -7,7 +7,7 @@ from numwatch import MonitorConfig, NumwatchConfigError
 
 def test_defaults_are_valid():
     cfg = MonitorConfig.load(env={})
-    assert cfg.flush_every == 10
+    assert cfg.flush_every == 50
     assert cfg.kernel_backend == "auto"
     assert cfg.gradients.params == ["*"]
     assert cfg.sinks.jsonl.enabled
