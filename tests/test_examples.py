@@ -39,3 +39,20 @@ def test_overhead_benchmark_harness(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"baseline", "default", "nan_check_hooks"}
     assert report["results"]["default"]["steps"] == 2
+
+
+@pytest.mark.parametrize("script", ["hf_trainer", "lightning_train"])
+def test_framework_examples_train_with_the_monitor(tmp_path, script):
+    pytest.importorskip("transformers" if script == "hf_trainer" else "lightning")
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        module = __import__(script)
+    finally:
+        sys.path.pop(0)
+    log = tmp_path / "run.jsonl"
+    loss = module.main(["--steps", "10", "--batch", "4", "--jsonl", str(log)])
+    assert loss == loss and loss > 0  # finite
+    records = read_jsonl(log)
+    assert records[0]["step"] == 9  # flush_every=10
+    names = {m["name"] for m in records[0]["metrics"]}
+    assert {"grad_norm", "attn_rows", "loss"} <= names

@@ -117,7 +117,7 @@ def test_lightning_statistics_are_before_clipping(pl):
     lightning_trainer(pl, [callback, After()], steps=3, clip=CLIP).fit(module, loader(3))
     assert len(norms) == 3 and all(n > 10 * CLIP for n in norms)  # not clipped
     assert norms == pytest.approx(before_clipping, rel=1e-5)
-    assert callback.monitor is None  # detached at train end
+    assert not callback.monitor.attached  # detached at train end, still readable
     assert not module.model._forward_hooks
     assert all(not p._post_accumulate_grad_hooks for p in module.parameters())
 
@@ -263,7 +263,7 @@ def test_hf_statistics_are_after_clipping(hf, tmp_path):
     hf_trainer(hf, tmp_path, model, [callback, Keep()], steps=3, clip=CLIP).train()
     assert norms == pytest.approx([CLIP] * 3, rel=1e-3)  # the clipped gradients
     assert all(math.isfinite(v) and v > 0 for v in losses)
-    assert callback.monitor is None and not model._forward_hooks
+    assert not callback.monitor.attached and not model._forward_hooks  # detached, readable
 
 
 def test_hf_optimizer_attached_and_stop_on_event(hf, tmp_path):

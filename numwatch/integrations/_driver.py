@@ -52,13 +52,18 @@ class MonitorDriver:
     def _stop_on_event(self, event: Event) -> None:
         self.request_stop(f"{event.kind} event ({event.rule or 'no rule'}): {event.message}")
 
+    @property
+    def active(self) -> Monitor | None:
+        """The monitor while it is attached (None before start and after finish)."""
+        return self.monitor if self.monitor is not None and self.monitor.attached else None
+
     def request_stop(self, reason: str) -> None:
         if self.stop_reason is None:
             _log.warning("numwatch: stopping training: %s", reason)
             self.stop_reason = reason
 
     def close_step(self) -> None:
-        if self.monitor is None:
+        if self.monitor is None or not self.monitor.attached:
             return
         loss, self.loss = self.loss, None
         try:
@@ -69,10 +74,10 @@ class MonitorDriver:
             self.finish()  # numwatch is done: the framework ends its step without it
 
     def finish(self) -> None:
-        if self.monitor is not None:
+        """Detach; the monitor stays readable (``.events``, ``.snapshot()``) after training."""
+        if self.monitor is not None and self.monitor.attached:
             try:
                 self.monitor.detach()
             except NumwatchHalt as halt:  # the final flush halted: record it, finish detaching
                 self.halt = self.halt or halt
                 self.monitor.detach()
-            self.monitor = None

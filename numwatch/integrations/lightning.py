@@ -94,13 +94,13 @@ class NumwatchCallback(Callback):
     def on_train_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         # training_step usually calls submodules, not the LightningModule's forward: open the
         # forward the attention probe follows by hand, up to the loss.
-        monitor = self._driver.monitor
+        monitor = self._driver.active
         if monitor is not None and not self._forward_open:
             monitor.begin_forward()
             self._forward_open = True
 
     def _end_forward(self) -> None:
-        monitor = self._driver.monitor
+        monitor = self._driver.active
         if monitor is not None and self._forward_open:
             monitor.end_forward()
         self._forward_open = False
@@ -113,7 +113,7 @@ class NumwatchCallback(Callback):
         self, trainer: Any, pl_module: Any, optimizer: torch.optim.Optimizer
     ) -> None:
         self._driver.close_step()
-        monitor = self._driver.monitor
+        monitor = self._driver.active
         if monitor is not None and not self._optimizer_attached:
             self._optimizer_attached = True
             if isinstance(optimizer, torch.optim.Optimizer):
