@@ -14,10 +14,14 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_attention_stats.py --out $R/attention_stats.json
   $py bench/bench_flash_attention.py --out $R/flash_attention.json
   $py bench/bench_overhead.py --out $R/overhead_gpt2_h200.json
+  $py bench/repro_logit_growth.py --device cuda --preset small --steps 3000 --batch 32 \
+    --lr 0.03 --warmup 20 --out $R/repro_logit_growth_h200.json
 fi
 if [[ $what == cpu || $what == all ]]; then
   $py bench/bench_overhead.py --preset demo --device cpu --batch 16 \
     --configs baseline,default,default_flush_every_1 --out $R/overhead_cpu_demo.json
   $py bench/bench_scrape.py --out $R/scrape.json
   $py bench/bench_flush_collectives.py --out $R/flush_collectives_cpu.json
+  $py bench/repro_logit_growth.py --device cpu --preset tiny --steps 400 --lr 0.05 \
+    --out $R/repro_logit_growth_cpu.json
 fi
