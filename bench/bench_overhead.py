@@ -9,6 +9,8 @@ device syncs, and each configuration reports the median and the mean over all it
 - ``default_flush_every_1``: the same, flushing (reading the device) every step;
 - ``every_10``: the defaults with every sampled probe and the flush every 10 steps (instead of
   50);
+- ``default_skip_step``: the defaults plus skip_step on non-finite gradients, whose decision
+  reads two scalars from the device every step (the cost issue 6 asks to state);
 - ``attention_only``: only the attention probe, default cadence (issue 3's figure);
 - ``grads_spectral_every_step``: gradient statistics and spectral norms every step (issue 5);
 - ``everything_every_step``: every probe at every step, flush every step;
@@ -66,6 +68,9 @@ CONFIGS: dict[str, dict | str | None] = {
         "attention__every": 10,
         "weights__every": 10,
         "optimizer__every": 10,
+    },
+    "default_skip_step": {
+        "rules": {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
     },
     "attention_only": {**OFF, "attention__enabled": True},
     "grads_spectral_every_step": {
