@@ -373,12 +373,12 @@ class Monitor:
         follow model.forward otherwise); Lightning's training_step needs it. Pair each call
         with ``end_forward()``; nested real forwards inside are fine."""
         if self._attention is not None:
-            self._attention._enter(self.model, ())
+            self._attention.begin_forward()
 
     def end_forward(self) -> None:
         """Close the forward ``begin_forward()`` opened."""
         if self._attention is not None:
-            self._attention._exit(self.model, (), None)
+            self._attention.end_forward()
 
     # ----------------------------------------------------------------------------- flush
     def flush(self) -> Snapshot | None:

@@ -164,6 +164,13 @@ class AttentionProbe:
         self._handles.clear()
 
     def _enter(self, _module: nn.Module, _inputs: Any) -> None:
+        self.begin_forward()
+
+    def _exit(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
+        self.end_forward()
+
+    def begin_forward(self) -> None:
+        """Start intercepting (on sampled steps, or while routing); nested calls nest."""
         self._depth += 1
         if self._depth > 1:
             return
@@ -172,7 +179,7 @@ class AttentionProbe:
             self._mode = _Interceptor(self)
             self._mode.__enter__()
 
-    def _exit(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
+    def end_forward(self) -> None:
         self._depth -= 1
         if self._depth == 0 and self._mode is not None:
             mode, self._mode = self._mode, None
