@@ -142,7 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         block.attn.plant_sinks = args.plant_sinks
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     data = bigram_batches(cfg, args.batch, args.seed, args.device)
-    overrides = {"flush_every": args.flush_every, "run_name": "demo"}
+    # The demo samples every probe at each flush, so every console line shows all of them.
+    every = args.flush_every
+    overrides = {
+        "flush_every": every,
+        "run_name": "demo",
+        "activations__every": every,
+        "attention__every": every,
+        "weights__every": every,
+        "optimizer__every": every,
+    }
     if args.jsonl:
         overrides["sinks__jsonl__path"] = args.jsonl
     if not args.no_metrics:
