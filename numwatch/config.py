@@ -147,8 +147,12 @@ class OptimizerProbeConfig(_Section):
     enabled: bool = Field(True, description="Measure optimizer updates.")
     every: PositiveInt = Field(
         50,
-        description="Optimizer steps between measured updates (each keeps a copy of the "
-        "parameters during that step: one model's worth of memory, briefly).",
+        description="Optimizer steps between measured updates.",
+    )
+    max_bytes: PositiveInt = Field(
+        256 * 2**20,
+        description="Parameter bytes copied per measured update (the copy lives during that "
+        "optimizer step); larger models are covered in rotation over several measurements.",
     )
 
 

@@ -63,3 +63,31 @@ def test_loss_scale_and_its_drops():
     snap = monitor.flush()
     assert snap.value("loss_scale") == 512.0
     assert snap.value("loss_scale_drops_total") == 1
+
+
+def test_large_models_are_measured_in_rotation_within_the_byte_budget():
+    model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(4)])  # 256 B each
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, opt, optimizer__max_bytes=600)  # two weights per update
+    copies = []
+    real_clone = torch.Tensor.clone
+    weights = {p.data_ptr() for p in model.parameters()}
+
+    def counting_clone(t, *a, **k):  # copies of parameters only
+        if t.data_ptr() in weights:
+            copies.append(t.numel() * t.element_size())
+        return real_clone(t, *a, **k)
+
+    torch.Tensor.clone = counting_clone
+    try:
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+            assert sum(copies) <= 600
+            copies.clear()
+    finally:
+        torch.Tensor.clone = real_clone
+    snap = monitor.flush()
+    ratios = [snap.get("optimizer_update_ratio", param=f"{i}.weight") for i in range(4)]
+    assert all(r is not None and r > 0 for r in ratios)  # all four after two updates

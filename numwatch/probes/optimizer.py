@@ -50,10 +50,12 @@ class OptimizerProbe:
         self._updates = 0
         self._before: list[torch.Tensor] | None = None
         self._taken: list[int] = []
+        self._cursor = 0  # the next parameter to measure (rotating sample)
+        self._measured: set[int] = set()
         self._ratio: torch.Tensor | None = None  # (n,) float64 of the last sampled update
         self._absorbed: torch.Tensor | None = None
         self._scale_prev: torch.Tensor | None = None
-        self._index_cache: tuple[Any, torch.Tensor] | None = None
+        self._index_cache: dict[tuple[Any, ...], torch.Tensor] = {}
         self._drops: torch.Tensor | None = None
 
     def attach(self) -> None:
@@ -76,11 +78,25 @@ class OptimizerProbe:
     @torch.no_grad()
     def _keep_before(self) -> None:
         self._before = None
-        if self._updates % self.cfg.every == 0:
-            self._taken = [
-                i for i, (_, p) in enumerate(self.params) if p.grad is not None and p.numel()
-            ]
-            self._before = [self.params[i][1].detach().clone() for i in self._taken]
+        if self._updates % self.cfg.every:
+            return
+        # Copy at most max_bytes of parameters, continuing where the last sample stopped, so a
+        # large model is covered over several samples without a model-sized memory spike.
+        n = len(self.params)
+        taken, size = [], 0
+        for k in range(n):
+            i = (self._cursor + k) % n
+            p = self.params[i][1]
+            if p.grad is None or not p.numel():
+                continue
+            nbytes = p.numel() * p.element_size()
+            if taken and size + nbytes > self.cfg.max_bytes:
+                break
+            taken.append(i)
+            size += nbytes
+        self._cursor = (taken[-1] + 1) % n if taken else self._cursor
+        self._taken = sorted(taken)
+        self._before = [self.params[i][1].detach().clone() for i in self._taken]
 
     @torch.no_grad()
     def _measure(self) -> None:
@@ -109,16 +125,23 @@ class OptimizerProbe:
         absorbed = (n_moved - n_changed) / n_moved.clamp_min(1.0)
         n = len(self.params)
         index = self._index(ratio.device)
-        self._ratio = torch.full((n,), float("nan"), dtype=torch.float64, device=ratio.device)
-        self._ratio.index_copy_(0, index, ratio)
-        self._absorbed = torch.full_like(self._ratio, float("nan"))
+        if self._ratio is None or self._ratio.device != ratio.device:
+            self._ratio = torch.full((n,), float("nan"), dtype=torch.float64, device=ratio.device)
+            self._absorbed = torch.full_like(self._ratio, float("nan"))
+        self._ratio.index_copy_(0, index, ratio)  # each parameter keeps its latest measurement
         self._absorbed.index_copy_(0, index, absorbed)
+        self._measured.update(self._taken)
 
     def _index(self, device: torch.device) -> torch.Tensor:
+        """The measured parameters' positions on the device; the rotation repeats, so a few
+        cached index tensors serve every sample after the first round."""
         key = (device, tuple(self._taken))
-        if self._index_cache is None or self._index_cache[0] != key:
-            self._index_cache = (key, torch.tensor(self._taken, device=device))
-        return self._index_cache[1]
+        index = self._index_cache.get(key)
+        if index is None:
+            if len(self._index_cache) > 64:
+                self._index_cache.clear()
+            index = self._index_cache[key] = torch.tensor(self._taken, device=device)
+        return index
 
     def _loss_scale(self) -> None:
         scaler = self.scaler
@@ -147,7 +170,7 @@ class OptimizerProbe:
         ]
         if "opt/ratio" in host:
             ratio, absorbed = host["opt/ratio"].tolist(), host["opt/absorbed"].tolist()
-            for i in self._taken:
+            for i in sorted(self._measured):
                 labels = {"param": self.params[i][0]}
                 out.append(MetricRecord("optimizer_update_ratio", labels, ratio[i]))
                 out.append(MetricRecord("optimizer_absorbed_fraction", labels, absorbed[i]))
