@@ -78,6 +78,11 @@ class ActivationConfig(_Section):
     training_only: bool = Field(
         True, description="Skip forwards of modules in eval mode (validation passes)."
     )
+    max_pending_bytes: PositiveInt = Field(
+        256 * 2**20,
+        description="Outputs held for the fused per-forward measurement before it runs early; "
+        "bounds the memory they keep alive (activation checkpointing frees them otherwise).",
+    )
 
 
 class AttentionConfig(_Section):

@@ -570,3 +570,34 @@ def test_module_called_twice_and_several_outputs_merge_into_one_row(make_monitor
     assert snap.value("activation_max", module="shared") == 2.0
     assert snap.value("activation_numel", module="last") == 1
     assert monitor.events[0].labels == {"module": "shared"}
+
+
+def test_held_activation_outputs_are_bounded(make_monitor, monkeypatch):
+    from numwatch.kernels import tensor_stats
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.parts = nn.ModuleList(Emit(torch.full((64,), float(i))) for i in range(4))
+
+        def forward(self, x):
+            return [part(x) for part in self.parts]
+
+    batches = []
+    real = tensor_stats.tensor_stats
+
+    def spy(tensors, *args, **kwargs):
+        batches.append(len(tensors))
+        return real(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(tensor_stats, "tensor_stats", spy)
+    model = Chain()
+    # 256 B per output and a 300 B budget: measured early, two outputs at a time
+    monitor = make_monitor(
+        model, flush_every=1, activations__every=1, activations__max_pending_bytes=300
+    ).attach()
+    model(None)
+    monitor.step()
+    assert batches == [2, 2]  # no output was left for the end of the forward
+    snap = monitor.snapshot()
+    assert [snap.value("activation_max", module=f"parts.{i}") for i in range(4)] == [0, 1, 2, 3]

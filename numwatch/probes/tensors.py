@@ -207,9 +207,10 @@ class ActivationProbe:
     """Per-module statistics of forward outputs on sampled steps.
 
     Forward hooks only collect the outputs (host-side bookkeeping); when the model's forward
-    returns, one fused statistics call per device and dtype measures all of them, and five
-    launches merge the rows into the table. The outputs are held until then, which is why the
-    collection ends with the root forward rather than with the step.
+    returns, one fused statistics call per device measures all of them and a few launches merge
+    the rows into the table. The outputs are held until then (at most ``max_pending_bytes``;
+    beyond that the measurement runs early), which is why the collection ends with the root
+    forward rather than with the step.
     """
 
     component = "activations"
@@ -223,6 +224,7 @@ class ActivationProbe:
         self._tables = DeviceTables("act_table", len(self.modules))
         self._dtypes: dict[int, torch.dtype] = {}
         self._pending: list[tuple[int, torch.Tensor]] = []  # (module index, output) in order
+        self._pending_bytes = 0
         self._plans: dict[tuple[torch.device, tuple[int, ...]], tuple[Any, Any, int]] = {}
 
     def attach(self) -> None:
@@ -242,6 +244,9 @@ class ActivationProbe:
             return
         for t in _floating_tensors(output):
             self._pending.append((index, t.detach()))
+            self._pending_bytes += t.numel() * t.element_size()
+        if self._pending_bytes > self.cfg.max_pending_bytes:
+            self.ctx.guard.run(self.component, self._measure)  # early: bounded memory
 
     def _forward_done(self, *_: Any) -> None:
         if self._pending:
@@ -272,6 +277,7 @@ class ActivationProbe:
     @torch.no_grad()
     def _measure(self) -> None:
         pending, self._pending = self._pending, []
+        self._pending_bytes = 0
         groups: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for index, t in pending:
             groups.setdefault(t.device, []).append((index, t))
