@@ -37,19 +37,9 @@ __all__ = [
     "nonfinite_counts",
     "read_to_host",
     "reduce_by_index",
-    "reduce_rows",
 ]
 
 INF = float("inf")
-
-
-def reduce_rows(stats: torch.Tensor) -> torch.Tensor:
-    """Merge the rows of ``stats`` (n, N_STATS) into one row, as combine_stats would."""
-    out = stats.sum(0)
-    out[ABSMAX] = stats[:, ABSMAX].amax()
-    out[MAX] = stats[:, MAX].amax()
-    out[MIN] = stats[:, MIN].amin()
-    return out
 
 
 _EXTREMES = slice(ABSMAX, MAX + 1)  # ABSMAX, MIN, MAX: max, min, max
@@ -105,9 +95,6 @@ class StatTable:
         if self._arange is None:
             self._arange = torch.arange(self.rows.shape[0], device=self.device)
         return self._arange
-
-    def add_row(self, index: int, row: torch.Tensor) -> None:
-        combine_stats(self.rows[index], row)
 
     def add_rows(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Merge ``rows`` into the table rows at ``index`` (a device LongTensor, no repeats;

@@ -9,7 +9,6 @@ at every sampled step instead of paying for an SVD.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import nn
@@ -112,6 +111,3 @@ class WeightProbe:
 
     def reset(self) -> None:
         """Estimates are kept: they are the state the next step warm-starts from."""
-
-    def state(self) -> dict[str, Any]:
-        return {"matrices": len(self.params), "attention_layers": len(self.layers)}
