@@ -35,11 +35,10 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from gpt2 import GPT, PRESETS
+from gpt2 import GPT, PRESETS, train_step
 
 import numwatch
 
@@ -154,16 +153,8 @@ def main() -> None:
         if device_type == "cuda":
             torch.cuda.synchronize()
 
-    def train_step(monitor: numwatch.Monitor | None) -> None:
-        with torch.autocast(device_type, dtype=torch.bfloat16):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        if monitor is not None:
-            monitor.step(loss)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def step(monitor: numwatch.Monitor | None) -> None:
+        train_step(model, opt, x, y, monitor)
 
     names = args.configs.split(",")
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -177,11 +168,11 @@ def main() -> None:
             for name in names:
                 with configured(name, model, opt, logdir) as monitor:
                     for _ in range(args.warmup):
-                        train_step(monitor)
+                        step(monitor)
                     for _ in range(args.steps):
                         sync()
                         t0 = time.perf_counter()
-                        train_step(monitor)
+                        step(monitor)
                         sync()
                         times[name].append(time.perf_counter() - t0)
                     if monitor is not None and monitor.snapshot() is not None:

@@ -32,11 +32,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from gpt2 import GPT, PRESETS, GPTConfig, batches, lr_at
+from gpt2 import GPT, PRESETS, GPTConfig, batches, lr_at, train_step
 
 import numwatch
 
@@ -83,21 +82,12 @@ def run(name: str, args: argparse.Namespace, lr: float, act: bool, clip: bool, l
         sinks__jsonl__path=str(log),
     ).attach(opt)
     data = batches(cfg, args.batch, "bigram", args.seed, args.device)
-    device_type = torch.device(args.device).type
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, lr=lr, warmup=args.warmup, total=args.steps)
-        x, y = next(data)
-        with torch.autocast(device_type, dtype=torch.bfloat16):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        monitor.step(loss)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, opt, *next(data), monitor)
         losses.append(loss.item())  # the benchmark's own per-step record, not numwatch's
     seconds = time.perf_counter() - start
     monitor.detach()

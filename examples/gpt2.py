@@ -158,6 +158,27 @@ def lr_at(step: int, *, lr: float, warmup: int, total: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def train_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    monitor: numwatch.Monitor | None = None,
+    clip: float = 1.0,
+) -> torch.Tensor:
+    """One bf16-autocast step: forward, backward, monitor.step (before clipping), update."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        logits = model(x)
+    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    if monitor is not None:
+        monitor.step(loss)  # before clipping: clip_grad_norm_ would spread a NaN everywhere
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -203,22 +224,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             overrides["rules__act"] = False
         monitor = numwatch.Monitor(model, args.config, **overrides).attach(opt)
     data = batches(model.cfg, args.batch, args.data, args.seed, args.device)
-    device_type = torch.device(args.device).type
     start = time.perf_counter()
     loss = torch.zeros(())
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, lr=args.lr, warmup=args.warmup, total=args.steps)
-        x, y = next(data)
-        with torch.autocast(device_type, dtype=torch.bfloat16):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        if monitor is not None:
-            monitor.step(loss)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, opt, *next(data), monitor)
     final = loss.item()
     elapsed = time.perf_counter() - start
     if monitor is not None:

@@ -57,7 +57,7 @@ class NumwatchTrainerCallback(TrainerCallback):
 
     @property
     def monitor(self) -> Monitor | None:
-        """The monitor of the training in progress (None outside training)."""
+        """The monitor of the training in progress or the last one (None before the first)."""
         return self._driver.monitor
 
     @property
