@@ -67,7 +67,7 @@ class NumwatchCallback(Callback):
 
     @property
     def monitor(self) -> Monitor | None:
-        """The monitor of the fit in progress (None outside a fit)."""
+        """The monitor of the fit in progress or the last one (None before the first)."""
         return self._driver.monitor
 
     @property
