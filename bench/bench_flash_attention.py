@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from numwatch.kernels import flash_attention_triton as fat
 from numwatch.kernels.flash_attention import flash_attention
+from numwatch.testing import planted_tie_attention
 
 TC = fat.TileConfig
 # Forward candidates: the first sweep's best tiles, with and without split_stab, and one
@@ -144,24 +145,11 @@ def sweep(dims, t_seq: int, tokens: int, hd: int, workers: int, log: dict) -> No
 # ----------------------------------------------------------------------------- bias on ties
 
 
-def planted_ties(n_ties: int, b: int, h: int, t: int, d: int, gap: float = 14.0, seed: int = 0):
-    """``n_ties`` identical sink keys ``gap`` above the other logits (about N(0,1)), V < 0."""
-    g = torch.Generator().manual_seed(seed)
-    scale = d**-0.5
-    q = torch.randn(b, h, t, d, generator=g)
-    k = torch.randn(b, h, t, d, generator=g) / (math.sqrt(d - 1) * scale)
-    q[..., 0] = 4.0
-    k[..., 0] = 0.0
-    k[:, :, :n_ties] = 0.0
-    k[:, :, :n_ties, 0] = gap / (4.0 * scale)
-    v = -(2.0 + 2.0 * torch.rand(b, h, t, d, generator=g))
-    return (x.to("cuda", torch.bfloat16) for x in (q, k, v))
-
-
 def bias_table(log: dict) -> None:
     """mean(err)/mean|err| of O vs float64 on planted ties, ours and PyTorch's kernels."""
     for n_ties in (2, 4):
-        q, k, v = planted_ties(n_ties, 4, 8, 1024, 64)
+        planted = planted_tie_attention(n_ties, 14.0, torch.bfloat16, 4, 8, 1024, 64)
+        q, k, v = (x.to("cuda") for x in planted)
         s = (q.double() @ k.double().transpose(-1, -2)) * 64**-0.5
         keep = torch.ones(1024, 1024, dtype=torch.bool, device="cuda").tril()
         o64 = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v.double()

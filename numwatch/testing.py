@@ -6,6 +6,7 @@ and on a GPU (compiled kernels): ``requires_gpu`` marks what only the second can
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ __all__ = [
     "devices",
     "kernel_devices",
     "planted_tensor",
+    "planted_tie_attention",
     "requires_gpu",
     "triton_interpreting",
 ]
@@ -134,3 +136,27 @@ def planted_sink_attention(
     lo, hi = v_range
     v = lo + (hi - lo) * torch.rand(B, H, T, D, generator=g, dtype=torch.float64)
     return q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device)
+
+
+def planted_tie_attention(
+    n_ties: int,
+    gap: float = 14.0,
+    dtype: torch.dtype = torch.bfloat16,
+    b: int = 1,
+    h: int = 2,
+    t: int = 256,
+    d: int = 64,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DESIGN.md §1 setup with Gaussian logits: ``n_ties`` identical sink keys whose logit
+    exceeds the others (about N(0, 1)) by ``gap`` in every row, V uniform in [-4, -2)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = d**-0.5
+    q = torch.randn(b, h, t, d, generator=g)
+    k = torch.randn(b, h, t, d, generator=g) / (math.sqrt(d - 1) * scale)
+    q[..., 0] = 4.0
+    k[..., 0] = 0.0
+    k[:, :, :n_ties] = 0.0
+    k[:, :, :n_ties, 0] = gap / (4.0 * scale)
+    v = -(2.0 + 2.0 * torch.rand(b, h, t, d, generator=g))
+    return q.to(dtype), k.to(dtype), v.to(dtype)

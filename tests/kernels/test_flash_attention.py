@@ -29,7 +29,7 @@ from numwatch.kernels.flash_attention import (
     flash_attention_fallbacks,
     flash_attention_reference,
 )
-from numwatch.testing import kernel_devices, requires_gpu
+from numwatch.testing import kernel_devices, planted_tie_attention, requires_gpu
 
 # The module, not the function: numwatch.kernels may re-export the function under this name.
 fa = importlib.import_module("numwatch.kernels.flash_attention")
@@ -228,21 +228,6 @@ def test_strided_layout_equals_contiguous():
 # ----------------------------------------------------------------------------- planted ties
 
 
-def _planted_ties(n_ties, gap, dtype, b=1, h=2, t=256, d=64, seed=0):
-    """DESIGN.md §1 setup: ``n_ties`` identical sink keys whose logit exceeds the others
-    (about N(0, 1)) by ``gap`` in every row, V uniform in [-4, -2)."""
-    g = torch.Generator().manual_seed(seed)
-    scale = d**-0.5
-    q = torch.randn(b, h, t, d, generator=g)
-    k = torch.randn(b, h, t, d, generator=g) / (math.sqrt(d - 1) * scale)
-    q[..., 0] = 4.0
-    k[..., 0] = 0.0
-    k[:, :, :n_ties] = 0.0
-    k[:, :, :n_ties, 0] = gap / (4.0 * scale)
-    v = -(2.0 + 2.0 * torch.rand(b, h, t, d, generator=g))
-    return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
 def _bias_ratio(o, o64):
     """mean(err) / mean|err| of O against the fp64 oracle: -1 all too negative, ~0 unbiased."""
     err = o.double() - o64
@@ -268,8 +253,8 @@ STABLE_MAX_EXCESS = {"cpu": 0.05, "cuda": 0.2}
 @needs_kernel
 @pytest.mark.parametrize("n_ties", [2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_bias_on_planted_ties(dtype, n_ties):
-    q, k, v = (x.to(_device()) for x in _planted_ties(n_ties, 14.0, dtype))
+def test_bias_onplanted_tie_attention(dtype, n_ties):
+    q, k, v = (x.to(_device()) for x in planted_tie_attention(n_ties, 14.0, dtype))
     o64 = _oracle(q, k, v, is_causal=True)
     ideal = _bias_ratio(o64.to(dtype), o64)
     paper = _bias_ratio(flash_attention(q, k, v, is_causal=True, mode="paper_repro"), o64)
@@ -285,7 +270,7 @@ def test_bias_on_planted_ties(dtype, n_ties):
 @pytest.mark.parametrize("beta", [1.05, 2.0, 8.0])
 def test_reference_bias_over_gaps_and_betas(gap, n_ties, beta):
     """The bounded shift with rounded normalization stays unbiased at every gap/tie count/beta."""
-    q, k, v = _planted_ties(n_ties, gap, torch.bfloat16, t=128)
+    q, k, v = planted_tie_attention(n_ties, gap, torch.bfloat16, t=128)
     o64 = _oracle(q, k, v, is_causal=True)
     ideal = _bias_ratio(o64.to(torch.bfloat16), o64)
     o = flash_attention_reference(q, k, v, is_causal=True, beta=beta)
@@ -296,7 +281,9 @@ def test_reference_bias_over_gaps_and_betas(gap, n_ties, beta):
 @pytest.mark.parametrize("n_ties", [2, 4])
 def test_bias_on_planted_ties_design_shape(n_ties):
     """DESIGN.md's GPU setup (B4 H8 N1024 d64 causal, bf16), next to PyTorch's own kernel."""
-    q, k, v = (x.cuda() for x in _planted_ties(n_ties, 14.0, torch.bfloat16, 4, 8, 1024, 64))
+    q, k, v = (
+        x.cuda() for x in planted_tie_attention(n_ties, 14.0, torch.bfloat16, 4, 8, 1024, 64)
+    )
     o64 = _oracle(q, k, v, is_causal=True)
     ideal = _bias_ratio(o64.to(torch.bfloat16), o64)
     paper = _bias_ratio(flash_attention(q, k, v, is_causal=True, mode="paper_repro"), o64)
@@ -308,7 +295,7 @@ def test_bias_on_planted_ties_design_shape(n_ties):
 @needs_kernel
 @pytest.mark.parametrize("mode", ["stabilized", "paper_repro"])
 def test_kernel_matches_reference_on_ties(mode):
-    q, k, v = (x.to(_device()) for x in _planted_ties(3, 14.0, torch.bfloat16, t=96))
+    q, k, v = (x.to(_device()) for x in planted_tie_attention(3, 14.0, torch.bfloat16, t=96))
     o = flash_attention(q, k, v, is_causal=True, mode=mode)
     ref = flash_attention_reference(q.cpu(), k.cpu(), v.cpu(), is_causal=True, mode=mode)
     assert (o.cpu().float() - ref.float()).abs().max() <= 2 * EPS[torch.bfloat16] * ref.abs().max()
@@ -322,7 +309,7 @@ def test_forward_variants_match_reference(monkeypatch, split_stab):
     d = 64
     cfg = fa._tri.tile_config("fwd", d, True)._replace(split_stab=split_stab)
     monkeypatch.setitem(fa._tri.CONFIG_OVERRIDES, ("fwd", d, True), cfg)
-    q, k, v = (x.to(device) for x in _planted_ties(3, 14.0, torch.bfloat16, t=96))
+    q, k, v = (x.to(device) for x in planted_tie_attention(3, 14.0, torch.bfloat16, t=96))
     o = flash_attention(q, k, v, is_causal=True)
     ref = flash_attention_reference(q.cpu(), k.cpu(), v.cpu(), is_causal=True)
     assert (o.cpu().float() - ref.float()).abs().max() <= 2 * EPS[torch.bfloat16] * ref.abs().max()
