@@ -15,6 +15,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -442,13 +443,21 @@ if triton is not None:
         tl.store(o + 11, tl.sum(low_uf, 0) - n_zero)
 
 
-class _Plan(NamedTuple):
-    """Device table and launch list of one list of tensors (a pure function of their metadata)."""
+@dataclass
+class _Plan:
+    """Device table and launch list of one tensor layout (sizes, dtypes, 16-byte alignment).
+
+    The table's first ``n`` entries are the tensors' addresses, rewritten when they change:
+    gradients reallocated every step (``zero_grad(set_to_none=True)``) rarely get the same
+    addresses back, and rebuilding the whole table each step cost ~3 ms of host time on GPT-2.
+    """
 
     table: torch.Tensor  # int64, layout in _stats_partials_kernel
     n_chunks: int
     launches: tuple[tuple[torch.dtype, int, int, bool], ...]  # dtype, chunk_base, n_chunks, aligned
     kernel_rows: int  # tensors handled by the kernel (the others go through the reference)
+    order: tuple[int, ...]  # input index of each table row
+    ptrs: tuple[int, ...] = ()  # addresses the table holds now, in input order
 
 
 _PLAN_CACHE: OrderedDict[tuple, _Plan] = OrderedDict()
@@ -471,18 +480,19 @@ def _is_dense(t: torch.Tensor) -> bool:
 def _build_plan(
     kernel_tensors: list[tuple[int, torch.Tensor]], device: torch.device, cfg: _Config
 ) -> _Plan:
-    """Group by storage format, biggest chunks first (they start first), and lay out the table."""
+    """Group by storage format, biggest chunks first (they start first), and lay out the table
+    (addresses are filled in by ``_point``)."""
     order = sorted(
         kernel_tensors,
         key=lambda it: (_FORMATS[it[1].dtype], -_chunk_iters(it[1].numel(), cfg), it[0]),
     )
     n = len(order)
-    ptr, numel, iters, first, n_chunks, out_row = ([0] * n for _ in range(6))
+    numel, iters, first, n_chunks = ([0] * n for _ in range(4))
     chunk_tensor: list[int] = []
     chunk_start: list[int] = []
     launches = []
-    for j, (row, t) in enumerate(order):
-        ptr[j], numel[j], out_row[j] = t.data_ptr(), t.numel(), row
+    for j, (_, t) in enumerate(order):
+        numel[j] = t.numel()
         iters[j] = _chunk_iters(numel[j], cfg)
         chunk = iters[j] * cfg.block
         first[j] = len(chunk_tensor)
@@ -492,15 +502,37 @@ def _build_plan(
         if j == 0 or order[j - 1][1].dtype != t.dtype:
             launches.append([t.dtype, first[j], 0, True])
         launches[-1][2] += n_chunks[j]
-        launches[-1][3] &= ptr[j] % 16 == 0
+        launches[-1][3] &= t.data_ptr() % 16 == 0
+    out_row = [row for row, _ in order]
     host = torch.tensor(
-        ptr + numel + iters + first + n_chunks + out_row + chunk_tensor + chunk_start,
+        [0] * n + numel + iters + first + n_chunks + out_row + chunk_tensor + chunk_start,
         dtype=torch.int64,
     )
     # pinned + non_blocking: building a table never waits for the GPU (the caching host allocator
     # keeps the pinned block until the copy has run)
     table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-    return _Plan(table, len(chunk_tensor), tuple(tuple(lch) for lch in launches if lch[2] > 0), n)
+    return _Plan(
+        table,
+        len(chunk_tensor),
+        tuple(tuple(lch) for lch in launches if lch[2] > 0),
+        n,
+        tuple(out_row),
+    )
+
+
+def _point(plan: _Plan, ptrs: tuple[int, ...]) -> None:
+    """Write the tensors' addresses into the table (a no-op when they did not move)."""
+    if ptrs == plan.ptrs:
+        return
+    host = torch.tensor([ptrs[i] for i in plan.order], dtype=torch.int64)
+    if plan.table.device.type == "cuda":
+        # pinned + non_blocking: no wait for the GPU; the copy runs in stream order after the
+        # launches that read the old addresses (the caching host allocator keeps the pinned
+        # block alive until the copy has run)
+        plan.table[: plan.kernel_rows].copy_(host.pin_memory(), non_blocking=True)
+    else:
+        plan.table[: plan.kernel_rows] = host
+    plan.ptrs = ptrs
 
 
 def _check_inputs(tensors: Sequence[torch.Tensor], device: torch.device) -> None:
@@ -525,26 +557,27 @@ def _tensor_stats_triton(
 
     Dtypes without a kernel format (fp64, fnuz fp8) go through the reference, row by row.
     Non-dense views (slices with gaps, overlapping strides) are copied with ``.contiguous()``.
-    Tables are cached by (pointer, numel, dtype) of every tensor: gradients reallocated by
-    ``zero_grad(set_to_none=True)`` usually get the same addresses back from the caching
-    allocator, so a step costs no table build; a miss builds one (host work, no sync).
+    Tables are cached by layout (numel, dtype and alignment of every tensor); the addresses in
+    a table are rewritten (one small pinned copy, no sync) when the tensors moved, as gradients
+    reallocated by ``zero_grad(set_to_none=True)`` do.
     """
     if triton is None:
         raise RuntimeError("tensor_stats backend='triton' needs triton installed; use 'torch'")
     if not tensors:
         raise ValueError("tensor_stats needs at least one tensor")
     device = tensors[0].device
-    # Hot path (every step): the cache key is the memory layout, read with C-level maps; the
-    # checks below run only when a table is built. Pointers are unique across devices (UVA).
+    # Hot path (every step): the cache key is the layout, read with C-level maps; the checks
+    # below run only when a table is built. Pointers are unique across devices (UVA).
     if all(map(torch.Tensor.is_contiguous, tensors)):
         views = tensors
     else:
         views = [t if _is_dense(t) else t.contiguous() for t in tensors]  # copies live to launch
+    ptrs = tuple(map(torch.Tensor.data_ptr, views))
     key = (
         cfg,
-        *map(torch.Tensor.data_ptr, views),
         *map(torch.Tensor.numel, views),
         *[t.dtype for t in views],
+        *[p % 16 == 0 for p in ptrs],  # the kernel's vectorized loads need aligned tensors
     )
     plan = _PLAN_CACHE.get(key)
     if plan is None:
@@ -554,6 +587,7 @@ def _tensor_stats_triton(
         _PLAN_CACHE[key] = plan
         if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
             _PLAN_CACHE.popitem(last=False)
+    _point(plan, ptrs)
     out = torch.empty(len(views), N_STATS, dtype=torch.float64, device=device)
     switch = device.type == "cuda" and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if switch else nullcontext():

@@ -55,6 +55,7 @@ __all__ = [
     "element_ops",
     "get_rank",
     "get_world_size",
+    "is_dtensor",
     "is_initialized",
     "local_tensor",
     "shard_role",
@@ -83,6 +84,10 @@ def get_rank() -> int:
 
 def get_world_size() -> int:
     return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_dtensor(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
 
 
 def local_tensor(t: Any) -> Any:

@@ -103,6 +103,7 @@ class Monitor:
         self._sinks: list[Sink] = []
         self._jsonl_path: str | None = None
         self._optimizer_handles: list[Any] = []
+        self._activity_handle: Any = None
         self._attached = False
         self._snapshot: Snapshot | None = None
         self._last_close = ""  # who closed the last step: 'user' | 'optimizer' | 'late-loss'
@@ -143,6 +144,8 @@ class Monitor:
             if self.config.enabled:
                 self._build_probes()
                 self._build_sinks()
+                # A step is under way once the model runs (step()/optimizer-hook logic needs it).
+                self._activity_handle = self.model.register_forward_pre_hook(self._mark_activity)
         hooked = self._optimizer_handles or self._control is not None
         if optimizer is not None and self.config.enabled and not hooked:
             if not isinstance(optimizer, torch.optim.Optimizer):
@@ -174,6 +177,9 @@ class Monitor:
             self.flush()
         for probe in self._probes:
             probe.detach()
+        if self._activity_handle is not None:
+            self._activity_handle.remove()
+            self._activity_handle = None
         for handle in self._optimizer_handles:
             handle.remove()
         if self._control is not None:
@@ -368,10 +374,14 @@ class Monitor:
         return kernel if isinstance(kernel, AttentionKernel) else None
 
     # --- integrations: training steps that run submodules without calling model.forward
+    def _mark_activity(self, *_: Any) -> None:
+        self._ctx.activity = True
+
     def begin_forward(self) -> None:
         """Open one forward of the model by hand (attention interception and kernel routing
         follow model.forward otherwise); Lightning's training_step needs it. Pair each call
         with ``end_forward()``; nested real forwards inside are fine."""
+        self._ctx.activity = True
         if self._attention is not None:
             self._attention.begin_forward()
 

@@ -10,7 +10,9 @@ in-process against ``combine_stats`` with two simulated ranks.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import math
+import os
 import time
 import traceback
 from pathlib import Path
@@ -318,6 +320,10 @@ SCENARIOS = {
 
 
 def _worker(rank: int, out: str) -> None:
+    # These scenarios are CPU (gloo) by design. On a GPU host, FSDP2's DeviceMesh would pick a
+    # CUDA device per rank (rank % GPUs) for CPU-sharded modules; keep the workers off CUDA.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    faulthandler.enable()  # a native crash in a worker prints its stack into the test report
     out_dir = Path(out)
     torch.set_num_threads(1)
     dist.init_process_group(

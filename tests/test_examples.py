@@ -61,17 +61,23 @@ def test_framework_examples_train_with_the_monitor(tmp_path, script):
 def test_divergence_definition_and_repro_harness(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        import repro_logit_growth as repro
+        import _repro as repro
     finally:
         sys.path.pop(0)
     flat = [3.0] * 60
     assert repro.divergence_step(flat, settle=20) is None
     assert repro.divergence_step([*flat, 7.0], settle=20) == 60  # > 2x the running median
     assert repro.divergence_step([*flat[:30], float("nan")], settle=20) == 30
-    out = tmp_path / "repro.json"
-    args = "--device cpu --preset tiny --steps 12 --batch 2 --lr 0.05 --flush-every 4"
-    cmd = [sys.executable, str(ROOT / "bench" / "repro_logit_growth.py"), *args.split()]
-    subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True, timeout=600)
-    runs = json.loads(out.read_text())["runs"]
-    assert set(runs) == {"control", "unstable", "mitigated"}
-    assert (tmp_path / "repro" / "mitigated.jsonl.gz").exists()
+    common = "--device cpu --preset tiny --steps 12 --batch 2 --flush-every 4"
+    scripts = {
+        "repro_logit_growth.py": ("--lr 0.05 --mitigation spike", {"control", "unstable"}),
+        "repro_paper_mechanism.py": ("", {"paper_repro", "stabilized"}),
+    }
+    for script, (extra, must) in scripts.items():
+        out = tmp_path / f"{script}.json"
+        cmd = [sys.executable, str(ROOT / "bench" / script), *common.split(), *extra.split()]
+        subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True, timeout=600)
+        runs = json.loads(out.read_text())["runs"]
+        assert must | {"mitigated"} == set(runs)
+        assert runs["mitigated"]["actions"] is True and runs[min(must)]["actions"] is False
+        assert (tmp_path / f"{script}" / "mitigated.jsonl.gz").exists()

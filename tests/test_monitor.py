@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import weakref
 
 import pytest
 import torch
@@ -191,6 +190,76 @@ def test_nan_gradient_named_at_its_step(make_monitor, flush_every):
         if m["name"] == "grad_nonfinite" and m["labels"] != {"param": "b.weight"}
     ]
     assert sum(others) == 0
+
+
+class DeclaredBackwards(nn.Module):
+    """Parameters registered in the reverse of their use: registration order is not the
+    backward order, so only a learned order names the gradient closest to the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.last = nn.Linear(8, 1)
+        self.first = nn.Linear(4, 8)
+
+    def forward(self, x):
+        return self.last(torch.relu(self.first(x)))
+
+
+def _grad_hooks(model):
+    return sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+
+def test_backward_order_is_learned_on_few_steps_and_names_the_first_nonfinite(make_monitor):
+    torch.manual_seed(0)
+    model = DeclaredBackwards()
+    seen = []
+    monitor = make_monitor(model, flush_every=5).attach()
+    monitor.on("nonfinite", seen.append)
+    hooks = []
+
+    def plant(step):
+        hooks.append(_grad_hooks(model))
+        if step == 7:  # hooks are off: the order learned at step 5 (after the flush) is used
+            model.first.weight.grad[0, 0] = float("nan")
+            model.last.weight.grad[0, 0] = float("nan")
+
+    train_steps(model, monitor, 9, plant=plant)
+    monitor.detach()  # flushes steps 5-8
+    # armed on the first step and on the first step after each flush (steps 0 and 5) only
+    assert hooks == [4, 0, 0, 0, 0, 4, 0, 0, 0]
+    assert [(e.step, e.labels) for e in seen] == [(7, {"param": "last.weight"})]
+
+
+def test_gradient_norms_over_a_window_longer_than_the_settle_batch(make_monitor):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = make_monitor(model, flush_every=100).attach(opt)
+    norms = []
+    for _ in range(70):  # more steps than the probe keeps before settling (64)
+        loss = model(torch.randn(5, 4)).square().mean()
+        loss.backward()
+        grads = [p.grad.double() for p in model.parameters()]
+        norms.append(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item())
+        monitor.step(loss)
+        opt.step()
+        opt.zero_grad()
+    snap = monitor.flush()
+    assert snap.value("grad_norm") == pytest.approx(norms[-1], rel=1e-6)
+    assert snap.value("grad_norm_max") == pytest.approx(max(norms), rel=1e-6)
+    assert max(norms) > 1.01 * norms[-1]  # the maximum is not simply the last step
+
+
+def test_activation_hooks_exist_only_on_sampled_steps(make_monitor):
+    model = nn.Sequential(Emit(torch.ones(3)))
+    monitor = make_monitor(model, flush_every=10, activations__every=3).attach()
+    armed = []
+    for _ in range(7):
+        armed.append(len(model[0]._forward_hooks))
+        model(None)
+        monitor.step()
+    assert armed == [1, 0, 0, 1, 0, 0, 1]  # steps 0, 3, 6
+    assert monitor.flush().value("activation_numel", module="0") == 9
 
 
 def test_first_nonfinite_in_forward_order(make_monitor):
@@ -468,7 +537,10 @@ class SyncCounter(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.calls = []
-        self.host = weakref.WeakSet()
+        # ids of host tensors, which are kept alive so that an id is never reused (a WeakSet
+        # would compare tensors with == on a hash collision)
+        self.host: set[int] = set()
+        self._alive: list[torch.Tensor] = []
 
     def _tensors(self, obj):
         if isinstance(obj, torch.Tensor):
@@ -481,14 +553,15 @@ class SyncCounter(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         inputs = list(self._tensors(list(args) + list(kwargs.values())))
-        from_host = bool(inputs) and all(t in self.host for t in inputs)
+        from_host = bool(inputs) and all(id(t) in self.host for t in inputs)
         to_cpu = name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device")))
         if (name in SYNC_CALLS or to_cpu) and not from_host:
             self.calls.append(name)
         out = func(*args, **kwargs)
         if name == "cpu" or from_host:
             for t in self._tensors(out if isinstance(out, (list, tuple)) else [out]):
-                self.host.add(t)
+                self.host.add(id(t))
+                self._alive.append(t)
         return out
 
 

@@ -16,9 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from numwatch.buffers import DeviceTables, nonfinite_counts, reduce_by_index
+from numwatch.buffers import (
+    DeviceTables,
+    nonfinite_counts,
+    reduce_by_index,
+    reduce_steps,
+    to_device,
+)
 from numwatch.config import ActivationConfig, GradientConfig
-from numwatch.distributed import local_tensor
+from numwatch.distributed import is_dtensor, local_tensor
 from numwatch.kernels import tensor_stats as ts
 from numwatch.probes.base import ProbeContext
 from numwatch.selection import select_modules, select_parameters
@@ -78,82 +84,103 @@ def _floating_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 class GradientProbe:
-    """Per-parameter statistics of the accumulated gradient, once per (sampled) step."""
+    """Per-parameter statistics of the accumulated gradient, once per (sampled) step.
+
+    The per-step cost is host time on the training's critical path, so a step only issues the
+    fused statistics launch and keeps its result; the merge into the table, the non-finite
+    search and the gradient norms run batched at flush (or every ``_SETTLE_STEPS`` steps, which
+    bounds the memory held). Post-accumulate-grad hooks learn the backward order (which names
+    the first non-finite gradient) on the first step and on the first step after each flush
+    only: a Python hook per parameter per step would cost more than the statistics.
+    """
 
     component = "gradients"
+    _SETTLE_STEPS = 64
 
     def __init__(self, model: nn.Module, cfg: GradientConfig, ctx: ProbeContext) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.params = select_parameters(model, cfg.params, cfg.exclude)
+        self._tensors = [p for _, p in self.params]
+        self._sharded = any(is_dtensor(p) for p in self._tensors)
         self._handles: list[Any] = []
         self._fired: list[int] = []
         self._fired_set: set[int] = set()
+        self._order: tuple[int, ...] = ()  # backward order learned by the hooks
         self._tables = DeviceTables("grad_table", len(self.params))
         self._dtypes: dict[int, torch.dtype] = {}
         self._plans: dict[tuple, list[tuple]] = {}
+        # Steps measured since the last settle: [(plan entry, stats, first order number)] each.
+        self._pending: list[list[tuple[tuple, torch.Tensor, int]]] = []
         self._norm_sq_last: torch.Tensor | None = None
         self._norm_max: torch.Tensor | None = None
         # (table rows, stats) read at the last closed step: cross-rank gradient norms use them
         self.step_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def attach(self) -> None:
-        for i, (_, p) in enumerate(self.params):
-            self._handles.append(p.register_post_accumulate_grad_hook(partial(self._on_grad, i)))
+        self._arm()
 
     def detach(self) -> None:
+        self._disarm()
+
+    def _arm(self) -> None:
+        if not self._handles:
+            self._handles = [
+                p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
+                for i, p in enumerate(self._tensors)
+            ]
+
+    def _disarm(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
 
     def _on_grad(self, index: int, _param: torch.Tensor) -> None:
-        self.ctx.activity = True
         if index not in self._fired_set:
             self._fired_set.add(index)
             self._fired.append(index)
 
     def on_step(self) -> None:
         """Read every gradient of the closing step (called by Monitor.step, guarded)."""
-        fired = self._fired
-        self._fired, self._fired_set = [], set()
+        if self._handles:
+            if self._fired:
+                self._order = tuple(self._fired)
+            self._fired, self._fired_set = [], set()
+            self._disarm()
         self.step_stats = []
         if self.ctx.step % self.cfg.every:
             return
-        grads = [local_tensor(p.grad) for _, p in self.params]  # FSDP2 (DTensor): local shard
+        grads = [p.grad for p in self._tensors]
+        if self._sharded:
+            grads = [local_tensor(g) for g in grads]  # FSDP2 (DTensor): the local shard
         usable = tuple(_usable(g) for g in grads)
-        key = (tuple(fired), usable)
+        key = (self._order, usable)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(fired, grads, usable)
+            plan = self._plan(grads, usable)
             if len(self._plans) > 16:
                 self._plans.clear()
             self._plans[key] = plan
-        norm_sq = []
-        for device, indices, rows, rank, names in plan:
+        measured = []
+        for entry in plan:
+            device, indices, rows, _, names = entry
             tensors = [grads[i] for i in indices]  # table order
             stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend_for(device))
-            self._tables[device].add_rows(rows, stats)
-            self.step_stats.append((rows, stats))
             first = self.ctx.tracker.reserve("backward", "param", names, self.ctx.step)
-            bad = nonfinite_counts(stats)
-            self.ctx.tracker.observe_many(rank + first, bad)
-            # A non-finite gradient makes the global norm NaN, as in clip_grad_norm_.
-            norm_sq.append(stats[:, ts.SUMSQ].sum().masked_fill(bad.sum() > 0, float("nan")))
-        if norm_sq:
-            total = norm_sq[0]
-            for t in norm_sq[1:]:  # model split over devices
-                total = total + t.to(total.device, non_blocking=True)
-            self._norm_sq_last = total
-            self._norm_max = (
-                total if self._norm_max is None else torch.maximum(self._norm_max, total)
-            )
+            measured.append((entry, stats, first))
+            self.step_stats.append((rows, stats))
+        if measured:
+            self._pending.append(measured)
+            if len(self._pending) >= self._SETTLE_STEPS:
+                self._settle()
 
-    def _plan(self, fired: list[int], grads: list[Any], usable: tuple[Any, ...]) -> list[tuple]:
-        """Per device: table rows of the usable gradients (table order) and each one's rank in
-        backward order (closest to the loss first, then gradients no hook saw), which orders
-        the search for the first non-finite one. Built once per backward order and layout."""
-        seen = set(fired)
-        backward = fired + [i for i in reversed(range(len(self.params))) if i not in seen]
+    def _plan(self, grads: list[Any], usable: tuple[Any, ...]) -> list[tuple]:
+        """Per device: (device, indices, table rows, rank, names) of the usable gradients in
+        table order; rank = place in backward order (closest to the loss first, then gradients
+        no hook saw), which orders the search for the first non-finite one. Built once per
+        backward order and layout."""
+        seen = set(self._order)
+        backward = [*self._order, *(i for i in reversed(range(len(self.params))) if i not in seen)]
         rank_of = {i: r for r, i in enumerate(backward)}
         plan = []
         devices = {d for d in usable if d is not None}
@@ -174,11 +201,51 @@ class GradientProbe:
             plan.append((device, indices, rows, rank.to(device), names))
         return plan
 
+    @torch.no_grad()
+    def _settle(self) -> None:
+        """Merge the pending steps into the table, the non-finite tracker and the norms."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        groups: dict[int, list[tuple[int, tuple, torch.Tensor, int]]] = {}
+        for k, measured in enumerate(pending):
+            for entry, stats, first in measured:
+                groups.setdefault(id(entry), []).append((k, entry, stats, first))
+        totals: torch.Tensor | None = None
+        for items in groups.values():
+            device, _, rows, rank, _ = items[0][1]
+            stacked = torch.stack([stats for _, _, stats, _ in items])  # (k, n, N_STATS)
+            self._tables[device].add_rows(rows, reduce_steps(stacked))
+            bad = nonfinite_counts(stacked)  # (k, n)
+            firsts = to_device([float(f) for *_, f in items], torch.float64, device)
+            orders = rank + firsts[:, None]
+            self.ctx.tracker.observe_many(orders.flatten(), bad.flatten())
+            # A non-finite gradient makes the global norm NaN, as in clip_grad_norm_.
+            sq = stacked[:, :, ts.SUMSQ].sum(1).masked_fill(bad.sum(1) > 0, math.nan)
+            if totals is None:
+                totals = torch.zeros(len(pending), dtype=torch.float64, device=device)
+            steps = to_device([k for k, *_ in items], torch.long, totals.device)
+            if sq.device != totals.device:  # a model split over devices
+                sq = sq.to(totals.device, non_blocking=True)
+            totals.index_add_(0, steps, sq)
+        assert totals is not None
+        self._norm_sq_last = totals[-1]
+        top = totals.max()  # NaN propagates
+        self._norm_max = top if self._norm_max is None else torch.maximum(self._norm_max, top)
+
     def step_norm_sq(self) -> torch.Tensor | None:
         """Squared global norm of the last step's gradients (NaN if any was non-finite)."""
-        return self._norm_sq_last
+        if not self.step_stats:
+            return None
+        total = None
+        for _, stats in self.step_stats:
+            bad = nonfinite_counts(stats).sum() > 0
+            part = stats[:, ts.SUMSQ].sum().masked_fill(bad, math.nan)
+            total = part if total is None else total + part.to(total.device, non_blocking=True)
+        return total
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
+        self._settle()
         out = self._tables.device_tensors()
         if self._norm_sq_last is not None:
             out["grad_norm_sq_last"] = self._norm_sq_last
@@ -199,8 +266,11 @@ class GradientProbe:
         return out
 
     def reset(self) -> None:
+        """After a flush: a new window, and one step that re-learns the backward order."""
+        self._pending.clear()
         self._tables.reset()
         self._norm_sq_last = self._norm_max = None
+        self._arm()
 
 
 class ActivationProbe:
@@ -221,6 +291,7 @@ class ActivationProbe:
         self.model = model
         self.modules = select_modules(model, cfg.modules, cfg.exclude, cfg.module_types)
         self._handles: list[Any] = []
+        self._module_handles: list[Any] = []
         self._tables = DeviceTables("act_table", len(self.modules))
         self._dtypes: dict[int, torch.dtype] = {}
         self._pending: list[tuple[int, torch.Tensor]] = []  # (module index, output) in order
@@ -228,19 +299,33 @@ class ActivationProbe:
         self._plans: dict[tuple[torch.device, tuple[int, ...]], tuple[Any, Any, int]] = {}
 
     def attach(self) -> None:
-        for i, (_, m) in enumerate(self.modules):
-            self._handles.append(m.register_forward_hook(partial(self._hook, i)))
         self._handles.append(self.model.register_forward_hook(self._forward_done, always_call=True))
+        if self.ctx.step % self.cfg.every == 0:
+            self._arm()
 
     def detach(self) -> None:
+        self._disarm()
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._pending.clear()
 
+    def _arm(self) -> None:
+        """Module hooks exist only during sampled steps: a hooked module leaves PyTorch's fast
+        call path, which costs every forward of every step, sampled or not."""
+        if not self._module_handles:
+            self._module_handles = [
+                m.register_forward_hook(partial(self._hook, i))
+                for i, (_, m) in enumerate(self.modules)
+            ]
+
+    def _disarm(self) -> None:
+        for h in self._module_handles:
+            h.remove()
+        self._module_handles.clear()
+
     def _hook(self, index: int, module: nn.Module, _inputs: Any, output: Any) -> None:
-        self.ctx.activity = True
-        if self.ctx.step % self.cfg.every or (self.cfg.training_only and not module.training):
+        if self.cfg.training_only and not module.training:
             return
         for t in _floating_tensors(output):
             self._pending.append((index, t.detach()))
@@ -253,9 +338,14 @@ class ActivationProbe:
             self.ctx.guard.run(self.component, self._measure)
 
     def on_step(self) -> None:
-        """Outputs of modules run outside the model's own forward are measured at step end."""
+        """Outputs of modules run outside the model's own forward are measured at step end;
+        the hooks are armed for the next step if it is sampled."""
         if self._pending:
             self._measure()
+        if (self.ctx.step + 1) % self.cfg.every == 0:
+            self._arm()
+        else:
+            self._disarm()
 
     def _plan(self, device: torch.device, indices: list[int]) -> tuple[Any, Any, int]:
         """(table rows, segment ids or None, number of rows) for outputs of these modules:

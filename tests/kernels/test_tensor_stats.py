@@ -197,6 +197,23 @@ def test_deterministic_and_cache_tracks_data() -> None:
     assert again[0, NAN].item() == 1
 
 
+def test_cached_table_follows_tensors_that_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same layout at new addresses (gradients after zero_grad(set_to_none=True)): the cached
+    table is re-pointed, not rebuilt, and reads the new tensors, also when they move back."""
+    builds = []
+    build = ts._build_plan
+    monkeypatch.setattr(ts, "_build_plan", lambda *a, **k: builds.append(1) or build(*a, **k))
+    dev = _device()
+    sizes = (40000, 77, 3000)
+    a = [torch.full((n,), float(i + 1), device=dev) for i, n in enumerate(sizes)]
+    b = [torch.full((n,), -float(i + 10), device=dev) for i, n in enumerate(sizes)]
+    for xs, top in ((a, [1.0, 2.0, 3.0]), (b, [-10.0, -11.0, -12.0]), (a, [1.0, 2.0, 3.0])):
+        out = tensor_stats(xs, backend="triton")
+        assert out[:, MAX].tolist() == top
+        assert out[:, NUMEL].tolist() == list(sizes)
+    assert len(builds) <= 1  # 0 when an earlier test left this layout in the cache
+
+
 def test_sum_accuracy_float64_oracle_many_programs() -> None:
     """A small launch shape forces many programs and a multi-step finalize."""
     cfg = ts._Config(block=64, num_warps=1, min_iters=2, target_chunks=8, final_block=4)

@@ -1,0 +1,143 @@
+"""Shared harness of the instability reproductions: one monitored training run of the GPT of
+examples/gpt2.py, its divergence step, its first warning and its outcome.
+
+Divergence (issue 9's definition): the first step, after ``settle`` steps, whose loss is
+non-finite or more than twice the median of the previous 50 losses. Lead time = divergence step
+- step of the first precursor/spike/nonfinite event under the default rules.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from gpt2 import GPT, PRESETS, GPTConfig, batches, lr_at, train_step
+
+import numwatch
+
+WARN_KINDS = ("precursor", "spike", "nonfinite")
+DIVERGENCE = (
+    "first step after the settle steps with a non-finite loss or a loss above 2x the median of "
+    "the previous 50"
+)
+
+
+def divergence_step(losses: list[float], settle: int) -> int | None:
+    for t in range(settle, len(losses)):
+        window = [v for v in losses[max(0, t - 50) : t] if math.isfinite(v)]
+        if not math.isfinite(losses[t]) or (window and losses[t] > 2 * statistics.median(window)):
+            return t
+    return None
+
+
+@dataclass
+class Setting:
+    """What every run of one reproduction shares."""
+
+    device: str
+    preset: str
+    batch: int
+    steps: int
+    warmup: int
+    settle: int = 20
+    seed: int = 0
+    flush_every: int = 10
+    max_seconds: float = 300.0  # a run stops here (recorded), so a whole batch fits a GPU call
+    logdir: Path = field(default_factory=lambda: Path("."))
+
+
+def run(
+    name: str,
+    s: Setting,
+    *,
+    lr: float,
+    act: bool,
+    add_rules: list[dict[str, Any]] | None = None,
+    kernel: str | None = None,
+) -> dict[str, Any]:
+    """Train one run and summarize it. ``kernel``: route every attention layer to numwatch's
+    kernel in this mode ('paper_repro' or 'stabilized') from the first step; None = SDPA."""
+    torch.manual_seed(s.seed)
+    cfg = GPTConfig(**{**PRESETS[s.preset].__dict__})
+    model = GPT(cfg).to(s.device)
+    fused = s.device.startswith("cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), fused=fused)
+    rules: dict[str, Any] = {"act": act}
+    if add_rules:
+        rules["add"] = add_rules
+    log = s.logdir / f"{name}.jsonl"
+    log.unlink(missing_ok=True)
+    monitor = numwatch.Monitor(
+        model,
+        run_name=name,
+        flush_every=s.flush_every,
+        attention__every=s.flush_every,
+        activations__every=s.flush_every,
+        weights__every=s.flush_every,
+        optimizer__every=s.flush_every,
+        rules=rules,
+        sinks__console__enabled=False,
+        sinks__jsonl__path=str(log),
+    ).attach(opt)
+    if kernel is not None:
+        monitor.swap_attention(stabilize=kernel == "stabilized", mode=kernel)
+    data = batches(cfg, s.batch, "bigram", s.seed, s.device)
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(s.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, lr=lr, warmup=s.warmup, total=s.steps)
+        loss = train_step(model, opt, *next(data), monitor)
+        losses.append(loss.item())  # the benchmark's own per-step record, not numwatch's
+        if time.perf_counter() - start > s.max_seconds:
+            break
+    seconds = time.perf_counter() - start
+    monitor.detach()
+    events = monitor.events
+    warn = [e for e in events if e.kind in WARN_KINDS]
+    max_logits = [r.value for snap in monitor.history for r in snap.series("attn_max_logit")]
+    div = divergence_step(losses, s.settle)
+    first = warn[0] if warn else None
+    with log.open("rb") as f, gzip.open(f"{log}.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    log.unlink()
+    finite = [v for v in losses if math.isfinite(v)]
+    summary = {
+        "lr": lr,
+        "kernel": kernel or "sdpa",
+        "actions": act,
+        "added_rules": [r["name"] for r in add_rules or []],
+        "steps_run": len(losses),
+        "seconds": seconds,
+        "divergence_step": div,
+        "first_warning_step": first.step if first else None,
+        "first_warning_rule": first.rule if first else None,
+        "lead_steps": (div - first.step) if (div is not None and first) else None,
+        "warnings": len(warn),
+        "warning_rules": sorted({e.rule for e in warn}),
+        "actions_taken": sum(e.kind == "action" for e in events),
+        "action_kinds": sorted(
+            {e.evidence.get("action", "") for e in events if e.kind == "action"}
+        ),
+        "first_action_step": next((e.step for e in events if e.kind == "action"), None),
+        "min_loss": min(finite, default=None),
+        "final_loss_mean_last_50": statistics.fmean(
+            [v for v in losses[-50:] if math.isfinite(v)] or [math.nan]
+        ),
+        "nonfinite_losses": sum(not math.isfinite(v) for v in losses),
+        "max_attn_logit_last_flushes": max(max_logits, default=None),
+        "log": f"{log.name}.gz",
+    }
+    print(name, summary, flush=True)
+    return summary

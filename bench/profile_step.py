@@ -1,0 +1,163 @@
+"""Where a monitored training step's extra time goes: host time of ``monitor.step`` and of the
+whole step, device time of the monitor's kernels, and the monitor's hot Python functions.
+
+For one configuration at a time (no numwatch, the defaults, gradients only), on GPT-2 (or a
+smaller preset) with the training step of examples/gpt2.py:
+
+- ``step_ms``: wall time of one step between two device syncs (what bench_overhead times);
+- ``host_step_ms``: host time to issue the step (no sync at its end): when it approaches
+  ``step_ms`` the host, not the GPU, sets the pace and every host microsecond counts;
+- ``monitor_step_host_ms``: host time inside ``monitor.step``;
+- ``table_builds``: tensor_stats pointer tables built during the timed steps (a build is host
+  work that should happen once, not per step);
+- the torch profiler's device-time table of the default configuration's steps and cProfile's
+  hottest functions inside the monitor go to text files beside ``--out``.
+
+    python bench/profile_step.py --out bench/results/profile_step_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from gpt2 import GPT, PRESETS, train_step
+
+import numwatch
+from numwatch.kernels import tensor_stats as ts
+
+CONFIGS = {
+    "baseline": None,
+    "default": {},
+    "gradients_only": {
+        "activations__enabled": False,
+        "attention__enabled": False,
+        "weights__enabled": False,
+        "optimizer__enabled": False,
+    },
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="gpt2")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    out = Path(args.out)
+    device = args.device
+    on_cuda = torch.device(device).type == "cuda"
+
+    def sync() -> None:
+        if on_cuda:
+            torch.cuda.synchronize()
+
+    torch.manual_seed(0)
+    cfg = PRESETS[args.preset]
+    model = GPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=on_cuda)
+    x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size), device=device)
+    y = torch.roll(x, -1, 1)
+
+    builds = 0
+    build_plan = ts._build_plan
+
+    def counting_build(*a, **k):
+        nonlocal builds
+        builds += 1
+        return build_plan(*a, **k)
+
+    ts._build_plan = counting_build
+    results = {}
+    for name, spec in CONFIGS.items():
+        monitor = None
+        if spec is not None:
+            monitor = numwatch.Monitor(
+                model,
+                sinks__console__enabled=False,
+                sinks__jsonl__enabled=False,
+                flush_every=10_000,  # steady state between flushes: no flush in the window
+                **spec,
+            ).attach(opt)
+        inner: list[float] = []
+        if monitor is not None:
+            real_step = monitor.step
+
+            def timed_step(loss=None, _real=real_step, _inner=inner):
+                t = time.perf_counter()
+                _real(loss)
+                _inner.append(time.perf_counter() - t)
+
+            monitor.step = timed_step
+        for _ in range(5):
+            train_step(model, opt, x, y, monitor)
+        sync()
+        inner.clear()
+        builds = 0
+        wall, host = [], []
+        for _ in range(args.steps):
+            sync()
+            t0 = time.perf_counter()
+            train_step(model, opt, x, y, monitor)
+            t1 = time.perf_counter()
+            sync()
+            wall.append(time.perf_counter() - t0)
+            host.append(t1 - t0)
+        results[name] = {
+            "step_ms": statistics.median(wall) * 1e3,
+            "host_step_ms": statistics.median(host) * 1e3,
+            "monitor_step_host_ms": statistics.median(inner) * 1e3 if inner else None,
+            "table_builds": builds,
+        }
+        print(name, json.dumps(results[name]), flush=True)
+        if name == "default":
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.steps):
+                train_step(model, opt, x, y, monitor)
+            sync()
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+            out.with_suffix(".cprofile.txt").write_text(text.getvalue())
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if on_cuda:
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=acts) as tp:
+                for _ in range(5):
+                    train_step(model, opt, x, y, monitor)
+                sync()
+            table = tp.key_averages().table(
+                sort_by="cuda_time_total" if on_cuda else "self_cpu_time_total", row_limit=60
+            )
+            out.with_suffix(".torchprof.txt").write_text(table)
+        if monitor is not None:
+            monitor.detach()
+    ts._build_plan = build_plan
+    report = {
+        "benchmark": "where a monitored step's time goes",
+        "gpu": torch.cuda.get_device_name() if on_cuda else "cpu",
+        "torch": torch.__version__,
+        "model": args.preset,
+        "batch": args.batch,
+        "steps": args.steps,
+        "results": results,
+    }
+    out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
