@@ -29,6 +29,7 @@ from numwatch.kernels.tensor_stats import (
 assert (NUMEL, ABSMAX, MIN, MAX, SUM) == (0, 1, 2, 3, 4)
 
 __all__ = [
+    "SETTLE_STEPS",
     "DeviceTables",
     "NonfiniteOrigin",
     "NonfiniteTracker",
@@ -42,6 +43,9 @@ __all__ = [
 ]
 
 INF = float("inf")
+# Per-step results (gradient statistics, losses) held on the device before they are merged in
+# one batch: merging every step would put launches on the training's critical path.
+SETTLE_STEPS = 64
 
 
 _EXTREMES = slice(ABSMAX, MAX + 1)  # ABSMAX, MIN, MAX: max, min, max

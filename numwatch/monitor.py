@@ -24,7 +24,13 @@ from numwatch.actions.base import Action
 from numwatch.actions.library import LrBackoff, QKClip, SkipStep, build_action
 from numwatch.actions.optimizer_control import OptimizerControl
 from numwatch.actions.swap_kernel import AttentionKernel
-from numwatch.buffers import NonfiniteOrigin, NonfiniteTracker, read_to_host
+from numwatch.buffers import (
+    SETTLE_STEPS,
+    NonfiniteOrigin,
+    NonfiniteTracker,
+    read_to_host,
+    to_device,
+)
 from numwatch.config import MonitorConfig
 from numwatch.distributed import Aggregator
 from numwatch.errors import NumwatchError
@@ -104,6 +110,7 @@ class Monitor:
         self._jsonl_path: str | None = None
         self._optimizer_handles: list[Any] = []
         self._activity_handle: Any = None
+        self._pending_losses: list[tuple[int, torch.Tensor]] = []  # (order, loss) since a flush
         self._attached = False
         self._snapshot: Snapshot | None = None
         self._last_close = ""  # who closed the last step: 'user' | 'optimizer' | 'late-loss'
@@ -321,14 +328,28 @@ class Monitor:
                 raise ValueError(
                     f"step(loss=...) needs a scalar loss, got shape {tuple(loss.shape)}"
                 )
-            value = loss.detach().reshape(()).to(torch.float64)
+            value = loss.detach().reshape(())
             order = self._ctx.tracker.next_order(
                 NonfiniteOrigin("loss", "", "loss", self._ctx.step)
             )
-            self._ctx.tracker.observe(order, (~torch.isfinite(value)).to(torch.float64))
+            # Checked for NaN/Inf in batches at flush: no launches on the per-step path.
+            self._pending_losses.append((order, value))
+            if len(self._pending_losses) >= SETTLE_STEPS:
+                self._settle_losses()
             self._loss = value
         else:
             self._loss = float(loss)
+
+    @torch.no_grad()
+    def _settle_losses(self) -> None:
+        pending, self._pending_losses = self._pending_losses, []
+        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        for order, value in pending:
+            by_device.setdefault(value.device, []).append((order, value))
+        for device, items in by_device.items():
+            values = torch.stack([v.to(torch.float64) for _, v in items])
+            orders = to_device([float(o) for o, _ in items], torch.float64, device)
+            self._ctx.tracker.observe_many(orders, (~torch.isfinite(values)).to(torch.float64))
 
     # ----------------------------------------------------------------------------- kernels
     def swap_attention(
@@ -421,6 +442,7 @@ class Monitor:
         device_tensors: dict[str, torch.Tensor] = {}
         for probe in self._probes:
             device_tensors.update(probe.device_tensors())
+        self._settle_losses()
         device_tensors.update(ctx.tracker.device_tensors())
         if isinstance(self._loss, torch.Tensor):
             device_tensors["loss"] = self._loss

@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from functools import partial
+from operator import attrgetter
 from typing import Any
 
 import torch
 from torch import nn
 
 from numwatch.buffers import (
+    SETTLE_STEPS,
     DeviceTables,
     nonfinite_counts,
     reduce_by_index,
@@ -63,6 +65,11 @@ def stat_records(
     return [MetricRecord(f"{prefix}_{k}", labels, v) for k, v in values.items()]
 
 
+_GRAD = attrgetter("grad")
+_DEVICE = attrgetter("device")
+_DTYPE = attrgetter("dtype")
+
+
 def _usable(g: torch.Tensor | None) -> torch.device | None:
     """The device of a gradient with values to measure, else None."""
     if g is None or not g.is_floating_point() or g.is_meta or g.numel() == 0:
@@ -88,14 +95,13 @@ class GradientProbe:
 
     The per-step cost is host time on the training's critical path, so a step only issues the
     fused statistics launch and keeps its result; the merge into the table, the non-finite
-    search and the gradient norms run batched at flush (or every ``_SETTLE_STEPS`` steps, which
+    search and the gradient norms run batched at flush (or every ``SETTLE_STEPS`` steps, which
     bounds the memory held). Post-accumulate-grad hooks learn the backward order (which names
     the first non-finite gradient) on the first step and on the first step after each flush
     only: a Python hook per parameter per step would cost more than the statistics.
     """
 
     component = "gradients"
-    _SETTLE_STEPS = 64
 
     def __init__(self, model: nn.Module, cfg: GradientConfig, ctx: ProbeContext) -> None:
         self.cfg = cfg
@@ -150,14 +156,16 @@ class GradientProbe:
         self.step_stats = []
         if self.ctx.step % self.cfg.every:
             return
-        grads = [p.grad for p in self._tensors]
+        grads = list(map(_GRAD, self._tensors))
         if self._sharded:
             grads = [local_tensor(g) for g in grads]  # FSDP2 (DTensor): the local shard
-        usable = tuple(_usable(g) for g in grads)
-        key = (self._order, usable)
+        try:  # C-level reads of the layout; the plan build checks each gradient
+            key = (self._order, tuple(map(_DEVICE, grads)), tuple(map(_DTYPE, grads)))
+        except AttributeError:  # a parameter got no gradient this step
+            key = (self._order, tuple(None if g is None else (g.device, g.dtype) for g in grads))
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(grads, usable)
+            plan = self._plan(grads, tuple(_usable(g) for g in grads))
             if len(self._plans) > 16:
                 self._plans.clear()
             self._plans[key] = plan
@@ -171,7 +179,7 @@ class GradientProbe:
             self.step_stats.append((rows, stats))
         if measured:
             self._pending.append(measured)
-            if len(self._pending) >= self._SETTLE_STEPS:
+            if len(self._pending) >= SETTLE_STEPS:
                 self._settle()
 
     def _plan(self, grads: list[Any], usable: tuple[Any, ...]) -> list[tuple]:
