@@ -13,9 +13,15 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_power_iteration.py --out $R/power_iteration_h200.json
   $py bench/bench_attention_stats.py --out $R/attention_stats.json
   $py bench/bench_flash_attention.py --out $R/flash_attention.json
-  $py bench/bench_overhead.py --out $R/overhead_gpt2_h200.json
+  $py bench/bench_overhead.py --rounds 5 --steps 40 --out $R/overhead_gpt2_h200.json
+  $py bench/profile_step.py --out $R/profile_step_h200.json
   $py bench/repro_logit_growth.py --device cuda --preset small --steps 3000 --batch 32 \
-    --lr 0.03 --warmup 20 --out $R/repro_logit_growth_h200.json
+    --lr 0.1 --warmup 20 --max-seconds 40 --out $R/repro_logit_growth_h200.json
+  $py bench/repro_logit_growth.py --device cuda --preset small --steps 3000 --batch 32 \
+    --lr 0.01 --warmup 1 --mitigation spike --max-seconds 45 --runs unstable,mitigated \
+    --out $R/repro_spike_h200.json
+  $py bench/repro_paper_mechanism.py --device cuda --preset small --steps 3000 --batch 32 \
+    --lr 0.01 --max-seconds 60 --out $R/repro_paper_mechanism_h200.json
 fi
 if [[ $what == cpu || $what == all ]]; then
   $py bench/bench_overhead.py --preset demo --device cpu --batch 16 \
