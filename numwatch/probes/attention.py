@@ -163,9 +163,12 @@ class AttentionProbe:
             h.remove()
         self._handles.clear()
 
+    # The mode is entered and left outside compiled graphs (tests/test_compile.py).
+    @torch.compiler.disable
     def _enter(self, _module: nn.Module, _inputs: Any) -> None:
         self.begin_forward()
 
+    @torch.compiler.disable
     def _exit(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
         self.end_forward()
 
@@ -205,6 +208,9 @@ class AttentionProbe:
             hit = self._selected[layer] = matches(layer, self.cfg.layers, self.cfg.exclude)
         return hit
 
+    # Attention calls run outside compiled graphs: a routed kernel or the statistics kernels
+    # inside Dynamo's trace fail (Triton's interpreter) or would be traced op by op.
+    @torch.compiler.disable
     def on_sdpa(
         self, func: Callable[..., Any], args: tuple, kwargs: dict, routable: bool = True
     ) -> torch.Tensor:
@@ -217,6 +223,7 @@ class AttentionProbe:
             self.ctx.guard.run(self.component, self._observe_sdpa, layer, args, kwargs, out)
         return out
 
+    @torch.compiler.disable
     def on_softmax(self, args: tuple, kwargs: dict) -> None:
         if not self.cfg.eager_softmax:
             return
@@ -238,6 +245,7 @@ class AttentionProbe:
         if self._wanted(layer):
             self.ctx.guard.run(self.component, self._observe_scores, layer, x)
 
+    @torch.compiler.disable
     def on_mha(self, args: tuple, kwargs: dict) -> None:
         layer, _ = self.locate()
         if self._wanted(layer):

@@ -332,6 +332,9 @@ class ActivationProbe:
             h.remove()
         self._module_handles.clear()
 
+    # Hooks run outside compiled graphs: traced by Dynamo, this bookkeeping split the user's
+    # graphs and broke AOTAutograd on sampled steps (tests/test_compile.py).
+    @torch.compiler.disable
     def _hook(self, index: int, module: nn.Module, _inputs: Any, output: Any) -> None:
         if self.cfg.training_only and not module.training:
             return
@@ -341,6 +344,7 @@ class ActivationProbe:
         if self._pending_bytes > self.cfg.max_pending_bytes:
             self.ctx.guard.run(self.component, self._measure)  # early: bounded memory
 
+    @torch.compiler.disable
     def _forward_done(self, *_: Any) -> None:
         if self._pending:
             self.ctx.guard.run(self.component, self._measure)
