@@ -2,7 +2,9 @@
 
 Configurations alternate in one process (rounds x configs), every step is timed between two
 device syncs, and each configuration reports the median and the mean over all its timed steps
-(the median as the issues ask; the mean includes the steps that sample probes or flush):
+(the median as the issues ask; the mean includes the steps that sample probes or flush), and the
+overhead of each round's median against the baseline block of the same round (their median and
+spread: the machine's drift cancels, and the spread says how far a figure can be trusted):
 
 - ``baseline``: no numwatch;
 - ``default``: numwatch with its default configuration;
@@ -86,7 +88,10 @@ CONFIGS: dict[str, dict | str | None] = {
 
 
 @contextmanager
-def configured(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, logdir: str):
+def configured(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, monitors: dict):
+    """The configuration's hooks for one block of steps. A configuration's Monitor lives across
+    rounds (detached between its blocks), so its step count, and with it the 50-step cadence of
+    sampled probes and flushes, runs on through the timed steps of every round."""
     spec = CONFIGS[name]
     monitor = None
     handles = []
@@ -101,12 +106,7 @@ def configured(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, lo
 
             handles = [p.register_hook(check) for p in model.parameters()]
         elif isinstance(spec, dict):
-            monitor = numwatch.Monitor(
-                model,
-                sinks__console__enabled=False,
-                sinks__jsonl__path=f"{logdir}/{name}.jsonl",
-                **spec,
-            ).attach(opt)
+            monitor = monitors[name].attach(opt)
         try:
             yield monitor
         finally:
@@ -121,9 +121,11 @@ def main() -> None:
     p.add_argument("--preset", default="gpt2", help="examples/gpt2.py preset, or 'demo'")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per config and round")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps after each switch")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per config and round")
+    p.add_argument(
+        "--warmup", type=int, default=5, help="untimed steps of each config's first round"
+    )
+    p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -158,23 +160,40 @@ def main() -> None:
 
     names = args.configs.split(",")
     times: dict[str, list[float]] = {n: [] for n in names}
+    per_round: dict[str, list[float]] = {n: [] for n in names}  # each round's median step
     overhead_host: dict[str, list[float]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as logdir, ExitStack() as stack:
+        monitors = {
+            name: numwatch.Monitor(
+                model,
+                sinks__console__enabled=False,
+                sinks__jsonl__path=f"{logdir}/{name}.jsonl",
+                **spec,
+            )
+            for name, spec in CONFIGS.items()
+            if name in names and isinstance(spec, dict)
+        }
         if backends:
             from torch.nn.attention import sdpa_kernel
 
             stack.enter_context(sdpa_kernel(backends, set_priority=True))
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             for name in names:
-                with configured(name, model, opt, logdir) as monitor:
-                    for _ in range(args.warmup):
+                with configured(name, model, opt, monitors) as monitor:
+                    # Later rounds: one untimed step after re-attaching (it rebuilds the probes'
+                    # tables, a once-per-run cost in real training); it still counts toward the
+                    # cadence, so sampled steps and flushes fall into timed steps.
+                    for _ in range(args.warmup if r == 0 else 1):
                         step(monitor)
+                    block = []
                     for _ in range(args.steps):
                         sync()
                         t0 = time.perf_counter()
                         step(monitor)
                         sync()
-                        times[name].append(time.perf_counter() - t0)
+                        block.append(time.perf_counter() - t0)
+                    times[name] += block
+                    per_round[name].append(statistics.median(block))
                     if monitor is not None and monitor.snapshot() is not None:
                         v = monitor.snapshot().get("monitor_overhead_seconds")
                         if v is not None:
@@ -187,6 +206,13 @@ def main() -> None:
         ts = sorted(times[name])
         med = statistics.median(ts)
         mean = statistics.fmean(ts)
+        # Paired per round against the baseline block run just before: drifts of the machine
+        # (clocks, the host's speed) cancel, and the spread over rounds shows the noise.
+        ratios = (
+            sorted(r / b - 1 for r, b in zip(per_round[name], per_round["baseline"], strict=True))
+            if "baseline" in per_round
+            else []
+        )
         results[name] = {
             "median_ms": med * 1e3,
             "mean_ms": mean * 1e3,
@@ -197,6 +223,8 @@ def main() -> None:
             "p90_ms": ts[(9 * len(ts)) // 10] * 1e3,
             "steps": len(ts),
             "overhead_vs_baseline": (med / base - 1) if base else None,
+            "round_overheads": ratios,
+            "round_overhead_median": statistics.median(ratios) if ratios else None,
             "monitor_host_seconds_per_step": (
                 statistics.median(overhead_host[name]) if overhead_host[name] else None
             ),
@@ -204,6 +232,7 @@ def main() -> None:
         line = f"{name:28s} median {med * 1e3:9.2f} ms  mean {mean * 1e3:9.2f} ms"
         if base and base_mean:
             line += f"  {100 * (med / base - 1):+7.2f} % / {100 * (mean / base_mean - 1):+7.2f} %"
+            line += f"  rounds {100 * ratios[0]:+.1f} .. {100 * ratios[-1]:+.1f} %"
         print(line, flush=True)
     report = {
         "benchmark": "monitor overhead per training step",

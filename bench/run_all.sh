@@ -13,7 +13,7 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_power_iteration.py --out $R/power_iteration_h200.json
   $py bench/bench_attention_stats.py --out $R/attention_stats.json
   $py bench/bench_flash_attention.py --out $R/flash_attention.json
-  $py bench/bench_overhead.py --rounds 5 --steps 40 --out $R/overhead_gpt2_h200.json
+  $py bench/bench_overhead.py --out $R/overhead_gpt2_h200.json
   $py bench/profile_step.py --out $R/profile_step_h200.json
   $py bench/repro_logit_growth.py --device cuda --preset small --steps 3000 --batch 32 \
     --lr 0.1 --warmup 20 --max-seconds 40 --out $R/repro_logit_growth_h200.json

@@ -39,6 +39,8 @@ def test_overhead_benchmark_harness(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"baseline", "default", "nan_check_hooks"}
     assert report["results"]["default"]["steps"] == 2
+    assert len(report["results"]["default"]["round_overheads"]) == 1
+    assert report["results"]["baseline"]["round_overheads"] == [0.0]
 
 
 @pytest.mark.parametrize("script", ["hf_trainer", "lightning_train"])
