@@ -122,7 +122,6 @@ def main() -> None:
         run_name=f"distributed-{'fsdp' if args.fsdp else 'ddp'}",
         flush_every=10,
         rules={"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]},
-        optimizer__enabled=not args.fsdp,  # update ratios do not read DTensor parameters yet
     ).attach(opt)
 
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank its own data

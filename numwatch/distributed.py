@@ -43,6 +43,7 @@ except ImportError:  # torch < 2.5
 
 if TYPE_CHECKING:
     from numwatch.config import DistributedConfig
+    from numwatch.probes.optimizer import OptimizerProbe
     from numwatch.probes.tensors import GradientProbe
 
 __all__ = [
@@ -124,20 +125,28 @@ _HEAD_OPS = _columns(ats.N_HEAD_STATS, (ats.MAX_LOGIT,), (ats.MIN_LOGIT, ats.ENT
 _KNOWN_MAX = ("weights/", "opt/", "grad_norm_sq_")  # full values every rank holds already
 
 
-def element_ops(key: str, shape: Sequence[int], roles: Sequence[int] | None = None) -> torch.Tensor:
+def element_ops(
+    key: str, shape: Sequence[int], roles: Mapping[str, Sequence[int]] | None = None
+) -> torch.Tensor:
     """Cross-rank op of every element of the monitor's device tensor ``key`` (flat int8).
 
-    ``roles`` (``shard_role`` of each parameter) sets how the additive columns of gradient rows
-    combine: shards add up (SUM), replicas are one value held everywhere (MAX, which is also the
-    worst value should replicas ever differ), HSDP copies add nothing (NONE). Keys the table does
-    not know hold values every rank already has in full (spectral norms, optimizer ratios): MAX.
+    ``roles`` (``shard_role`` of each row's parameter, for the gradient table ``grad_table`` and
+    the optimizer's sums ``opt/sums``) sets how additive columns combine: shards add up (SUM),
+    replicas are one value held everywhere (MAX, which is also the worst value should replicas
+    ever differ), HSDP copies add nothing (NONE). Keys the table does not know hold values every
+    rank already has in full (spectral norms): MAX.
     """
     head = key.split("/", 1)[0]
     numel = math.prod(shape)
-    if head in ("grad_table", "act_table"):
-        ops = _STAT_OPS.expand(*shape).clone()  # (rows, N_STATS)
-        if head == "grad_table" and roles is not None:
-            role = torch.tensor(roles, dtype=torch.int8)[:, None]
+    roles = roles or {}
+    if head in ("grad_table", "act_table") or key == "opt/sums":
+        if key == "opt/sums":  # (params, 4) sums of squares and counts: all additive
+            ops = torch.full(tuple(shape), SUM, dtype=torch.int8)
+        else:
+            ops = _STAT_OPS.expand(*shape).clone()  # (rows, N_STATS)
+        row_roles = roles.get("opt" if key == "opt/sums" else head)
+        if head != "act_table" and row_roles is not None:
+            role = torch.tensor(row_roles, dtype=torch.int8)[:, None]
             additive = ops == SUM
             ops[additive & (role == REPLICA)] = MAX
             ops[additive & (role == SHARD_COPY)] = NONE
@@ -210,7 +219,8 @@ class Aggregator:
         self.cfg = cfg
         self._cpu_group: Any = None
         self._plans: dict[tuple, tuple[_Plan, list[tuple[str, tuple[int, ...]]], Any]] = {}
-        self._roles: tuple[int, ...] | None = None
+        # shard_role of each row's parameter, per table: {"grad_table": ..., "opt": ...}
+        self._roles: dict[str, tuple[int, ...]] = {}
         self._counted: dict[torch.device, torch.Tensor] = {}
         self._norms: list[torch.Tensor] = []  # per closed step: (2,) [counted norm^2, bad]
         self.collectives = 0  # issued so far (benchmarks, tests)
@@ -277,6 +287,7 @@ class Aggregator:
         tensors: Mapping[str, torch.Tensor],
         loss: torch.Tensor | float | None,
         gradients: GradientProbe | None,
+        optimizer: OptimizerProbe | None = None,
     ) -> dict[str, torch.Tensor]:
         """Global values of the monitor's device tensors, plus ``local/``-prefixed rank-local
         copies (the non-finite origins; all of them with ``jsonl='per_rank'``)."""
@@ -294,8 +305,10 @@ class Aggregator:
             device = norms[0].device
             tensors["grad_norm_steps"] = torch.stack([n.to(device) for n in norms])  # (steps, 2)
             del tensors["grad_norm_sq_last"], tensors["grad_norm_sq_max"]
-        if gradients is not None and self._roles is None:
-            self._roles = tuple(shard_role(p) for _, p in gradients.params)
+        if gradients is not None and "grad_table" not in self._roles:
+            self._roles["grad_table"] = tuple(shard_role(p) for _, p in gradients.params)
+        if optimizer is not None and "opt" not in self._roles:
+            self._roles["opt"] = tuple(shard_role(p) for _, p in optimizer.params)
         out = self._reduce(tensors)
         steps = out.pop("grad_norm_steps", None)
         if steps is not None:
@@ -357,7 +370,7 @@ class Aggregator:
         agreed = self._agree(layout)
         if agreed is None:  # shapes disagree: no aggregation this flush, on any rank
             return dict(tensors)
-        plan_key = (tuple(agreed), self._roles, device)
+        plan_key = (tuple(agreed), tuple(sorted(self._roles.items())), device)
         cached = self._plans.get(plan_key)
         if cached is None:
             ops = torch.cat([element_ops(k, s, self._roles) for k, s in agreed])
@@ -393,7 +406,7 @@ class Aggregator:
     def _agree(self, layout: list[tuple[str, tuple[int, ...]]]) -> list | None:
         """The layout every rank packs: its own when all agree (a 2-value CPU all-reduce), else
         the union (an object all-gather), or None when two ranks hold one key in two shapes."""
-        crc = float(zlib.crc32(repr((layout, self._roles)).encode()))
+        crc = float(zlib.crc32(repr((layout, sorted(self._roles.items()))).encode()))
         check = torch.tensor([crc, -crc], dtype=torch.float64)
         dist.all_reduce(check, op=dist.ReduceOp.MAX, group=self._group_cpu())
         self.collectives += 1

@@ -447,7 +447,10 @@ class Monitor:
         if isinstance(self._loss, torch.Tensor):
             device_tensors["loss"] = self._loss
         if self._dist.active:  # global values over all ranks (numwatch/distributed.py)
-            device_tensors = self._dist.aggregate(device_tensors, self._loss, self._gradients)
+            optimizer = next((p for p in self._probes if isinstance(p, OptimizerProbe)), None)
+            device_tensors = self._dist.aggregate(
+                device_tensors, self._loss, self._gradients, optimizer
+            )
         host, local_host = self._dist.split(read_to_host(device_tensors))  # SYNC: once per flush
 
         step = ctx.step - 1

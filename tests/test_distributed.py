@@ -201,6 +201,31 @@ def scenario_fsdp_stats(rank: int, out: Path) -> dict:
     return res
 
 
+def scenario_fsdp_opt(rank: int, out: Path) -> dict:
+    """FSDP2: the optimizer probe measures each rank's shards; the sums add up at flush."""
+    net = _fsdp_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    monitor = _monitor(
+        net, out, "fsdp_opt", optimizer__every=1, weights__enabled=False, attention__enabled=False
+    ).attach(opt)
+    # gathered for the test's oracles only
+    before = {n: p.full_tensor() for n, p in net.named_parameters()}
+    grads = {}
+    for step in range(2):  # step 1's flush reports the update of step 0
+        loss = net(batch(rank, step)).square().mean()
+        loss.backward()
+        monitor.step(loss)
+        if step == 0:
+            grads = {n: p.grad.full_tensor() for n, p in net.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+    after = {n: p.full_tensor() for n, p in net.named_parameters()}
+    res = {"before": before, "after": after, "grads": grads}
+    res["snapshot"] = monitor.snapshot().to_dict()
+    monitor.detach()
+    return res
+
+
 def scenario_fsdp_nan(rank: int, out: Path, aggregate: bool) -> dict:
     """FSDP2: a NaN in rank 1's shard of one gradient at step 1 (rank 0's shard is clean)."""
     net = _fsdp_net()
@@ -311,6 +336,7 @@ SCENARIOS = {
     "ddp_stats": scenario_ddp_stats,
     "ddp_nan": scenario_ddp_nan,
     "fsdp_stats": scenario_fsdp_stats,
+    "fsdp_opt": scenario_fsdp_opt,
     "fsdp_nan": lambda r, o: scenario_fsdp_nan(r, o, aggregate=True),
     "fsdp_nan_local": lambda r, o: scenario_fsdp_nan(r, o, aggregate=False),
     "swap": lambda r, o: scenario_swap(r, o, aggregate=True),
@@ -461,21 +487,38 @@ def test_packing_two_simulated_ranks_matches_combine_stats():
     heads = [torch.randn(2, 9, generator=gen, dtype=torch.float64) for _ in range(WORLD)]
     heads[1][0, 5] = float("nan")  # a NaN max logit on rank 1 only
     order = [torch.tensor(7.0, dtype=torch.float64), torch.tensor(math.inf, dtype=torch.float64)]
+    # optimizer sums of a sharded and a replicated parameter
+    opt = [torch.rand(2, 4, generator=gen, dtype=torch.float64) for _ in range(WORLD)]
+    opt[1][1] = opt[0][1]
     layout = [
         ("attn/x/heads", (2, 9)),
         ("grad_table/0", (3, ts.N_STATS)),
         ("nonfinite_first/0", ()),
+        ("opt/sums", (2, 4)),
     ]
-    ops = torch.cat([element_ops(k, s, roles) for k, s in layout])
+    row_roles = {"grad_table": roles, "opt": [SHARD, REPLICA]}
+    ops = torch.cat([element_ops(k, s, row_roles) for k, s in layout])
     plan = _Plan(ops, torch.device("cpu"))
     bufs = [
-        plan.pack(torch.cat([heads[r].reshape(-1), tables[r].reshape(-1), order[r].reshape(1)]))
+        plan.pack(
+            torch.cat(
+                [
+                    heads[r].reshape(-1),
+                    tables[r].reshape(-1),
+                    order[r].reshape(1),
+                    opt[r].reshape(-1),
+                ]
+            )
+        )
         for r in range(WORLD)
     ]
     s = bufs[0][0] + bufs[1][0]
     m = torch.maximum(bufs[0][1], bufs[1][1])  # a MAX all-reduce that drops NaN is fine too
     out = plan.unpack(s, m, WORLD)
-    got_heads, got_table, got_order = out[:18].view(2, 9), out[18:-1].view(3, -1), out[-1]
+    got_heads, got_table = out[:18].view(2, 9), out[18 : 18 + 3 * ts.N_STATS].view(3, -1)
+    got_order, got_opt = out[18 + 3 * ts.N_STATS], out[-8:].view(2, 4)
+    assert torch.equal(got_opt[0], opt[0][0] + opt[1][0])  # shard sums add
+    assert torch.equal(got_opt[1], opt[0][1])  # the replica's: not doubled
 
     want = ts.combine_stats(tables[0].clone(), tables[1])
     assert torch.equal(got_table[[0, 2]], want[[0, 2]])
@@ -580,6 +623,23 @@ def test_fsdp2_shard_statistics_aggregate_to_the_full_gradient(runs):
         norm = math.sqrt(sum(g.double().square().sum().item() for g in full.values()))
         assert _value(snap, "grad_norm") == pytest.approx(norm, rel=1e-7)  # squares in fp32
         assert _value(snap, "grad_norm_max") == _value(snap, "grad_norm")
+
+
+def test_fsdp2_optimizer_update_ratios_of_shards_match_the_full_parameters(runs):
+    res = _ok(runs["fsdp_opt"])
+    before, after, grads = res[0]["before"], res[0]["after"], res[0]["grads"]
+    for r in range(WORLD):
+        snap = res[r]["snapshot"]
+        errors = [m for m in snap["metrics"] if m["name"] == "monitor_errors_total"]
+        assert errors and not [m for m in errors if m["value"]]
+        for name, w in after.items():
+            update = (w - before[name]).double()
+            want = (update.norm() / w.double().norm()).item()
+            got = _value(snap, "optimizer_update_ratio", param=name)
+            assert got == pytest.approx(want, rel=1e-5), name
+            moved = grads[name] != 0
+            absorbed = (moved & (update == 0)).sum().item() / max(moved.sum().item(), 1)
+            assert _value(snap, "optimizer_absorbed_fraction", param=name) == absorbed
 
 
 def test_fsdp2_spectral_norms_of_shards_match_svd_of_full_weights(runs):

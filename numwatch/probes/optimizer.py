@@ -12,6 +12,7 @@ latest update measured before it: at a step-closing flush, the previous step's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,10 +20,13 @@ import torch
 from torch import nn
 
 from numwatch.config import OptimizerProbeConfig
+from numwatch.distributed import local_tensor
 from numwatch.probes.base import ProbeContext
 from numwatch.snapshot import MetricRecord
 
 __all__ = ["OptimizerProbe"]
+
+_TINY = torch.finfo(torch.float64).tiny
 
 
 class OptimizerProbe:
@@ -52,8 +56,9 @@ class OptimizerProbe:
         self._taken: list[int] = []
         self._cursor = 0  # the next parameter to measure (rotating sample)
         self._measured: set[int] = set()
-        self._ratio: torch.Tensor | None = None  # (n,) float64 of the last sampled update
-        self._absorbed: torch.Tensor | None = None
+        # (n, 4) float64 of each parameter's latest sampled update: sum of update^2, of
+        # weight^2, number of elements with a non-zero gradient, and of those whose weight moved
+        self._sums: torch.Tensor | None = None
         self._scale_prev: torch.Tensor | None = None
         self._index_cache: dict[tuple[Any, ...], torch.Tensor] = {}
         self._drops: torch.Tensor | None = None
@@ -96,7 +101,7 @@ class OptimizerProbe:
             size += nbytes
         self._cursor = (taken[-1] + 1) % n if taken else self._cursor
         self._taken = sorted(taken)
-        self._before = [self.params[i][1].detach().clone() for i in self._taken]
+        self._before = [local_tensor(self.params[i][1]).detach().clone() for i in self._taken]
 
     @torch.no_grad()
     def _measure(self) -> None:
@@ -104,14 +109,15 @@ class OptimizerProbe:
         self._loss_scale()
         if self._before is None or not self._taken:
             return
-        params = [self.params[i][1].detach() for i in self._taken]
-        grads = [self.params[i][1].grad for i in self._taken]
+        # FSDP2 parameters are DTensors: each rank measures its shard; the per-parameter sums
+        # below add up across ranks at flush (numwatch/distributed.py, key 'opt/sums').
+        params = [local_tensor(self.params[i][1]).detach() for i in self._taken]
+        grads = [local_tensor(self.params[i][1].grad) for i in self._taken]
         f32 = torch.float32
         updates = torch._foreach_sub(params, self._before)
         self._before = None
         u_norm = torch.stack(torch._foreach_norm(updates, 2, dtype=f32)).double()
         w_norm = torch.stack(torch._foreach_norm(params, 2, dtype=f32)).double()
-        ratio = u_norm / w_norm.clamp_min(torch.finfo(torch.float64).tiny)
         # Multi-tensor ops only (a handful of launches for any number of parameters):
         # sign(|g|) marks moved elements, sign(|g|) * sign(|u|) those whose weight changed.
         moved = torch._foreach_abs(grads)
@@ -122,14 +128,12 @@ class OptimizerProbe:
         torch._foreach_mul_(changed, moved)
         n_moved = torch.stack(torch._foreach_norm(moved, 1, dtype=f32)).double()
         n_changed = torch.stack(torch._foreach_norm(changed, 1, dtype=f32)).double()
-        absorbed = (n_moved - n_changed) / n_moved.clamp_min(1.0)
-        n = len(self.params)
-        index = self._index(ratio.device)
-        if self._ratio is None or self._ratio.device != ratio.device:
-            self._ratio = torch.full((n,), float("nan"), dtype=torch.float64, device=ratio.device)
-            self._absorbed = torch.full_like(self._ratio, float("nan"))
-        self._ratio.index_copy_(0, index, ratio)  # each parameter keeps its latest measurement
-        self._absorbed.index_copy_(0, index, absorbed)
+        sums = torch.stack([u_norm.square(), w_norm.square(), n_moved, n_changed], dim=1)
+        index = self._index(sums.device)
+        if self._sums is None or self._sums.device != sums.device:
+            n = len(self.params)
+            self._sums = torch.full((n, 4), float("nan"), dtype=torch.float64, device=sums.device)
+        self._sums.index_copy_(0, index, sums)  # each parameter keeps its latest measurement
         self._measured.update(self._taken)
 
     def _index(self, device: torch.device) -> torch.Tensor:
@@ -157,8 +161,8 @@ class OptimizerProbe:
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         out = {}
-        if self._ratio is not None and self._absorbed is not None:
-            out["opt/ratio"], out["opt/absorbed"] = self._ratio, self._absorbed
+        if self._sums is not None:
+            out["opt/sums"] = self._sums
         if self._scale_prev is not None:
             out["opt/scale"], out["opt/drops"] = self._scale_prev, self._drops
         return out
@@ -168,12 +172,15 @@ class OptimizerProbe:
             MetricRecord("optimizer_lr", {"group": str(g)}, float(group["lr"]))
             for g, group in enumerate(self.optimizer.param_groups)
         ]
-        if "opt/ratio" in host:
-            ratio, absorbed = host["opt/ratio"].tolist(), host["opt/absorbed"].tolist()
+        if "opt/sums" in host:
+            sums = host["opt/sums"].tolist()
             for i in sorted(self._measured):
+                u_sq, w_sq, moved, changed = sums[i]
                 labels = {"param": self.params[i][0]}
-                out.append(MetricRecord("optimizer_update_ratio", labels, ratio[i]))
-                out.append(MetricRecord("optimizer_absorbed_fraction", labels, absorbed[i]))
+                ratio = math.sqrt(u_sq / max(w_sq, _TINY))  # RMS ratio = norm ratio
+                out.append(MetricRecord("optimizer_update_ratio", labels, ratio))
+                absorbed = (moved - changed) / max(moved, 1.0)
+                out.append(MetricRecord("optimizer_absorbed_fraction", labels, absorbed))
         if "opt/scale" in host:
             out.append(MetricRecord("loss_scale", {}, float(host["opt/scale"])))
             out.append(MetricRecord("loss_scale_drops_total", {}, float(host["opt/drops"])))
