@@ -8,7 +8,9 @@ non-finite or more than twice the median of the previous 50 losses. Lead time = 
 
 from __future__ import annotations
 
+import argparse
 import gzip
+import json
 import math
 import shutil
 import statistics
@@ -141,3 +143,50 @@ def run(
     }
     print(name, summary, flush=True)
     return summary
+
+
+def add_arguments(p: argparse.ArgumentParser, *, lr: float, warmup: int, runs: str) -> None:
+    """The options every reproduction takes (a CPU-scale setting by default)."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--settle", type=int, default=20)
+    p.add_argument("--flush-every", type=int, default=10)
+    p.add_argument("--max-seconds", type=float, default=300.0, help="per run")
+    p.add_argument("--runs", default=runs)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+
+
+def run_all(args: argparse.Namespace, plans: dict[str, dict[str, Any]], benchmark: str) -> None:
+    """Train the runs named by ``--runs`` (keyword arguments of ``run`` in ``plans``) and write
+    the report after every run, so partial results survive a time limit."""
+    out = Path(args.out)
+    logdir = out.with_suffix("")
+    logdir.mkdir(parents=True, exist_ok=True)
+    s = Setting(
+        device=args.device,
+        preset=args.preset,
+        batch=args.batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        settle=args.settle,
+        seed=args.seed,
+        flush_every=args.flush_every,
+        max_seconds=args.max_seconds,
+        logdir=logdir,
+    )
+    report: dict[str, Any] = {
+        "benchmark": benchmark,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "settings": vars(args),
+        "divergence_definition": DIVERGENCE,
+        "runs": {},
+    }
+    for name in args.runs.split(","):
+        report["runs"][name] = run(name, s, **plans[name])
+        out.write_text(json.dumps(report, indent=2))

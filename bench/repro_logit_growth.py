@@ -25,11 +25,8 @@ Divergence and lead time are defined in bench/_repro.py.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-import torch
-from _repro import DIVERGENCE, Setting, run
+from _repro import add_arguments, run_all
 
 
 def mitigation_rules(kind: str, tau: float) -> list[dict]:
@@ -59,38 +56,11 @@ def mitigation_rules(kind: str, tau: float) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=0.05)
+    add_arguments(p, lr=0.05, warmup=5, runs="control,unstable,mitigated")
     p.add_argument("--safe-lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--settle", type=int, default=20)
     p.add_argument("--mitigation", choices=("qk_clip", "spike"), default="qk_clip")
     p.add_argument("--tau", type=float, default=100.0)
-    p.add_argument("--flush-every", type=int, default=10)
-    p.add_argument("--max-seconds", type=float, default=300.0, help="per run")
-    p.add_argument("--runs", default="control,unstable,mitigated")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
     args = p.parse_args()
-
-    out = Path(args.out)
-    logdir = out.with_suffix("")
-    logdir.mkdir(parents=True, exist_ok=True)
-    s = Setting(
-        device=args.device,
-        preset=args.preset,
-        batch=args.batch,
-        steps=args.steps,
-        warmup=args.warmup,
-        settle=args.settle,
-        seed=args.seed,
-        flush_every=args.flush_every,
-        max_seconds=args.max_seconds,
-        logdir=logdir,
-    )
     plans = {
         "control": {"lr": args.safe_lr, "act": False},
         "unstable": {"lr": args.lr, "act": False},
@@ -100,17 +70,7 @@ def main() -> None:
             "add_rules": mitigation_rules(args.mitigation, args.tau),
         },
     }
-    report = {
-        "benchmark": "instability reproduction: warning lead time, false alarms, mitigation",
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "torch": torch.__version__,
-        "settings": vars(args),
-        "divergence_definition": DIVERGENCE,
-        "runs": {},
-    }
-    for name in args.runs.split(","):
-        report["runs"][name] = run(name, s, **plans[name])
-        out.write_text(json.dumps(report, indent=2))  # after every run: partial results survive
+    run_all(args, plans, "instability reproduction: warning lead time, false alarms, mitigation")
 
 
 if __name__ == "__main__":

@@ -22,60 +22,20 @@ Divergence and lead time are defined in bench/_repro.py.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-import torch
-from _repro import DIVERGENCE, Setting, run
+from _repro import add_arguments, run_all
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--settle", type=int, default=20)
-    p.add_argument("--flush-every", type=int, default=10)
-    p.add_argument("--max-seconds", type=float, default=300.0, help="per run")
-    p.add_argument("--runs", default="paper_repro,stabilized,mitigated")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
+    add_arguments(p, lr=0.01, warmup=20, runs="paper_repro,stabilized,mitigated")
     args = p.parse_args()
-
-    out = Path(args.out)
-    logdir = out.with_suffix("")
-    logdir.mkdir(parents=True, exist_ok=True)
-    s = Setting(
-        device=args.device,
-        preset=args.preset,
-        batch=args.batch,
-        steps=args.steps,
-        warmup=args.warmup,
-        settle=args.settle,
-        seed=args.seed,
-        flush_every=args.flush_every,
-        max_seconds=args.max_seconds,
-        logdir=logdir,
-    )
     plans = {
-        "paper_repro": {"kernel": "paper_repro", "act": False},
-        "stabilized": {"kernel": "stabilized", "act": False},
-        "mitigated": {"kernel": "paper_repro", "act": True},
+        "paper_repro": {"lr": args.lr, "kernel": "paper_repro", "act": False},
+        "stabilized": {"lr": args.lr, "kernel": "stabilized", "act": False},
+        "mitigated": {"lr": args.lr, "kernel": "paper_repro", "act": True},
     }
-    report = {
-        "benchmark": "paper mechanism: BF16-accumulating flash attention vs stabilized kernel",
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "torch": torch.__version__,
-        "settings": vars(args),
-        "divergence_definition": DIVERGENCE,
-        "runs": {},
-    }
-    for name in args.runs.split(","):
-        report["runs"][name] = run(name, s, lr=args.lr, **plans[name])
-        out.write_text(json.dumps(report, indent=2))  # after every run: partial results survive
+    run_all(args, plans, "paper mechanism: BF16-accumulating flash attention vs stabilized kernel")
 
 
 if __name__ == "__main__":

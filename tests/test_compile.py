@@ -47,16 +47,6 @@ def _run(compiled: bool, steps: int, make_monitor) -> tuple[numwatch.Monitor, li
     return monitor, frames
 
 
-@pytest.fixture
-def make_monitor(tmp_path):
-    def make(model, **overrides):
-        overrides.setdefault("sinks__console__enabled", False)
-        overrides.setdefault("sinks__jsonl__path", str(tmp_path / "run.jsonl"))
-        return numwatch.Monitor(model, **overrides)
-
-    return make
-
-
 def test_compiled_model_is_monitored_like_the_eager_one(make_monitor):
     torch._dynamo.reset()
     compiled, frames = _run(True, 8, make_monitor)

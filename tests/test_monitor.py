@@ -17,16 +17,6 @@ from numwatch.sinks.jsonl import read_jsonl
 from numwatch.testing import planted_tensor, requires_gpu
 
 
-@pytest.fixture
-def make_monitor(tmp_path):
-    def make(model, **overrides):
-        overrides.setdefault("sinks__console__enabled", False)
-        overrides.setdefault("sinks__jsonl__path", str(tmp_path / "run.jsonl"))
-        return numwatch.Monitor(model, **overrides)
-
-    return make
-
-
 class Emit(nn.Module):
     """Returns whatever it was told to, ignoring its input: planted forward outputs."""
 

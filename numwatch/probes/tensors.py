@@ -1,9 +1,10 @@
 """Tensor probe: statistics of gradients (per parameter) and forward outputs (per module).
 
 Gradients are read at step time, after every backward of the step has accumulated into
-``.grad``; post-accumulate-grad hooks only record the backward order (used to name the first
-parameter whose gradient went non-finite). Forward outputs are read in forward hooks on sampled
-steps. Either way the statistics are merged into device-side tables; the host reads them at flush.
+``.grad``; post-accumulate-grad hooks only learn the backward order (used to name the first
+parameter whose gradient went non-finite), on one step per flush window. Forward outputs are
+read in forward hooks that exist on sampled steps only. Either way the statistics end up in
+device-side tables; the host reads them at flush.
 """
 
 from __future__ import annotations
