@@ -4,7 +4,9 @@ Configurations alternate in one process (rounds x configs), every step is timed 
 device syncs, and each configuration reports the median and the mean over all its timed steps
 (the median as the issues ask; the mean includes the steps that sample probes or flush), and the
 overhead of each round's median against the baseline block of the same round (their median and
-spread: the machine's drift cancels, and the spread says how far a figure can be trusted):
+spread: the machine's drift cancels, and the spread says how far a figure can be trusted), and
+the host time to issue a step (before the closing sync), whose difference to the baseline is the
+monitor's host cost per step:
 
 - ``baseline``: no numwatch;
 - ``default``: numwatch with its default configuration;
@@ -162,6 +164,9 @@ def main() -> None:
     times: dict[str, list[float]] = {n: [] for n in names}
     per_round: dict[str, list[float]] = {n: [] for n in names}  # each round's median step
     overhead_host: dict[str, list[float]] = {n: [] for n in names}
+    # Host time to issue a step (no sync at its end): less noisy than the step time, and what
+    # the monitor adds when the host, not the GPU, sets the pace.
+    host: dict[str, list[float]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as logdir, ExitStack() as stack:
         monitors = {
             name: numwatch.Monitor(
@@ -190,8 +195,10 @@ def main() -> None:
                         sync()
                         t0 = time.perf_counter()
                         step(monitor)
+                        issued = time.perf_counter()
                         sync()
                         block.append(time.perf_counter() - t0)
+                        host[name].append(issued - t0)
                     times[name] += block
                     per_round[name].append(statistics.median(block))
                     if monitor is not None and monitor.snapshot() is not None:
@@ -223,6 +230,12 @@ def main() -> None:
             "p90_ms": ts[(9 * len(ts)) // 10] * 1e3,
             "steps": len(ts),
             "overhead_vs_baseline": (med / base - 1) if base else None,
+            "host_issue_median_ms": statistics.median(host[name]) * 1e3,
+            "host_issue_overhead_ms": (
+                (statistics.median(host[name]) - statistics.median(host["baseline"])) * 1e3
+                if "baseline" in host
+                else None
+            ),
             "round_overheads": ratios,
             "round_overhead_median": statistics.median(ratios) if ratios else None,
             "monitor_host_seconds_per_step": (

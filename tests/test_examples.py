@@ -41,6 +41,7 @@ def test_overhead_benchmark_harness(tmp_path):
     assert report["results"]["default"]["steps"] == 2
     assert len(report["results"]["default"]["round_overheads"]) == 1
     assert report["results"]["baseline"]["round_overheads"] == [0.0]
+    assert report["results"]["baseline"]["host_issue_overhead_ms"] == 0.0
 
 
 @pytest.mark.parametrize("script", ["hf_trainer", "lightning_train"])
