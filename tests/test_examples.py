@@ -44,6 +44,19 @@ def test_overhead_benchmark_harness(tmp_path):
     assert report["results"]["baseline"]["host_issue_overhead_ms"] == 0.0
 
 
+def test_step_profile_harness(tmp_path):
+    out = tmp_path / "profile.json"
+    args = f"--preset tiny --device cpu --steps 3 --out {out}"
+    cmd = [sys.executable, str(ROOT / "bench" / "profile_step.py"), *args.split()]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"baseline", "default", "gradients_only"}
+    assert results["baseline"]["monitor_step_host_ms"] is None
+    assert results["default"]["monitor_step_host_ms"] > 0
+    assert results["default"]["table_builds"] == 0  # the CPU path builds no tables
+    assert "function calls" in (tmp_path / "profile.cprofile.txt").read_text()
+
+
 @pytest.mark.parametrize("script", ["hf_trainer", "lightning_train"])
 def test_framework_examples_train_with_the_monitor(tmp_path, script):
     pytest.importorskip("transformers" if script == "hf_trainer" else "lightning")
