@@ -288,7 +288,8 @@ class MonitorConfig(_Section):
     kernel_backend: Literal["auto", "torch", "triton"] = Field(
         "auto",
         description="'triton' = fused Triton kernels, 'torch' = reference ops, 'auto' = Triton "
-        "on CUDA tensors and torch elsewhere.",
+        "on CUDA tensors, torch elsewhere (tensor statistics of CPU tensors: a short path for "
+        "tensors without NaN/Inf).",
     )
     underflow_dtype: Literal["float16", "bfloat16", "float32"] | None = Field(
         None,

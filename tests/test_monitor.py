@@ -559,7 +559,11 @@ def test_hooks_and_steps_do_no_host_sync(make_monitor):
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = make_monitor(model, flush_every=4, activations__every=1).attach(opt)
+    # The device-agnostic torch path: the CPU path of tensor_stats reads values back on purpose
+    # (on a CPU that waits for nothing); GPUs run the Triton kernel (test below).
+    monitor = make_monitor(
+        model, flush_every=4, activations__every=1, kernel_backend="torch"
+    ).attach(opt)
     train_steps(model, monitor, 1, opt=opt)  # first step builds tables and index caches
     with SyncCounter() as counter:
         for _ in range(2):  # steps 1 and 2: no flush

@@ -172,9 +172,9 @@ class GradientProbe:
             self._plans[key] = plan
         measured = []
         for entry in plan:
-            device, indices, rows, _, names = entry
+            _, indices, rows, _, names = entry
             tensors = [grads[i] for i in indices]  # table order
-            stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend_for(device))
+            stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend)
             first = self.ctx.tracker.reserve("backward", "param", names, self.ctx.step)
             measured.append((entry, stats, first))
             self.step_stats.append((rows, stats))
@@ -388,7 +388,7 @@ class ActivationProbe:
         for device, items in groups.items():
             indices = [i for i, _ in items]
             tensors = [t for _, t in items]
-            stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend_for(device))
+            stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend)
             names = tuple(self.modules[i][0] for i in indices)
             first = self.ctx.tracker.reserve("forward", "module", names, self.ctx.step)
             order = torch.arange(len(items), dtype=torch.float64, device=device) + first

@@ -214,6 +214,31 @@ def test_cached_table_follows_tensors_that_moved(monkeypatch: pytest.MonkeyPatch
     assert len(builds) <= 1  # 0 when an earlier test left this layout in the cache
 
 
+@pytest.mark.parametrize("underflow", [None, torch.float16], ids=str)
+def test_cpu_path_equals_the_reference(underflow) -> None:
+    """The CPU path (a short path for tensors without NaN/Inf) gives the reference's rows: counts
+    and extremes bitwise, sums up to float64 rounding order; planted tensors (with NaN/Inf) and
+    finite ones of every dtype, with subnormals and zeros."""
+    g = torch.Generator().manual_seed(11)
+    tensors = []
+    for i, dtype in enumerate([*KERNEL_DTYPES, torch.float32, torch.float64, torch.bfloat16]):
+        x, _ = _planted(dtype, 1500 + 37 * i, seed=i)
+        tensors.append(x)
+    for dtype in [*KERNEL_DTYPES, torch.float64]:  # finite: the short path
+        x = torch.randn(3000, generator=g).to(dtype)
+        x[:7] = 0.0
+        x[7:12] = _subnormal(dtype)
+        x[12:15] = -torch.finfo(torch.float16).tiny / 8  # below fp16's smallest normal
+        tensors.append(x)
+    tensors.insert(3, torch.empty(0))
+    tensors.append(torch.full((4,), float("nan")))  # no finite value
+    got = ts.tensor_stats_cpu(tensors, underflow)
+    want = tensor_stats_reference(tensors, underflow)
+    assert torch.equal(got[:, EXACT], want[:, EXACT])
+    torch.testing.assert_close(got[:, [SUM, SUMSQ]], want[:, [SUM, SUMSQ]], rtol=1e-12, atol=0)
+    assert tensor_stats(tensors, underflow, backend="auto").equal(got)  # the CPU default
+
+
 def test_sum_accuracy_float64_oracle_many_programs() -> None:
     """A small launch shape forces many programs and a multi-step finalize."""
     cfg = ts._Config(block=64, num_warps=1, min_iters=2, target_chunks=8, final_block=4)
