@@ -5,7 +5,7 @@ the *finite* values only, so one NaN does not erase the rest of the picture; the
 are counted separately. Counts are exact (float64 holds integers up to 2**53).
 
 ``tensor_stats`` is what the probes call. ``tensor_stats_reference`` is the pure-torch
-implementation: the CPU path and the oracle of the fused kernel.
+implementation: the oracle of the fused kernel and of ``tensor_stats_cpu``, the CPU path.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ __all__ = [
     "combine_stats",
     "empty_stats",
     "tensor_stats",
+    "tensor_stats_cpu",
     "tensor_stats_reference",
 ]
 
@@ -686,9 +687,10 @@ def tensor_stats(
     """Statistics of each tensor (see ``tensor_stats_reference``) with the chosen backend.
 
     ``backend``: ``"torch"`` (reference), ``"triton"`` (fused kernel; on a CPU only under
-    ``TRITON_INTERPRET=1``), ``"auto"`` (the fused kernel on CUDA when triton is installed, the
-    reference elsewhere). Returns ``(len(tensors), N_STATS)`` float64 on the tensors' device
-    without a host sync. The kernel's sums accumulate in fp32 within a program (at most 2**24
+    ``TRITON_INTERPRET=1``), ``"auto"`` (the fused kernel on CUDA when triton is installed,
+    ``tensor_stats_cpu`` on a CPU, the reference elsewhere). Returns ``(len(tensors), N_STATS)``
+    float64 on the tensors' device, without a host sync except on the CPU path (where reading a
+    value waits for nothing). The kernel's sums accumulate in fp32 within a program (at most 2**24
     elements) and in float64 across programs; its counts, extremes and numel are exact.
     """
     if backend not in ("auto", "torch", "triton"):
