@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from .host_copy import to_device
+
 __all__ = ["PowerIteration", "head_views", "power_iteration_reference", "qk_logit_bound"]
 
 
@@ -346,7 +348,7 @@ def _build_plan(entries: Sequence[_Entry], device: torch.device, cfg: _Config) -
             (_DTYPES[fmt], base1, len(tiles1) - base1, base2, len(tiles2) - base2, align)
         )
     columns = [[mat[j] for mat in mats] for j in range(5)]
-    host = torch.tensor(
+    table = to_device(
         [x for col in columns for x in col]
         + vp_off
         + n_seg
@@ -354,10 +356,9 @@ def _build_plan(entries: Sequence[_Entry], device: torch.device, cfg: _Config) -
         + n_t2
         + [t[j] for j in range(5) for t in tiles1]
         + [t[j] for j in range(3) for t in tiles2],
-        dtype=torch.int64,
+        torch.int64,
+        device,
     )
-    # pinned + non_blocking: building a table never waits for the GPU
-    table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     return _Plan(table, n_mats, len(tiles1), len(tiles2), vp_size, tuple(launches))
 
 

@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from .host_copy import to_device
+
 __all__ = [
     "ABSMAX",
     "MAX",
@@ -118,6 +120,17 @@ def _one_tensor_stats(x: torch.Tensor, underflow_tiny: float) -> torch.Tensor:
     return row
 
 
+def _check_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    if not tensors:
+        raise ValueError("tensor_stats needs at least one tensor")
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"tensor_stats needs one device, got {device} and {t.device}")
+        if not t.is_floating_point():
+            raise TypeError(f"tensor_stats needs floating-point tensors, got {t.dtype}")
+
+
 def tensor_stats_reference(
     tensors: Sequence[torch.Tensor], underflow_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -127,15 +140,10 @@ def tensor_stats_reference(
     gradients bound for an fp16 all-reduce); ``None`` uses each tensor's own dtype, in which case
     UNDERFLOW equals SUBNORMAL. Empty tensors give the identity row (numel 0).
     """
-    if not tensors:
-        raise ValueError("tensor_stats needs at least one tensor")
+    _check_tensors(tensors)
     device = tensors[0].device
     rows = []
     for t in tensors:
-        if t.device != device:
-            raise ValueError(f"tensor_stats needs one device, got {device} and {t.device}")
-        if not t.is_floating_point():
-            raise TypeError(f"tensor_stats needs floating-point tensors, got {t.dtype}")
         if t.numel() == 0:
             rows.append(empty_stats(1, device)[0])
             continue
@@ -153,9 +161,11 @@ def tensor_stats_reference(
 # the reference.
 
 
-def _finite_row(x: torch.Tensor, total: torch.Tensor, underflow_tiny: float) -> torch.Tensor:
-    """Row of a tensor known to hold only finite values (fp32 or fp64, flat)."""
-    own_tiny = _tiny(x.dtype)
+def _finite_row(
+    x: torch.Tensor, total: torch.Tensor, own_tiny: float, underflow_tiny: float
+) -> torch.Tensor:
+    """Row of a tensor known to hold only finite values (flat, upcast to fp32 or fp64);
+    ``own_tiny`` is the smallest normal of its original dtype."""
     mn, mx = torch.aminmax(x)
     a = x.abs()
     zeros = (x == 0).sum()
@@ -185,14 +195,11 @@ def tensor_stats_cpu(
     """``tensor_stats_reference``'s rows for CPU tensors (sums equal up to float64 rounding
     order), with a short path for tensors without NaN/Inf; it reads values back, so it is for
     the CPU only."""
-    if not tensors:
-        raise ValueError("tensor_stats needs at least one tensor")
+    _check_tensors(tensors)
+    if tensors[0].device.type != "cpu":
+        raise ValueError(f"tensor_stats_cpu needs CPU tensors, got {tensors[0].device}")
     rows = []
     for t in tensors:
-        if t.device.type != "cpu":
-            raise ValueError(f"tensor_stats_cpu needs CPU tensors, got {t.device}")
-        if not t.is_floating_point():
-            raise TypeError(f"tensor_stats needs floating-point tensors, got {t.dtype}")
         x = t.detach().reshape(-1)
         total = x.sum(dtype=torch.float64)
         if x.numel() == 0 or not math.isfinite(total.item()):
@@ -202,10 +209,7 @@ def tensor_stats_cpu(
         if x.dtype not in (torch.float32, torch.float64):
             x = x.float()  # exact for bf16/fp16/fp8
         uf = _tiny(underflow_dtype) if underflow_dtype is not None else own
-        row = _finite_row(x, total, uf)
-        if own != _tiny(x.dtype):  # bf16/fp16/fp8: subnormal in its own dtype
-            row[SUBNORMAL] = ((x.abs() < own).sum() - (x == 0).sum()).double()
-        rows.append(row)
+        rows.append(_finite_row(x, total, own, uf))
     return torch.stack(rows)
 
 
@@ -571,13 +575,11 @@ def _build_plan(
         launches[-1][2] += n_chunks[j]
         launches[-1][3] &= t.data_ptr() % 16 == 0
     out_row = [row for row, _ in order]
-    host = torch.tensor(
+    table = to_device(
         [0] * n + numel + iters + first + n_chunks + out_row + chunk_tensor + chunk_start,
-        dtype=torch.int64,
+        torch.int64,
+        device,
     )
-    # pinned + non_blocking: building a table never waits for the GPU (the caching host allocator
-    # keeps the pinned block until the copy has run)
-    table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     return _Plan(
         table,
         len(chunk_tensor),
@@ -608,11 +610,7 @@ def _check_inputs(tensors: Sequence[torch.Tensor], device: torch.device) -> None
             f"tensor_stats backend='triton' runs on CUDA tensors (got {device}); on a CPU it "
             "needs TRITON_INTERPRET=1 (tests), otherwise use backend='torch' or 'auto'"
         )
-    for t in tensors:
-        if t.device != device:
-            raise ValueError(f"tensor_stats needs one device, got {device} and {t.device}")
-        if not t.is_floating_point():
-            raise TypeError(f"tensor_stats needs floating-point tensors, got {t.dtype}")
+    _check_tensors(tensors)
 
 
 def _tensor_stats_triton(

@@ -39,7 +39,6 @@ __all__ = [
     "read_to_host",
     "reduce_by_index",
     "reduce_steps",
-    "to_device",
 ]
 
 INF = float("inf")
@@ -57,14 +56,6 @@ def merge_rows(acc: torch.Tensor, new: torch.Tensor) -> None:
     acc[:, SUM:] += new[:, SUM:]
     a, b = acc[:, _EXTREMES], new[:, _EXTREMES]
     acc[:, _EXTREMES] = torch.where(_min_mask(acc.device), torch.minimum(a, b), torch.maximum(a, b))
-
-
-def to_device(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on ``device`` without waiting for it (pinned, non-blocking copy)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t if device.type == "cpu" else t.to(device)
 
 
 def reduce_steps(stacked: torch.Tensor) -> torch.Tensor:

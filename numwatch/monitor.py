@@ -29,7 +29,6 @@ from numwatch.buffers import (
     NonfiniteOrigin,
     NonfiniteTracker,
     read_to_host,
-    to_device,
 )
 from numwatch.config import MonitorConfig
 from numwatch.distributed import Aggregator
@@ -37,6 +36,7 @@ from numwatch.errors import NumwatchError
 from numwatch.events import Event, EventBus
 from numwatch.guard import Guard
 from numwatch.kernels.flash_attention import flash_attention_fallbacks
+from numwatch.kernels.host_copy import to_device
 from numwatch.probes.attention import AttentionProbe
 from numwatch.probes.base import ProbeContext
 from numwatch.probes.optimizer import OptimizerProbe

@@ -10,7 +10,7 @@ device-side tables; the host reads them at flush.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from operator import attrgetter
 from typing import Any
@@ -24,16 +24,16 @@ from numwatch.buffers import (
     nonfinite_counts,
     reduce_by_index,
     reduce_steps,
-    to_device,
 )
 from numwatch.config import ActivationConfig, GradientConfig
 from numwatch.distributed import is_dtensor, local_tensor
 from numwatch.kernels import tensor_stats as ts
+from numwatch.kernels.host_copy import to_device
 from numwatch.probes.base import ProbeContext
 from numwatch.selection import select_modules, select_parameters
 from numwatch.snapshot import MetricRecord
 
-__all__ = ["ActivationProbe", "GradientProbe", "stat_records"]
+__all__ = ["ActivationProbe", "GradientProbe", "stat_records", "table_records"]
 
 
 def stat_records(
@@ -64,6 +64,29 @@ def stat_records(
         "headroom": r[ts.ABSMAX] / torch.finfo(dtype).max,
     }
     return [MetricRecord(f"{prefix}_{k}", labels, v) for k, v in values.items()]
+
+
+def table_records(
+    prefix: str,
+    label: str,
+    named: Sequence[tuple[str, Any]],
+    merged: torch.Tensor | None,
+    dtypes: Mapping[int, torch.dtype],
+) -> list[MetricRecord]:
+    """``stat_records`` of every row of a merged host table that saw values."""
+    if merged is None:
+        return []
+    out: list[MetricRecord] = []
+    for i, (name, _) in enumerate(named):
+        if merged[i, ts.NUMEL] > 0:
+            out += stat_records(prefix, label, name, merged[i], dtypes[i])
+    return out
+
+
+def _norm_sq(stats: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """Squared norm over the rows of ``stats`` (..., n, N_STATS); NaN where a row has a
+    non-finite count in ``bad`` (..., n), as clip_grad_norm_ would report it."""
+    return stats[..., ts.SUMSQ].sum(-1).masked_fill(bad.sum(-1) > 0, math.nan)
 
 
 _GRAD = attrgetter("grad")
@@ -229,8 +252,7 @@ class GradientProbe:
             firsts = to_device([float(f) for *_, f in items], torch.float64, device)
             orders = rank + firsts[:, None]
             self.ctx.tracker.observe_many(orders.flatten(), bad.flatten())
-            # A non-finite gradient makes the global norm NaN, as in clip_grad_norm_.
-            sq = stacked[:, :, ts.SUMSQ].sum(1).masked_fill(bad.sum(1) > 0, math.nan)
+            sq = _norm_sq(stacked, bad)
             if totals is None:
                 totals = torch.zeros(len(pending), dtype=torch.float64, device=device)
             steps = to_device([k for k, *_ in items], torch.long, totals.device)
@@ -248,8 +270,7 @@ class GradientProbe:
             return None
         total = None
         for _, stats in self.step_stats:
-            bad = nonfinite_counts(stats).sum() > 0
-            part = stats[:, ts.SUMSQ].sum().masked_fill(bad, math.nan)
+            part = _norm_sq(stats, nonfinite_counts(stats))
             total = part if total is None else total + part.to(total.device, non_blocking=True)
         return total
 
@@ -262,11 +283,7 @@ class GradientProbe:
         return out
 
     def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
-        merged = self._tables.merged(host)
-        out: list[MetricRecord] = []
-        for i, (name, _) in enumerate(self.params):
-            if merged is not None and merged[i, ts.NUMEL] > 0:
-                out += stat_records("grad", "param", name, merged[i], self._dtypes[i])
+        out = table_records("grad", "param", self.params, self._tables.merged(host), self._dtypes)
         if "grad_norm_sq_last" in host:
             out.append(MetricRecord("grad_norm", {}, math.sqrt(float(host["grad_norm_sq_last"]))))
             out.append(
@@ -403,11 +420,7 @@ class ActivationProbe:
 
     def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
         merged = self._tables.merged(host)
-        out: list[MetricRecord] = []
-        for i, (name, _) in enumerate(self.modules):
-            if merged is not None and merged[i, ts.NUMEL] > 0:
-                out += stat_records("activation", "module", name, merged[i], self._dtypes[i])
-        return out
+        return table_records("activation", "module", self.modules, merged, self._dtypes)
 
     def reset(self) -> None:
         self._tables.reset()
