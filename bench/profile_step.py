@@ -10,8 +10,9 @@ smaller preset) with the training step of examples/gpt2.py:
 - ``monitor_step_host_ms``: host time inside ``monitor.step``;
 - ``table_builds``: tensor_stats pointer tables built during the timed steps (a build is host
   work that should happen once, not per step);
-- the torch profiler's device-time table of the default configuration's steps and cProfile's
-  hottest functions inside the monitor go to text files beside ``--out``.
+- the torch profiler's device-time table of the default configuration's steps, cProfile's
+  hottest functions of its steps, and cProfile's cumulative view of ``monitor.step`` alone go
+  to text files beside ``--out``.
 
     python bench/profile_step.py --out bench/results/profile_step_h200.json
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import json
 import pstats
@@ -133,6 +135,16 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
             out.with_suffix(".cprofile.txt").write_text(text.getvalue())
+            # the same, inside monitor.step only, by cumulative time: where its host time goes
+            inner_prof = cProfile.Profile()
+            monitor.step = functools.partial(inner_prof.runcall, real_step)
+            for _ in range(args.steps):
+                train_step(model, opt, x, y, monitor)
+            sync()
+            monitor.step = timed_step
+            text = io.StringIO()
+            pstats.Stats(inner_prof, stream=text).sort_stats("cumulative").print_stats(60)
+            out.with_suffix(".monitor_step.cprofile.txt").write_text(text.getvalue())
             acts = [torch.profiler.ProfilerActivity.CPU]
             if on_cuda:
                 acts.append(torch.profiler.ProfilerActivity.CUDA)

@@ -222,7 +222,7 @@ def tensor_stats_cpu(
 # and writes the row. No atomics. One partials launch per storage format, one finalize launch.
 #
 # A program first reads its chunk assuming every value is finite (moments, extremes and the zero /
-# subnormal / underflow counts, about 12 integer and float ops per value); only a chunk that holds
+# subnormal / underflow counts, about 10 integer and float ops per value); only a chunk that holds
 # an Inf or NaN is read a second time with non-finite values excluded and counted by kind.
 #
 # Classification works on the fp32 bit pattern of each value (after an exact upcast), with integer
@@ -321,11 +321,13 @@ if triton is not None:
 
     @triton.jit
     def _fast_tile(
-        bits, mn, mx, s, sq, c_zero, c_own, c_uf, flag, T_OWN, T_UF, SAME_UF: tl.constexpr
+        bits, mn, mx, s, sq, c_zero, c_own, c_uf, T_OWN, T_UF, SAME_UF: tl.constexpr
     ):
-        """Fold one tile as if all its values were finite; any non-finite one sets ``flag < 0``."""
+        """Fold one tile as if all its values were finite. A non-finite value leaves its lane's
+        ``s`` non-finite for good (Inf and NaN absorb every later sum), which is how the caller
+        finds the chunks to read again with no per-value test: bf16 and fp16 tensors are bound by
+        the ALU, not by memory, so every op per value counts."""
         ab = bits & 0x7FFFFFFF
-        flag |= 0x7F7FFFFF - ab
         x = bits.to(tl.float32, bitcast=True)
         s += x
         sq += x * x
@@ -335,7 +337,7 @@ if triton is not None:
         c_own = _count_below(c_own, ab, T_OWN)
         if not SAME_UF:
             c_uf = _count_below(c_uf, ab, T_UF)
-        return mn, mx, s, sq, c_zero, c_own, c_uf, flag
+        return mn, mx, s, sq, c_zero, c_own, c_uf
 
     @triton.jit
     def _accumulate(
@@ -397,8 +399,7 @@ if triton is not None:
         remaining = numel - start
         n_full = tl.minimum(iters, remaining // BLOCK)
         # Fast pass over the full tiles: every column as if all values were finite (zeros,
-        # subnormals and values below the underflow threshold are counted exactly), plus a flag
-        # whose sign bit any non-finite value sets.
+        # subnormals and values below the underflow threshold are counted exactly).
         mn = tl.full([BLOCK], float("inf"), tl.float32)
         mx = tl.full([BLOCK], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
@@ -408,23 +409,23 @@ if triton is not None:
         c_uf = tl.zeros([BLOCK], tl.int32)
         c_nonfin_nan = tl.zeros([BLOCK], tl.int32)
         c_ninf = tl.zeros([BLOCK], tl.int32)
-        flag = tl.zeros([BLOCK], tl.int32)
         for it in range(0, n_full - 1, 2):  # two tiles per step: twice the loads in flight
             b0 = _load_bits(base, start + it * BLOCK + offs, None, FMT, False, ALIGNED)
             b1 = _load_bits(base, start + (it + 1) * BLOCK + offs, None, FMT, False, ALIGNED)
-            mn, mx, s, sq, c_zero, c_own, c_uf, flag = _fast_tile(
-                b0, mn, mx, s, sq, c_zero, c_own, c_uf, flag, T_OWN, T_UF, SAME_UF
+            mn, mx, s, sq, c_zero, c_own, c_uf = _fast_tile(
+                b0, mn, mx, s, sq, c_zero, c_own, c_uf, T_OWN, T_UF, SAME_UF
             )
-            mn, mx, s, sq, c_zero, c_own, c_uf, flag = _fast_tile(
-                b1, mn, mx, s, sq, c_zero, c_own, c_uf, flag, T_OWN, T_UF, SAME_UF
+            mn, mx, s, sq, c_zero, c_own, c_uf = _fast_tile(
+                b1, mn, mx, s, sq, c_zero, c_own, c_uf, T_OWN, T_UF, SAME_UF
             )
         if n_full % 2 == 1:
             b0 = _load_bits(base, start + (n_full - 1) * BLOCK + offs, None, FMT, False, ALIGNED)
-            mn, mx, s, sq, c_zero, c_own, c_uf, flag = _fast_tile(
-                b0, mn, mx, s, sq, c_zero, c_own, c_uf, flag, T_OWN, T_UF, SAME_UF
+            mn, mx, s, sq, c_zero, c_own, c_uf = _fast_tile(
+                b0, mn, mx, s, sq, c_zero, c_own, c_uf, T_OWN, T_UF, SAME_UF
             )
-        # Exact pass, only in a chunk holding Inf or NaN: the full tiles again.
-        if tl.min(flag, 0) < 0:
+        # Exact pass, only in a chunk holding Inf or NaN (a lane whose sum is not finite, as
+        # s - s != 0 finds; an fp32 overflow of finite values also lands here, harmlessly).
+        if tl.max((s - s != 0.0).to(tl.int32), 0) > 0:
             mn = tl.full([BLOCK], float("inf"), tl.float32)
             mx = tl.full([BLOCK], float("-inf"), tl.float32)
             s = tl.zeros([BLOCK], tl.float32)
@@ -689,7 +690,8 @@ def tensor_stats(
     ``tensor_stats_cpu`` on a CPU, the reference elsewhere). Returns ``(len(tensors), N_STATS)``
     float64 on the tensors' device, without a host sync except on the CPU path (where reading a
     value waits for nothing). The kernel's sums accumulate in fp32 within a program (at most 2**24
-    elements) and in float64 across programs; its counts, extremes and numel are exact.
+    elements) and in float64 across programs, so a SUM (SUMSQ) whose fp32 partial passes 3.4e38
+    reads +inf where the reference's float64 does not; its counts, extremes and numel are exact.
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")

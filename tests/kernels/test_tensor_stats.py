@@ -252,6 +252,24 @@ def test_sum_accuracy_float64_oracle_many_programs() -> None:
     assert (row[ZERO].item(), row[MIN].item()) == (1, 0.0)
 
 
+@pytest.mark.parametrize("special", [float("inf"), float("-inf"), float("nan"), 3e38])
+def test_one_special_value_alone_in_a_full_tile(special: float) -> None:
+    """The fast pass finds a chunk to re-read from its lanes' sums alone: a single +Inf, -Inf
+    or NaN must be found; finite values whose fp32 sum overflows (3e38 + 3e38) take the exact
+    pass too and must still count as finite (their SUM is +inf: the documented fp32 limit)."""
+    cfg = ts._Config(block=64, num_warps=1, min_iters=4, target_chunks=2, final_block=4)
+    x = torch.ones(600)
+    x[70] = special
+    if special == 3e38:
+        x[70 + 64] = special  # same lane, next tile: the lane's fp32 sum overflows
+    x = x.to(_device())
+    got = ts._tensor_stats_triton([x], cfg=cfg)
+    if special == 3e38:
+        assert torch.equal(got[:, EXACT].cpu(), tensor_stats_reference([x])[:, EXACT].cpu())
+        assert got[0, SUM].item() == got[0, SUMSQ].item() == math.inf
+    else:
+        _assert_rows_match(got, tensor_stats_reference([x]), [x])
+
 def test_backend_selection_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.tensor([1.0, float("nan")])
     assert torch.equal(tensor_stats([x], backend="auto"), tensor_stats_reference([x]))
