@@ -320,9 +320,7 @@ if triton is not None:
         return count - ((ab - t) >> 31)
 
     @triton.jit
-    def _fast_tile(
-        bits, mn, mx, s, sq, c_zero, c_own, c_uf, T_OWN, T_UF, SAME_UF: tl.constexpr
-    ):
+    def _fast_tile(bits, mn, mx, s, sq, c_zero, c_own, c_uf, T_OWN, T_UF, SAME_UF: tl.constexpr):
         """Fold one tile as if all its values were finite. A non-finite value leaves its lane's
         ``s`` non-finite for good (Inf and NaN absorb every later sum), which is how the caller
         finds the chunks to read again with no per-value test: bf16 and fp16 tensors are bound by

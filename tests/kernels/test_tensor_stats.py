@@ -270,6 +270,7 @@ def test_one_special_value_alone_in_a_full_tile(special: float) -> None:
     else:
         _assert_rows_match(got, tensor_stats_reference([x]), [x])
 
+
 def test_backend_selection_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.tensor([1.0, float("nan")])
     assert torch.equal(tensor_stats([x], backend="auto"), tensor_stats_reference([x]))
