@@ -39,15 +39,26 @@ from gpt2 import GPT, PRESETS, train_step
 import numwatch
 from numwatch.kernels import tensor_stats as ts
 
+_SAMPLED_OFF = {
+    "activations__enabled": False,
+    "attention__enabled": False,
+    "weights__enabled": False,
+    "optimizer__enabled": False,
+}
 CONFIGS = {
     "baseline": None,
     "default": {},
-    "gradients_only": {
-        "activations__enabled": False,
-        "attention__enabled": False,
-        "weights__enabled": False,
-        "optimizer__enabled": False,
+    "gradients_only": _SAMPLED_OFF,
+    # what one sampled step (or one flush) of the defaults costs, every step
+    "flush_every_step": {**_SAMPLED_OFF, "flush_every": 1},
+    "attention_every_step": {**_SAMPLED_OFF, "attention__enabled": True, "attention__every": 1},
+    "activations_every_step": {
+        **_SAMPLED_OFF,
+        "activations__enabled": True,
+        "activations__every": 1,
     },
+    "weights_every_step": {**_SAMPLED_OFF, "weights__enabled": True, "weights__every": 1},
+    "optimizer_every_step": {**_SAMPLED_OFF, "optimizer__enabled": True, "optimizer__every": 1},
 }
 
 
@@ -57,6 +68,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
+    p.add_argument(
+        "--cprofile",
+        default="default",
+        help="configs whose monitor.step gets a cumulative cProfile (comma-separated)",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args()
     out = Path(args.out)
@@ -84,15 +101,17 @@ def main() -> None:
 
     ts._build_plan = counting_build
     results = {}
-    for name, spec in CONFIGS.items():
+    profiled = set(args.cprofile.split(","))
+    inner_profiles = []
+    for name in args.configs.split(","):
+        spec = CONFIGS[name]
         monitor = None
         if spec is not None:
             monitor = numwatch.Monitor(
                 model,
                 sinks__console__enabled=False,
                 sinks__jsonl__enabled=False,
-                flush_every=10_000,  # steady state between flushes: no flush in the window
-                **spec,
+                **{"flush_every": 10_000, **spec},  # by default no flush in the window
             ).attach(opt)
         inner: list[float] = []
         if monitor is not None:
@@ -135,16 +154,6 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
             out.with_suffix(".cprofile.txt").write_text(text.getvalue())
-            # the same, inside monitor.step only, by cumulative time: where its host time goes
-            inner_prof = cProfile.Profile()
-            monitor.step = functools.partial(inner_prof.runcall, real_step)
-            for _ in range(args.steps):
-                train_step(model, opt, x, y, monitor)
-            sync()
-            monitor.step = timed_step
-            text = io.StringIO()
-            pstats.Stats(inner_prof, stream=text).sort_stats("cumulative").print_stats(60)
-            out.with_suffix(".monitor_step.cprofile.txt").write_text(text.getvalue())
             acts = [torch.profiler.ProfilerActivity.CPU]
             if on_cuda:
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -156,9 +165,21 @@ def main() -> None:
                 sort_by="cuda_time_total" if on_cuda else "self_cpu_time_total", row_limit=60
             )
             out.with_suffix(".torchprof.txt").write_text(table)
+        if monitor is not None and name in profiled:
+            # inside monitor.step only, by cumulative time: where its host time goes
+            inner_prof = cProfile.Profile()
+            monitor.step = functools.partial(inner_prof.runcall, real_step)
+            for _ in range(args.steps):
+                train_step(model, opt, x, y, monitor)
+            sync()
+            text = io.StringIO()
+            pstats.Stats(inner_prof, stream=text).sort_stats("cumulative").print_stats(60)
+            inner_profiles.append(f"===== {name}\n{text.getvalue()}")
         if monitor is not None:
             monitor.detach()
     ts._build_plan = build_plan
+    if inner_profiles:
+        out.with_suffix(".monitor_step.cprofile.txt").write_text("\n".join(inner_profiles))
     report = {
         "benchmark": "where a monitored step's time goes",
         "gpu": torch.cuda.get_device_name() if on_cuda else "cpu",
