@@ -1,8 +1,9 @@
 """Where a monitored training step's extra time goes: host time of ``monitor.step`` and of the
 whole step, device time of the monitor's kernels, and the monitor's hot Python functions.
 
-For one configuration at a time (no numwatch, the defaults, gradients only), on GPT-2 (or a
-smaller preset) with the training step of examples/gpt2.py:
+For one configuration at a time (no numwatch, the defaults, gradients only, or one sampled probe
+or the flush every step: what one sampled step of the defaults costs), on GPT-2 (or a smaller
+preset) with the training step of examples/gpt2.py:
 
 - ``step_ms``: wall time of one step between two device syncs (what bench_overhead times);
 - ``host_step_ms``: host time to issue the step (no sync at its end): when it approaches
@@ -10,9 +11,8 @@ smaller preset) with the training step of examples/gpt2.py:
 - ``monitor_step_host_ms``: host time inside ``monitor.step``;
 - ``table_builds``: tensor_stats pointer tables built during the timed steps (a build is host
   work that should happen once, not per step);
-- the torch profiler's device-time table of the default configuration's steps, cProfile's
-  hottest functions of its steps, and cProfile's cumulative view of ``monitor.step`` alone go
-  to text files beside ``--out``.
+- for the configurations named by ``--cprofile``: cProfile of the whole step, cProfile of
+  ``monitor.step`` alone, and the torch profiler's host-time table go to ``<out>.profiles.txt``.
 
     python bench/profile_step.py --out bench/results/profile_step_h200.json
 """
@@ -62,6 +62,40 @@ CONFIGS = {
 }
 
 
+def profile_views(step, monitor, real_step, steps: int, sync, on_cuda: bool) -> str:
+    """Three views of ``steps`` monitored steps: cProfile of the whole step (by own time),
+    cProfile of ``monitor.step`` alone (cumulative), and the torch profiler's table by host
+    time (what a host-bound step pays) with device times beside it."""
+    parts = []
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    sync()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    parts.append("--- whole step, cProfile by own time\n" + text.getvalue())
+    inner = cProfile.Profile()
+    monitor.step = functools.partial(inner.runcall, real_step)
+    for _ in range(steps):
+        step()
+    sync()
+    text = io.StringIO()
+    pstats.Stats(inner, stream=text).sort_stats("cumulative").print_stats(50)
+    parts.append("--- monitor.step, cProfile cumulative\n" + text.getvalue())
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if on_cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as tp:
+        for _ in range(5):
+            step()
+        sync()
+    table = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=50)
+    parts.append("--- torch profiler, 5 steps, by self host time\n" + table)
+    return "\n".join(parts)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt2")
@@ -102,7 +136,7 @@ def main() -> None:
     ts._build_plan = counting_build
     results = {}
     profiled = set(args.cprofile.split(","))
-    inner_profiles = []
+    texts = []
     for name in args.configs.split(","):
         spec = CONFIGS[name]
         monitor = None
@@ -144,42 +178,23 @@ def main() -> None:
             "table_builds": builds,
         }
         print(name, json.dumps(results[name]), flush=True)
-        if name == "default":
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.steps):
-                train_step(model, opt, x, y, monitor)
-            sync()
-            prof.disable()
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
-            out.with_suffix(".cprofile.txt").write_text(text.getvalue())
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if on_cuda:
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
-            with torch.profiler.profile(activities=acts) as tp:
-                for _ in range(5):
-                    train_step(model, opt, x, y, monitor)
-                sync()
-            table = tp.key_averages().table(
-                sort_by="cuda_time_total" if on_cuda else "self_cpu_time_total", row_limit=60
-            )
-            out.with_suffix(".torchprof.txt").write_text(table)
         if monitor is not None and name in profiled:
-            # inside monitor.step only, by cumulative time: where its host time goes
-            inner_prof = cProfile.Profile()
-            monitor.step = functools.partial(inner_prof.runcall, real_step)
-            for _ in range(args.steps):
-                train_step(model, opt, x, y, monitor)
-            sync()
-            text = io.StringIO()
-            pstats.Stats(inner_prof, stream=text).sort_stats("cumulative").print_stats(60)
-            inner_profiles.append(f"===== {name}\n{text.getvalue()}")
+            texts.append(
+                f"===== {name}\n"
+                + profile_views(
+                    functools.partial(train_step, model, opt, x, y, monitor),
+                    monitor,
+                    real_step,
+                    args.steps,
+                    sync,
+                    on_cuda,
+                )
+            )
         if monitor is not None:
             monitor.detach()
     ts._build_plan = build_plan
-    if inner_profiles:
-        out.with_suffix(".monitor_step.cprofile.txt").write_text("\n".join(inner_profiles))
+    if texts:
+        out.with_suffix(".profiles.txt").write_text("\n".join(texts))
     report = {
         "benchmark": "where a monitored step's time goes",
         "gpu": torch.cuda.get_device_name() if on_cuda else "cpu",
