@@ -184,12 +184,15 @@ def _interpreting() -> bool:
 
 
 @contextlib.contextmanager
-def _exact_fp32_matmul() -> Iterator[None]:
-    """fp32 matmuls without TF32 (a user's allow_tf32 would put 1e-3 errors into the oracle)."""
+def _exact_fp32_matmul(device: torch.device) -> Iterator[None]:
+    """fp32 matmuls as written: no TF32 (a user's allow_tf32 would put 1e-3 errors into the
+    oracle) and no autocast (the probe runs inside the user's bf16 autocast forward, which
+    would otherwise run these "fp32" products in bf16)."""
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        yield
+        with torch.autocast(device.type, enabled=False):
+            yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
 
@@ -338,7 +341,7 @@ def _head_stats_torch(
     g = Hq // Hkv
     b_idx, r_idx = _sampled(batch, rows, B, Tq, q.device)
     acc = None
-    with _exact_fp32_matmul():
+    with _exact_fp32_matmul(q.device):
         for bi in range(b_idx.numel()):
             b1 = b_idx[bi : bi + 1]
             qb = q.index_select(0, b1)[0]  # (Hq, Tq, D)
@@ -829,6 +832,39 @@ def attention_head_stats(
     return _head_stats_triton(q, k, mask, is_causal, scale, rows, batch, thr, entropy)
 
 
+def _output_error_whole(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+    batch: torch.Tensor | None,
+    cdt: torch.dtype,
+) -> torch.Tensor:
+    """``attention_output_error`` of calls without a mask or row sampling whose scores fit the
+    memory budget, in one piece: the sampled step of a monitored model makes one such call per
+    layer, and the chunked path's ~60 small ops per call cost ~2.5 ms of host time each (H200
+    host, GPT-2); this takes about 15. No row is fully masked here (causal is top-left aligned).
+    """
+    if batch is not None:
+        q, k, v, out = (x.index_select(0, batch.to(x.device)) for x in (q, k, v, out))
+    with _exact_fp32_matmul(q.device):
+        ref, _ = torch.ops.aten._scaled_dot_product_attention_math(
+            q.to(cdt),
+            k.to(cdt),
+            v.to(cdt),
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    err = (out.to(cdt) - ref).to(torch.float64)
+    dims = (0, 2, 3)
+    count = float(out.shape[0] * out.shape[2] * out.shape[3])
+    sums = [err.sum(dims), err.abs().sum(dims), err.square().sum(dims)]
+    return torch.stack([*sums, torch.full_like(sums[0], count)], -1)
+
+
 def attention_output_error(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -862,12 +898,16 @@ def attention_output_error(
     mask4 = _as_4d(attn_mask)
     scale = _resolve_scale(scale, D)
     cdt = compute_dtype or (torch.float64 if q.device.type == "cpu" else torch.float32)
+    n_b = B if batch is None else batch.numel()
+    whole_bytes = n_b * Hq * Tq * Tk * _TORCH_BYTES_PER_ENTRY * (torch.finfo(cdt).bits // 32)
+    if attn_mask is None and rows is None and whole_bytes <= memory_budget:
+        return _output_error_whole(q, k, v, out, is_causal, scale, batch, cdt)
     g = Hq // Hkv
     b_idx, r_idx = _sampled(batch, rows, B, Tq, q.device)
     acc = torch.zeros(Hq, N_ERR_STATS, dtype=torch.float64, device=q.device)
     # temporaries are counted in fp32 entries: scale the budget by the compute dtype's width
     budget = memory_budget * 4 // (torch.finfo(cdt).bits // 8)
-    with _exact_fp32_matmul():
+    with _exact_fp32_matmul(q.device):
         for bi in range(b_idx.numel()):
             b1 = b_idx[bi : bi + 1]
             qb, ob = q.index_select(0, b1)[0], out.index_select(0, b1)[0]

@@ -64,26 +64,42 @@ class SdpaCall:
         return cls(q, k, v, **known, extra=named)
 
 
+# Per-call results wait in a list until flush (a sampled step costs one append per call, not a
+# merge); a layer's list is folded into one row set when it reaches this length.
+_FOLD_AT = 64
+
+
 @dataclass
 class _LayerStats:
-    heads: torch.Tensor  # (H, N_HEAD_STATS) float64, merged over the window's sampled calls
-    errors: torch.Tensor | None = None  # (H, N_ERR_STATS) float64
+    heads: list[torch.Tensor]  # (H, N_HEAD_STATS) float64 per sampled call
+    errors: list[torch.Tensor] = field(default_factory=list)  # (H, N_ERR_STATS) float64
     calls: int = 0
+
+    def add(self, heads: torch.Tensor, errors: torch.Tensor | None) -> None:
+        self.heads.append(heads)
+        if errors is not None:
+            self.errors.append(errors)
+        self.calls += 1
+        if len(self.heads) >= _FOLD_AT:
+            self.heads = [merge_heads(self.heads)]
+        if len(self.errors) >= _FOLD_AT:
+            self.errors = [torch.stack(self.errors).sum(0)]
 
 
 # Columns merged with max/min; every other column adds.
-_MAX_COLS = (ats.MAX_LOGIT,)
-_MIN_COLS = (ats.MIN_LOGIT, ats.ENTROPY_MIN)
+_MAX_COLS = [ats.MAX_LOGIT]
+_MIN_COLS = [ats.MIN_LOGIT, ats.ENTROPY_MIN]
 
 
-def _merge_heads(acc: torch.Tensor, new: torch.Tensor) -> None:
-    for c in range(ats.N_HEAD_STATS):
-        if c in _MAX_COLS:
-            torch.maximum(acc[:, c], new[:, c], out=acc[:, c])
-        elif c in _MIN_COLS:
-            torch.minimum(acc[:, c], new[:, c], out=acc[:, c])
-        else:
-            acc[:, c] += new[:, c]
+def merge_heads(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Merge per-call (H, N_HEAD_STATS) rows: extremes by max/min, the rest by sum."""
+    if len(rows) == 1:
+        return rows[0]
+    stacked = torch.stack(rows)
+    out = stacked.sum(0)
+    out[:, _MAX_COLS] = stacked[:, :, _MAX_COLS].amax(0)
+    out[:, _MIN_COLS] = stacked[:, :, _MIN_COLS].amin(0)
+    return out
 
 
 class _Interceptor(TorchFunctionMode):
@@ -374,21 +390,17 @@ class AttentionProbe:
 
     def _accumulate(self, layer: str, heads: torch.Tensor, errors: torch.Tensor | None) -> None:
         st = self._stats.get(layer)
-        if st is None or st.heads.shape != heads.shape or st.heads.device != heads.device:
-            st = self._stats[layer] = _LayerStats(heads.clone())
-        else:
-            _merge_heads(st.heads, heads)
-        if errors is not None:
-            st.errors = errors.clone() if st.errors is None else st.errors.add_(errors)
-        st.calls += 1
+        if st is None or st.heads[0].shape != heads.shape or st.heads[0].device != heads.device:
+            st = self._stats[layer] = _LayerStats([])  # the layer changed shape: start over
+        st.add(heads, errors)
 
     # ------------------------------------------------------------------ flush
     def device_tensors(self) -> dict[str, torch.Tensor]:
         out = {}
         for layer, st in self._stats.items():
-            out[f"attn/{layer}/heads"] = st.heads
-            if st.errors is not None:
-                out[f"attn/{layer}/errors"] = st.errors
+            out[f"attn/{layer}/heads"] = merge_heads(st.heads)
+            if st.errors:
+                out[f"attn/{layer}/errors"] = torch.stack(st.errors).sum(0)
         return out
 
     def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:

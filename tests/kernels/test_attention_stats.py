@@ -451,6 +451,52 @@ def test_output_error_planted_offset(device, c):
     assert sampled[:, A.ERR_COUNT].tolist() == [16.0] * 4  # row 4 of batch 1 is masked
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("causal", [False, True])
+def test_output_error_whole_path_equals_the_chunked_path(device, causal):
+    """Calls without mask or row sampling take the one-piece path; a tiny memory budget forces
+    the chunked one. Both measure the same planted error (GQA, odd lengths, Tq != Tk)."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(3, 4, 21, 16, generator=g)
+    k, v = (torch.randn(3, 2, 27, 16, generator=g) for _ in range(2))
+    ref = reference_output(q, k, v, causal=causal)
+    offset = torch.where(torch.rand(ref.shape, generator=g) < 0.7, 0.25, -0.5)
+    out = (ref + offset).to(device)
+    q, k, v = (t.to(device) for t in (q, k, v))
+    whole = A.attention_output_error(q, k, v, out, is_causal=causal).cpu()
+    chunked = A.attention_output_error(q, k, v, out, is_causal=causal, memory_budget=1).cpu()
+    torch.testing.assert_close(whole, chunked, rtol=1e-6, atol=1e-9)
+    assert whole[:, A.ERR_COUNT].tolist() == [3 * 21 * 16.0] * 4
+    per_head = offset.double().sum((0, 2, 3))
+    torch.testing.assert_close(whole[:, A.ERR_SUM], per_head, rtol=1e-6, atol=1e-6)
+    one = A.attention_output_error(q, k, v, out, is_causal=causal, batch=torch.tensor([2])).cpu()
+    torch.testing.assert_close(one[:, A.ERR_SUM], offset[2].double().sum((1, 2)), rtol=1e-6,
+                               atol=1e-6)  # fmt: skip
+
+
+def test_output_error_and_score_stats_ignore_the_users_autocast():
+    """The probe runs inside the user's autocast forward: its fp32 recomputation must not be
+    cast to bf16 (the matmuls of both output-error paths and of the torch statistics)."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(3))
+    out = reference_output(q, k, v, causal=True).float() + 1e-3
+    mask = torch.ones(2, 1, 40, 40, dtype=torch.bool).tril()
+
+    def measure():
+        f32 = torch.float32
+        return (
+            A.attention_output_error(q, k, v, out, is_causal=True, compute_dtype=f32),
+            A.attention_output_error(q, k, v, out, attn_mask=mask, compute_dtype=f32),
+            A.attention_head_stats(q, k, is_causal=True, backend="torch"),
+        )
+
+    plain = measure()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = measure()
+    for a, b in zip(plain, under_autocast, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_output_error_sees_the_cpu_flash_kernels_one_signed_error():
     """DESIGN.md §1: torch's CPU flash SDPA in bf16 on planted sink ties has bias ~ -1, while
     its math backend's error is not one-signed."""
