@@ -47,14 +47,16 @@ def test_overhead_benchmark_harness(tmp_path):
 def test_step_profile_harness(tmp_path):
     out = tmp_path / "profile.json"
     args = f"--preset tiny --device cpu --steps 3 --out {out}"
+    args += " --configs baseline,default,attention_every_step --cprofile attention_every_step"
     cmd = [sys.executable, str(ROOT / "bench" / "profile_step.py"), *args.split()]
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"baseline", "default", "gradients_only"}
+    assert set(results) == {"baseline", "default", "attention_every_step"}
     assert results["baseline"]["monitor_step_host_ms"] is None
     assert results["default"]["monitor_step_host_ms"] > 0
     assert results["default"]["table_builds"] == 0  # the CPU path builds no tables
-    assert "function calls" in (tmp_path / "profile.cprofile.txt").read_text()
+    text = (tmp_path / "profile.profiles.txt").read_text()
+    assert text.startswith("===== attention_every_step") and "monitor.step, cProfile" in text
 
 
 @pytest.mark.parametrize("script", ["hf_trainer", "lightning_train"])
