@@ -253,13 +253,23 @@ def main() -> None:
     save()
     # launch-shape sweep (the work split, hence the last bits of the sums, depends on it)
     sweep = []
+    x_bf16 = x.to(torch.bfloat16).repeat(2)
+    workloads = (
+        ("gpt2_fp32", grads),
+        ("gpt2_bf16", grads_bf16),
+        ("large_fp32", [x]),
+        ("large_bf16", [x_bf16]),
+    )
     for cfg in (
         ts._Config(),
         ts._Config(block=2048, num_warps=8),
-        ts._Config(min_iters=32, target_chunks=2048),
+        ts._Config(block=4096, num_warps=8),
+        ts._Config(block=2048, num_warps=16),
+        ts._Config(block=1024, num_warps=4),
+        ts._Config(min_iters=16, target_chunks=4096),
     ):
         row = {"config": cfg._asdict()}
-        for key, tensors in (("gpt2_fp32", grads), ("gpt2_bf16", grads_bf16), ("large_fp32", [x])):
+        for key, tensors in workloads:
             fn = lambda c=cfg, t=tensors: ts._tensor_stats_triton(t, torch.float16, c)
             row[key + "_gpu_ms"] = measure(fn, reps, device)["gpu_ms"]
         sweep.append(row)

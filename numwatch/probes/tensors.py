@@ -359,6 +359,8 @@ class ActivationProbe:
         self._dtypes: dict[int, torch.dtype] = {}
         self._pending: list[tuple[int, torch.Tensor]] = []  # (module index, output) in order
         self._pending_bytes = 0
+        # device -> (first order number, module indices, stat rows) per measurement
+        self._measured: dict[torch.device, list[tuple[int, list[int], torch.Tensor]]] = {}
         self._plans: dict[tuple[torch.device, tuple[int, ...]], tuple[Any, Any, int]] = {}
 
     def attach(self) -> None:
@@ -372,6 +374,7 @@ class ActivationProbe:
             h.remove()
         self._handles.clear()
         self._pending.clear()
+        self._measured.clear()
 
     def _arm(self) -> None:
         """Module hooks exist only during sampled steps: a hooked module leaves PyTorch's fast
@@ -409,6 +412,8 @@ class ActivationProbe:
         the hooks are armed for the next step if it is sampled."""
         if self._pending:
             self._measure()
+        if self._measured:
+            self._settle()
         if (self.ctx.step + 1) % self.cfg.every == 0:
             self._arm()
         else:
@@ -433,6 +438,9 @@ class ActivationProbe:
 
     @torch.no_grad()
     def _measure(self) -> None:
+        """One fused statistics call per device over the held outputs; the rows wait in
+        ``_measured`` (a GPT-2 forward measures ~11 times under the default memory bound, and
+        merging each time cost ~0.6 ms of host time)."""
         pending, self._pending = self._pending, []
         self._pending_bytes = 0
         groups: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
@@ -441,18 +449,30 @@ class ActivationProbe:
             self._dtypes.setdefault(index, t.dtype)
         for device, items in groups.items():
             indices = [i for i, _ in items]
-            tensors = [t for _, t in items]
-            stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend)
+            stats = ts.tensor_stats(
+                [t for _, t in items], self.ctx.underflow_dtype, self.ctx.backend
+            )
             names = tuple(self.modules[i][0] for i in indices)
             first = self.ctx.tracker.reserve("forward", "module", names, self.ctx.step)
-            order = torch.arange(len(items), dtype=torch.float64, device=device) + first
-            self.ctx.tracker.observe_many(order, nonfinite_counts(stats))
-            rows, seg, n = self._plan(device, indices)
+            self._measured.setdefault(device, []).append((first, indices, stats))
+
+    @torch.no_grad()
+    def _settle(self) -> None:
+        """Merge the measured rows into the tables and the non-finite tracker, per device."""
+        measured, self._measured = self._measured, {}
+        for device, parts in measured.items():
+            stats = torch.cat([st for _, _, st in parts])
+            orders = [float(first + k) for first, idx, _ in parts for k in range(len(idx))]
+            self.ctx.tracker.observe_many(
+                to_device(orders, torch.float64, device), nonfinite_counts(stats)
+            )
+            rows, seg, n = self._plan(device, [i for _, idx, _ in parts for i in idx])
             self._tables[device].add_rows(
                 rows, stats if seg is None else reduce_by_index(stats, seg, n)
             )
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
+        self._settle()
         return self._tables.device_tensors()
 
     def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
