@@ -99,6 +99,9 @@ _LOG2E = 1.4426950408889634
 # Bytes of temporaries per score entry in the chunked torch paths (S, exp, products, masks).
 _TORCH_BYTES_PER_ENTRY = 32
 _DEFAULT_MEMORY_BUDGET = 256 * 2**20
+# Peak bytes per fp32 score entry of the one-piece output error (S and its softmax, with room
+# for one more temporary): a GPT-2 layer's sampled call (12 x 1024 x 1024) fits the budget.
+_WHOLE_BYTES_PER_ENTRY = 16
 
 
 def _fp32(x: float) -> float:
@@ -899,7 +902,7 @@ def attention_output_error(
     scale = _resolve_scale(scale, D)
     cdt = compute_dtype or (torch.float64 if q.device.type == "cpu" else torch.float32)
     n_b = B if batch is None else batch.numel()
-    whole_bytes = n_b * Hq * Tq * Tk * _TORCH_BYTES_PER_ENTRY * (torch.finfo(cdt).bits // 32)
+    whole_bytes = n_b * Hq * Tq * Tk * _WHOLE_BYTES_PER_ENTRY * (torch.finfo(cdt).bits // 32)
     if attn_mask is None and rows is None and whole_bytes <= memory_budget:
         return _output_error_whole(q, k, v, out, is_causal, scale, batch, cdt)
     g = Hq // Hkv
