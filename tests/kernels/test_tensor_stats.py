@@ -252,6 +252,25 @@ def test_sum_accuracy_float64_oracle_many_programs() -> None:
     assert (row[ZERO].item(), row[MIN].item()) == (1, 0.0)
 
 
+def test_bf16_threshold_boundaries() -> None:
+    """bf16 full tiles are read as pairs of values with packed counts: values at and next to
+    each threshold (zero, the smallest subnormal, bf16's and fp16's smallest normals), in both
+    halves of a word and in the per-value tail, must count exactly as the reference does."""
+    tiny16 = 2.0**-14  # fp16's smallest normal, the underflow threshold
+    below16 = torch.tensor(tiny16, dtype=torch.bfloat16).nextafter(torch.tensor(0.0)).item()
+    values = [0.0, -0.0, 2.0**-133, -(2.0**-127), 2.0**-126, -below16, below16, tiny16, -tiny16]
+    cfg = ts._Config(block=64, num_warps=1, min_iters=4, target_chunks=2, final_block=4)
+    x = torch.ones(64 * 9 + 40, dtype=torch.bfloat16)
+    for k, v in enumerate(values):
+        x[k * 67] = v  # odd and even positions, every tile
+        x[-1 - k] = v  # the tail
+    x = x.to(_device())
+    for uf in (torch.float16, None):
+        got = ts._tensor_stats_triton([x], uf, cfg)
+        _assert_rows_match(got, tensor_stats_reference([x], uf), [x])
+    assert got[0, SUBNORMAL].item() == 4 and got[0, ZERO].item() == 4
+
+
 @pytest.mark.parametrize("special", [float("inf"), float("-inf"), float("nan"), 3e38])
 def test_one_special_value_alone_in_a_full_tile(special: float) -> None:
     """The fast pass finds a chunk to re-read from its lanes' sums alone: a single +Inf, -Inf
