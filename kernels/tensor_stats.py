@@ -270,16 +270,6 @@ def _fp32_bits(value: float) -> int:
 
 
 @functools.cache
-def _pair_constant(threshold_bits: int) -> int:
-    """``_count_ge_pairs``'s K for an fp32 threshold, as a signed int32: bf16 values (fp32
-    patterns with 16 zero low bits) are below ``threshold_bits`` iff their top half is below
-    its top half rounded up."""
-    t16 = (threshold_bits + 0xFFFF) >> 16
-    k = ((0x8000 - t16) * 0x10001) & 0xFFFFFFFF
-    return k - (1 << 32) if k >= 1 << 31 else k
-
-
-@functools.cache
 def _threshold_bits(dtype: torch.dtype) -> int:
     """fp32 bit pattern of ``dtype``'s smallest normal; 1 where no fp32 value lies below it."""
     return max(1, _fp32_bits(torch.finfo(dtype).tiny))
@@ -348,71 +338,6 @@ if triton is not None:
         return mn, mx, s, sq, c_zero, c_own, c_uf
 
     @triton.jit
-    def _bf16x2(op: tl.constexpr, a, b):
-        """Per-half min or max of two words each holding two bf16 values (one instruction)."""
-        return tl.inline_asm_elementwise(
-            op + ".bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1
-        )
-
-    @triton.jit
-    def _count_ge_pairs(count, ab2, K):
-        """Two 16-bit counts in one word: ``ab2`` holds two |bf16| bit patterns; adding
-        ``K = (0x8000 - t) * 0x10001`` sets bit 15 (31) exactly where the low (high) half is
-        >= t, with no carry between halves; three integer ops per two values."""
-        return count + (((ab2 + K) >> 15) & 0x10001)
-
-    @triton.jit
-    def _fast_pairs(
-        w, mn, mx, mn2, mx2, s, sq, g_zero, g_own, g_uf, K_OWN, K_UF,
-        SAME_UF: tl.constexpr, ASM: tl.constexpr,
-    ):  # fmt: skip
-        """``_fast_tile`` for bf16 read as 32-bit words of two values: bf16 tensors are bound
-        by the ALU, and pairs need fewer integer ops (unpacking, abs and the counts, which
-        count values >= each threshold, two per word) and, on a GPU, one packed min and max."""
-        x_lo = (w << 16).to(tl.float32, bitcast=True)
-        x_hi = (w & -65536).to(tl.float32, bitcast=True)
-        s += x_lo
-        s += x_hi
-        sq += x_lo * x_lo
-        sq += x_hi * x_hi
-        if ASM:
-            mn2 = _bf16x2("min", mn2, w)
-            mx2 = _bf16x2("max", mx2, w)
-        else:
-            mn = tl.minimum(mn, tl.minimum(x_lo, x_hi))
-            mx = tl.maximum(mx, tl.maximum(x_lo, x_hi))
-        ab2 = w & 0x7FFF7FFF
-        g_zero = _count_ge_pairs(g_zero, ab2, 0x7FFF7FFF)  # t = 1: non-zero
-        g_own = _count_ge_pairs(g_own, ab2, K_OWN)
-        if not SAME_UF:
-            g_uf = _count_ge_pairs(g_uf, ab2, K_UF)
-        return mn, mx, mn2, mx2, s, sq, g_zero, g_own, g_uf
-
-    @triton.jit
-    def _pair_sum(g):
-        return tl.sum(g & 0xFFFF, 0) + tl.sum((g >> 16) & 0xFFFF, 0)
-
-    @triton.jit
-    def _unpack_min(mn, mn2):
-        return tl.minimum(
-            mn,
-            tl.minimum(
-                (mn2 << 16).to(tl.float32, bitcast=True),
-                (mn2 & -65536).to(tl.float32, bitcast=True),
-            ),
-        )
-
-    @triton.jit
-    def _unpack_max(mx, mx2):
-        return tl.maximum(
-            mx,
-            tl.maximum(
-                (mx2 << 16).to(tl.float32, bitcast=True),
-                (mx2 & -65536).to(tl.float32, bitcast=True),
-            ),
-        )
-
-    @triton.jit
     def _accumulate(
         bits, valid, mn, mx, s, sq, c_zero, c_own, c_uf, c_nonfin_nan, c_ninf,
         T_OWN, T_UF, SAME_UF: tl.constexpr, MASKED: tl.constexpr,
@@ -454,13 +379,10 @@ if triton is not None:
         chunk_base,  # first global chunk of this launch
         T_OWN,  # fp32 bits of the own dtype's smallest normal
         T_UF,  # fp32 bits of the underflow dtype's smallest normal
-        K_OWN,  # T_OWN and T_UF as _count_ge_pairs constants (bf16 pairs)
-        K_UF,
         FMT: tl.constexpr,
         SAME_UF: tl.constexpr,
         ALIGNED: tl.constexpr,  # every tensor of this launch starts at a multiple of 16 bytes
         BLOCK: tl.constexpr,
-        ASM: tl.constexpr,  # compiled for a GPU (not the interpreter): packed bf16 min/max
     ):
         row = chunk_base + tl.program_id(0)
         chunk_sec = table_ptr + 6 * n_tensors
@@ -485,33 +407,15 @@ if triton is not None:
         c_uf = tl.zeros([BLOCK], tl.int32)
         c_nonfin_nan = tl.zeros([BLOCK], tl.int32)
         c_ninf = tl.zeros([BLOCK], tl.int32)
-        # bf16 pairs (two tiles as BLOCK words): packed >= counts and bf16x2 extremes
-        PAIRS: tl.constexpr = FMT == 1 and ALIGNED
-        mn2 = tl.full([BLOCK], 0x7F807F80, tl.int32)  # (+inf, +inf)
-        mx2 = tl.full([BLOCK], -8323200, tl.int32)  # 0xFF80FF80: (-inf, -inf)
-        g_zero = tl.zeros([BLOCK], tl.int32)
-        g_own = tl.zeros([BLOCK], tl.int32)
-        g_uf = tl.zeros([BLOCK], tl.int32)
-        pair_values = 0  # values the packed counts cover
         for it in range(0, n_full - 1, 2):  # two tiles per step: twice the loads in flight
-            if PAIRS:
-                words = tl.multiple_of(base.to(tl.pointer_type(tl.int32)), 16)
-                w = tl.load(
-                    words + tl.multiple_of(start // 2 + it * (BLOCK // 2), BLOCK // 2) + offs
-                )
-                mn, mx, mn2, mx2, s, sq, g_zero, g_own, g_uf = _fast_pairs(
-                    w, mn, mx, mn2, mx2, s, sq, g_zero, g_own, g_uf, K_OWN, K_UF, SAME_UF, ASM
-                )
-                pair_values += 2 * BLOCK
-            else:
-                b0 = _load_bits(base, start + it * BLOCK + offs, None, FMT, False, ALIGNED)
-                b1 = _load_bits(base, start + (it + 1) * BLOCK + offs, None, FMT, False, ALIGNED)
-                mn, mx, s, sq, c_zero, c_own, c_uf = _fast_tile(
-                    b0, mn, mx, s, sq, c_zero, c_own, c_uf, T_OWN, T_UF, SAME_UF
-                )
-                mn, mx, s, sq, c_zero, c_own, c_uf = _fast_tile(
-                    b1, mn, mx, s, sq, c_zero, c_own, c_uf, T_OWN, T_UF, SAME_UF
-                )
+            b0 = _load_bits(base, start + it * BLOCK + offs, None, FMT, False, ALIGNED)
+            b1 = _load_bits(base, start + (it + 1) * BLOCK + offs, None, FMT, False, ALIGNED)
+            mn, mx, s, sq, c_zero, c_own, c_uf = _fast_tile(
+                b0, mn, mx, s, sq, c_zero, c_own, c_uf, T_OWN, T_UF, SAME_UF
+            )
+            mn, mx, s, sq, c_zero, c_own, c_uf = _fast_tile(
+                b1, mn, mx, s, sq, c_zero, c_own, c_uf, T_OWN, T_UF, SAME_UF
+            )
         if n_full % 2 == 1:
             b0 = _load_bits(base, start + (n_full - 1) * BLOCK + offs, None, FMT, False, ALIGNED)
             mn, mx, s, sq, c_zero, c_own, c_uf = _fast_tile(
@@ -527,12 +431,6 @@ if triton is not None:
             c_zero = tl.zeros([BLOCK], tl.int32)
             c_own = tl.zeros([BLOCK], tl.int32)
             c_uf = tl.zeros([BLOCK], tl.int32)
-            mn2 = tl.full([BLOCK], 0x7F807F80, tl.int32)
-            mx2 = tl.full([BLOCK], -8323200, tl.int32)
-            g_zero = tl.zeros([BLOCK], tl.int32)
-            g_own = tl.zeros([BLOCK], tl.int32)
-            g_uf = tl.zeros([BLOCK], tl.int32)
-            pair_values = 0
             for it in range(n_full):
                 bits = _load_bits(base, start + it * BLOCK + offs, None, FMT, False, ALIGNED)
                 mn, mx, s, sq, c_zero, c_own, c_uf, c_nonfin_nan, c_ninf = _accumulate(
@@ -549,18 +447,16 @@ if triton is not None:
                 T_OWN, T_UF, SAME_UF, True,
             )  # fmt: skip
         out = partials_ptr + row
-        # counts below a threshold: the per-value ones plus the pairs' values not >= it
-        low_zero = tl.sum(c_zero, 0) + (pair_values - _pair_sum(g_zero))
-        low_own = tl.sum(c_own, 0) + (pair_values - _pair_sum(g_own))
-        low_uf = low_own if SAME_UF else tl.sum(c_uf, 0) + (pair_values - _pair_sum(g_uf))
-        tl.store(out, tl.min(_unpack_min(mn, mn2), 0))
-        tl.store(out + n_chunks_total, tl.max(_unpack_max(mx, mx2), 0))
+        tl.store(out, tl.min(mn, 0))
+        tl.store(out + n_chunks_total, tl.max(mx, 0))
         tl.store(out + 2 * n_chunks_total, tl.sum(s, 0))
         tl.store(out + 3 * n_chunks_total, tl.sum(sq, 0))
+        low_own = tl.sum(c_own, 0)
+        low_uf = low_own if SAME_UF else tl.sum(c_uf, 0)
         tl.store(out + 4 * n_chunks_total, tl.sum(c_nonfin_nan & 0xFFFF, 0).to(tl.float32))
         tl.store(out + 5 * n_chunks_total, tl.sum((c_nonfin_nan >> 16) & 0xFFFF, 0).to(tl.float32))
         tl.store(out + 6 * n_chunks_total, tl.sum(c_ninf, 0).to(tl.float32))
-        tl.store(out + 7 * n_chunks_total, low_zero.to(tl.float32))
+        tl.store(out + 7 * n_chunks_total, tl.sum(c_zero, 0).to(tl.float32))
         tl.store(out + 8 * n_chunks_total, low_own.to(tl.float32))
         tl.store(out + 9 * n_chunks_total, low_uf.to(tl.float32))
 
@@ -757,7 +653,6 @@ def _tensor_stats_triton(
             _PLAN_CACHE.popitem(last=False)
     _point(plan, ptrs)
     out = torch.empty(len(views), N_STATS, dtype=torch.float64, device=device)
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     switch = device.type == "cuda" and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if switch else nullcontext():
         if plan.kernel_rows:
@@ -767,9 +662,8 @@ def _tensor_stats_triton(
                 t_uf = t_own if underflow_dtype is None else _threshold_bits(underflow_dtype)
                 _stats_partials_kernel[(n_chunks,)](
                     plan.table, partials, plan.kernel_rows, plan.n_chunks, chunk_base,
-                    t_own, t_uf, _pair_constant(t_own), _pair_constant(t_uf),
-                    FMT=_FORMATS[dtype], SAME_UF=t_own == t_uf, ALIGNED=aligned,
-                    BLOCK=cfg.block, ASM=not interpreting, num_warps=cfg.num_warps,
+                    t_own, t_uf, FMT=_FORMATS[dtype], SAME_UF=t_own == t_uf,
+                    ALIGNED=aligned, BLOCK=cfg.block, num_warps=cfg.num_warps,
                 )  # fmt: skip
             _stats_finalize_kernel[(plan.kernel_rows,)](
                 plan.table, partials, out, plan.kernel_rows, max(plan.n_chunks, 1),

@@ -253,9 +253,9 @@ def test_sum_accuracy_float64_oracle_many_programs() -> None:
 
 
 def test_bf16_threshold_boundaries() -> None:
-    """bf16 full tiles are read as pairs of values with packed counts: values at and next to
-    each threshold (zero, the smallest subnormal, bf16's and fp16's smallest normals), in both
-    halves of a word and in the per-value tail, must count exactly as the reference does."""
+    """Values at and next to each threshold (zero, the smallest subnormal, bf16's and fp16's
+    smallest normals), at odd and even positions of full tiles and in the masked tail, count
+    exactly as the reference does."""
     tiny16 = 2.0**-14  # fp16's smallest normal, the underflow threshold
     below16 = torch.tensor(tiny16, dtype=torch.bfloat16).nextafter(torch.tensor(0.0)).item()
     values = [0.0, -0.0, 2.0**-133, -(2.0**-127), 2.0**-126, -below16, below16, tiny16, -tiny16]
