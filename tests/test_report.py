@@ -4,7 +4,9 @@ embedded PNG plots and markers at the events and mitigations."""
 from __future__ import annotations
 
 import base64
+import gzip
 import re
+import shutil
 import sys
 
 import pytest
@@ -139,6 +141,15 @@ def test_last_run_of_a_reused_log(log):
     run = load_run(log)
     assert run.name == "second" and run.steps == [4] and run.skipped_runs == 1
     assert "the last of 2 runs" in render_html(run)
+
+
+def test_gzip_compressed_log_reads_the_same(log, tmp_path):
+    """Archived logs (bench/results) are gzipped; the report reads them as they are."""
+    packed = tmp_path / "run.jsonl.gz"
+    with log.open("rb") as f, gzip.open(packed, "wb") as g:
+        shutil.copyfileobj(f, g)
+    plain, archived = load_run(log), load_run(packed)
+    assert archived.steps == plain.steps and archived.series == plain.series
 
 
 def test_cli(log, tmp_path, capsys):

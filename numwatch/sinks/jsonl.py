@@ -7,6 +7,7 @@ are written as the strings "nan", "inf" and "-inf".
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -80,9 +81,12 @@ class JsonlSink:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a run log, with the non-finite strings turned back into floats."""
+    """Records of a run log (gzip-compressed when its name ends in ``.gz``, as archived logs
+    are), with the non-finite strings turned back into floats."""
     out = []
-    with Path(path).open(encoding="utf-8") as f:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 record = json.loads(line)
