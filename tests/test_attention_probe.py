@@ -196,6 +196,37 @@ def test_output_bias_of_torch_cpu_flash_bf16_kernel(make_monitor):
     assert all(abs(b) < 0.5 for b in bias[SDPBackend.MATH]), bias
 
 
+def test_layers_of_one_shape_are_measured_together(make_monitor, monkeypatch):
+    """Sampled calls wait for the forward's end; calls of one shape (and one mask tensor) are
+    measured in one statistics call with their layers stacked as heads. Each layer must still
+    get exactly its own planted answer: three layers, two shapes, different sink counts."""
+    from numwatch.kernels import attention_stats
+
+    launches = []
+    real = attention_stats.attention_head_stats
+    monkeypatch.setattr(
+        attention_stats, "attention_head_stats", lambda *a, **k: launches.append(1) or real(*a, **k)
+    )
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    planted = {
+        "a": planted_sink_attention(B=2, H=3, T=9, D=16, n_sink=3, seed=1),
+        "b": planted_sink_attention(B=2, H=3, T=9, D=16, n_sink=1, seed=2),
+        "c": planted_sink_attention(B=2, H=3, T=12, D=16, n_sink=2, seed=3),
+    }
+    model = wrap(**{name: Fixed(*qkv, sdpa) for name, qkv in planted.items()})
+    monitor = make_monitor(model)
+    model()
+    assert launches == [1, 1]  # (a, b) together, c alone
+    monitor.step()
+    snap = monitor.snapshot()
+    for name, (q, k, _) in planted.items():
+        rep, ties, rows = oracle(q, k)
+        assert head_values(snap, "attn_repeated_max_rows", name, 3) == rep.tolist(), name
+        assert head_values(snap, "attn_tie_entries", name, 3) == ties.tolist(), name
+        assert head_values(snap, "attn_rows", name, 3) == rows.tolist(), name
+        assert snap.value("attn_output_error_rms", layer=name, head="0") < 0.05
+
+
 def test_probe_failure_survived(make_monitor, monkeypatch):
     from numwatch.kernels import attention_stats
 
