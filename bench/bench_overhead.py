@@ -22,7 +22,16 @@ monitor's host cost per step:
 - ``nan_check_hooks``: a per-parameter gradient hook checking isnan/isinf with a host read, the
   common NaN-check recipe.
 
+``--interleave``: one model (same seed, same data) and optimizer per configuration, all in one
+process, stepping in turn (baseline, config A, config B, baseline, ...): each step's overhead is
+taken against the baseline step just before it, so drifts slower than one step (host speed,
+clocks) cancel, and the median over the steps is the per-step overhead; sampled steps and
+flushes fall into the window as in training.
+
     python bench/bench_overhead.py --out bench/results/overhead.json            # GPU
+    python bench/bench_overhead.py --interleave --steps 200 \
+        --configs baseline,default,attention_only,grads_spectral_every_step \
+        --out bench/results/overhead_interleaved.json
     python bench/bench_overhead.py --preset demo --device cpu --batch 16 \
         --configs baseline,default,default_flush_every_1 --out bench/results/overhead_cpu_demo.json
 """
@@ -129,24 +138,15 @@ def main() -> None:
     )
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--interleave", action="store_true", help="a model per config, steps in turn")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.interleave:
+        run_interleaved(args)
+        return
 
-    torch.manual_seed(0)
-    if args.preset == "demo":  # the model `numwatch demo` trains
-        from numwatch.demo import GPTConfig, TinyGPT
-
-        demo = GPTConfig()
-        model = TinyGPT(demo).to(args.device)
-        seq_len, vocab = demo.seq_len, demo.vocab
-    else:
-        cfg = PRESETS[args.preset]
-        model = GPT(cfg).to(args.device)
-        seq_len, vocab = cfg.block_size, cfg.vocab_size
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
+    model, opt, x, y, seq_len = _setup(args)
     device_type = torch.device(args.device).type
-    x = torch.randint(0, vocab, (args.batch, seq_len), device=args.device)
-    y = torch.roll(x, -1, 1)
     backends = []
     if device_type == "cuda":
         from torch.nn.attention import SDPBackend
@@ -261,6 +261,111 @@ def main() -> None:
         "attention": "SDPA, cuDNN then FA2 backend" if backends else "SDPA",
         "rounds": args.rounds,
         "timed_steps_per_round": args.steps,
+        "results": results,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+def _setup(args: argparse.Namespace):
+    """Model, optimizer, batch and SDPA backends of one run (same seed: same weights)."""
+    torch.manual_seed(0)
+    if args.preset == "demo":  # the model `numwatch demo` trains
+        from numwatch.demo import GPTConfig, TinyGPT
+
+        demo = GPTConfig()
+        model = TinyGPT(demo).to(args.device)
+        seq_len, vocab = demo.seq_len, demo.vocab
+    else:
+        cfg = PRESETS[args.preset]
+        model = GPT(cfg).to(args.device)
+        seq_len, vocab = cfg.block_size, cfg.vocab_size
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
+    x = torch.randint(0, vocab, (args.batch, seq_len), device=args.device)
+    return model, opt, x, torch.roll(x, -1, 1), seq_len
+
+
+def run_interleaved(args: argparse.Namespace) -> None:
+    names = args.configs.split(",")
+    if names[0] != "baseline":
+        raise SystemExit("--interleave needs 'baseline' first in --configs")
+    on_cuda = torch.device(args.device).type == "cuda"
+
+    def sync() -> None:
+        if on_cuda:
+            torch.cuda.synchronize()
+
+    runs = {}
+    with tempfile.TemporaryDirectory() as logdir, ExitStack() as stack:
+        if on_cuda:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+            stack.enter_context(sdpa_kernel(backends, set_priority=True))
+        for name in names:
+            model, opt, x, y, seq_len = _setup(args)
+            spec = CONFIGS[name]
+            monitors = {}
+            if isinstance(spec, dict):
+                monitors[name] = numwatch.Monitor(
+                    model,
+                    sinks__console__enabled=False,
+                    sinks__jsonl__path=f"{logdir}/{name}.jsonl",
+                    **spec,
+                )
+            # detect_anomaly is process-wide: switched on around its own model's steps below
+            monitor = (
+                None
+                if spec == "detect_anomaly"
+                else stack.enter_context(configured(name, model, opt, monitors))
+            )
+            runs[name] = (model, opt, x, y, monitor)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for i in range(args.warmup + args.steps):
+            for name in names:
+                model, opt, x, y, monitor = runs[name]
+                with torch.autograd.set_detect_anomaly(CONFIGS[name] == "detect_anomaly"):
+                    sync()
+                    t0 = time.perf_counter()
+                    train_step(model, opt, x, y, monitor)
+                    sync()
+                    if i >= args.warmup:
+                        times[name].append(time.perf_counter() - t0)
+    base = times["baseline"]
+    results = {}
+    for name in names:
+        paired = sorted(t / b - 1 for t, b in zip(times[name], base, strict=True))
+        q = len(paired)
+        results[name] = {
+            "median_ms": statistics.median(times[name]) * 1e3,
+            "mean_ms": statistics.fmean(times[name]) * 1e3,
+            "steps": q,
+            "paired_overhead_median": statistics.median(paired),
+            "paired_overhead_p25": paired[q // 4],
+            "paired_overhead_p75": paired[(3 * q) // 4],
+            "mean_overhead": statistics.fmean(times[name]) / statistics.fmean(base) - 1,
+        }
+        r = results[name]
+        pct = {k: 100 * v for k, v in r.items() if k.endswith(("_p25", "_p75", "_median"))}
+        print(
+            f"{name:28s} median {r['median_ms']:8.2f} ms  paired median "
+            f"{pct['paired_overhead_median']:+6.2f} % (IQR {pct['paired_overhead_p25']:+.2f} .. "
+            f"{pct['paired_overhead_p75']:+.2f} %)  mean {100 * r['mean_overhead']:+6.2f} %",
+            flush=True,
+        )
+    report = {
+        "benchmark": "monitor overhead per training step, interleaved models",
+        "gpu": torch.cuda.get_device_name() if on_cuda else "cpu",
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "model": args.preset,
+        "batch": args.batch,
+        "seq_len": seq_len,
+        "dtype": "bf16 autocast",
+        "optimizer": "AdamW (fused on CUDA)",
+        "attention": "SDPA, cuDNN then FA2 backend" if on_cuda else "SDPA",
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
         "results": results,
     }
     if args.out:

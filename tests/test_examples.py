@@ -44,6 +44,18 @@ def test_overhead_benchmark_harness(tmp_path):
     assert report["results"]["baseline"]["host_issue_overhead_ms"] == 0.0
 
 
+def test_overhead_harness_interleaved(tmp_path):
+    out = tmp_path / "overhead_interleaved.json"
+    args = "--interleave --preset demo --device cpu --batch 2 --steps 3 --warmup 1"
+    args += " --configs baseline,default,detect_anomaly"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_overhead.py"), *args.split()]
+    subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True, timeout=600)
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"baseline", "default", "detect_anomaly"}
+    assert results["baseline"]["paired_overhead_median"] == 0.0
+    assert results["default"]["steps"] == 3
+
+
 def test_step_profile_harness(tmp_path):
     out = tmp_path / "profile.json"
     args = f"--preset tiny --device cpu --steps 3 --out {out}"
