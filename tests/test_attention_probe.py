@@ -225,6 +225,13 @@ def test_layers_of_one_shape_are_measured_together(make_monitor, monkeypatch):
         assert head_values(snap, "attn_tie_entries", name, 3) == ties.tolist(), name
         assert head_values(snap, "attn_rows", name, 3) == rows.tolist(), name
         assert snap.value("attn_output_error_rms", layer=name, head="0") < 0.05
+    # the held copies' byte bound: at one byte, every call is measured as it comes
+    from numwatch.probes import attention as probe_module
+
+    monkeypatch.setattr(probe_module, "_HOLD_BYTES", 1)
+    launches.clear()
+    model()
+    assert launches == [1, 1, 1]
 
 
 def test_probe_failure_survived(make_monitor, monkeypatch):

@@ -118,8 +118,9 @@ class _Sampled:
     key: tuple  # calls with equal keys are measured together, layers stacked as heads
 
 
-# Sampled calls held before they are measured early (a forward without a root module exit).
-_HOLD_AT = 256
+# Bytes of held copies before the held calls are measured early: bounds the probe's memory
+# whatever the model (a 7B model's sampled batch element is ~33 MB per tensor and layer).
+_HOLD_BYTES = 256 * 2**20
 
 
 class _Interceptor(TorchFunctionMode):
@@ -156,6 +157,7 @@ class AttentionProbe:
         self._handles: list[Any] = []
         self._mode: _Interceptor | None = None
         self._held: list[_Sampled] = []
+        self._held_bytes = 0
         self._depth = 0
         self.sampling = False
         self.layers_seen: set[str] = set()
@@ -200,6 +202,7 @@ class AttentionProbe:
             h.remove()
         self._handles.clear()
         self._held.clear()
+        self._held_bytes = 0
 
     # The mode is entered and left outside compiled graphs (tests/test_compile.py).
     @torch.compiler.disable
@@ -311,9 +314,11 @@ class AttentionProbe:
         return batch, rows
 
     def _observe_sdpa(self, layer: str, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
-        """Hold the call's sampled batch elements (views: SDPA saves them for backward anyway)
-        until the forward returns; then calls of the same shape are measured in one go, their
-        layers stacked as heads (a GPT-2 layer measured alone cost ~2 ms of host time)."""
+        """Hold copies of the call's sampled batch elements until the forward returns (or
+        ``_HOLD_BYTES`` are held); then calls of the same shape are measured in one go, their
+        layers stacked as heads (a GPT-2 layer measured alone cost ~2 ms of host time).
+        Copies, not views: a view would keep the whole batch's tensors alive, which autograd
+        does not always do (no_grad evaluation, frozen layers, the output)."""
         call = SdpaCall.from_args(args, kwargs)
         q, k, v = call.q.detach(), call.k.detach(), call.v.detach()
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -336,18 +341,21 @@ class AttentionProbe:
             call.attn_mask if stackable else object(),  # the tensor itself: held, id-hashed
             out.dtype if with_error else None,
         )  # fmt: skip
-        out_n = out.detach()[:n] if with_error else None
+        held = [t[:n].clone() for t in ((q, k, v, out.detach()) if with_error else (q, k, v))]
+        out_n = held[3] if with_error else None
         sampled = _Sampled(
-            layer, q[:n], k[:n], v[:n], out_n, mask, bool(call.is_causal), call.scale,
+            layer, held[0], held[1], held[2], out_n, mask, bool(call.is_causal), call.scale,
             saturation, key,
         )  # fmt: skip
         self._held.append(sampled)
-        if len(self._held) >= _HOLD_AT:
+        self._held_bytes += sum(t.numel() * t.element_size() for t in held)
+        if self._held_bytes >= _HOLD_BYTES:
             self._measure_held()
 
     @torch.no_grad()
     def _measure_held(self) -> None:
         held, self._held = self._held, []
+        self._held_bytes = 0
         groups: dict[tuple, list[_Sampled]] = {}
         for call in held:
             groups.setdefault(call.key, []).append(call)
