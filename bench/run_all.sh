@@ -14,6 +14,9 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_attention_stats.py --out $R/attention_stats.json
   $py bench/bench_flash_attention.py --out $R/flash_attention.json
   $py bench/bench_overhead.py --out $R/overhead_gpt2_h200.json
+  $py bench/bench_overhead.py --interleave --steps 200 \
+    --configs baseline,default,attention_only,grads_spectral_every_step \
+    --out $R/overhead_gpt2_h200_interleaved.json
   $py bench/profile_step.py --out $R/profile_step_h200.json
   $py bench/repro_logit_growth.py --device cuda --preset small --steps 3000 --batch 32 \
     --lr 0.1 --warmup 20 --max-seconds 40 --out $R/repro_logit_growth_h200.json
@@ -27,6 +30,9 @@ fi
 if [[ $what == cpu || $what == all ]]; then
   $py bench/bench_overhead.py --preset demo --device cpu --batch 16 \
     --configs baseline,default,default_flush_every_1 --out $R/overhead_cpu_demo.json
+  $py bench/bench_overhead.py --interleave --preset demo --device cpu --batch 16 --steps 200 \
+    --configs baseline,default,grads_spectral_every_step,detect_anomaly,nan_check_hooks \
+    --out $R/overhead_cpu_demo_interleaved.json
   $py bench/bench_scrape.py --out $R/scrape.json
   $py bench/bench_flush_collectives.py --out $R/flush_collectives_cpu.json
   $py bench/repro_logit_growth.py --device cpu --preset tiny --steps 400 --lr 0.05 \
