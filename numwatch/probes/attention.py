@@ -313,6 +313,7 @@ class AttentionProbe:
             rows = torch.randperm(Tq, device=x.device)[: self.cfg.rows]
         return batch, rows
 
+    @torch.no_grad()
     def _observe_sdpa(self, layer: str, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
         """Hold copies of the call's sampled batch elements until the forward returns (or
         ``_HOLD_BYTES`` are held); then calls of the same shape are measured in one go, their

@@ -9,10 +9,9 @@ device-side tables; the host reads them at flush.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from functools import partial
+from functools import cache, partial
 from itertools import repeat
 from operator import attrgetter
 from typing import Any
@@ -57,7 +56,7 @@ _STAT_METRICS = (
 )
 
 
-@functools.cache
+@cache
 def _metric_names(prefix: str) -> tuple[str, ...]:
     return tuple(f"{prefix}_{k}" for k in _STAT_METRICS)
 
@@ -65,7 +64,7 @@ def _metric_names(prefix: str) -> tuple[str, ...]:
 _make_record = MetricRecord._make  # tuple.__new__ over an iterable: no keyword parsing
 
 
-@functools.cache
+@cache
 def _dtype_max(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max
 
@@ -83,7 +82,7 @@ def stat_records(
     finite = numel - nonfinite
     zeros = r[ts.ZERO]
     nonzero_finite = finite - zeros
-    values = (
+    values = (  # in _STAT_METRICS order
         numel,
         r[ts.ABSMAX],
         r[ts.MIN],
