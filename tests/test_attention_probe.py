@@ -247,6 +247,23 @@ def test_probe_failure_survived(make_monitor, monkeypatch):
     assert monitor.snapshot().value("monitor_errors_total", component="attention") == 1
 
 
+def test_a_failing_group_costs_only_its_layers(make_monitor):
+    """Held calls are measured group by group: a layer the statistics reject (float64 q) is
+    counted as one failure, and the other layer still gets its planted answer."""
+    q, k, v = planted_sink_attention(B=1, H=2, T=8, D=16, n_sink=2)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    bad = [t.double() for t in (q, k, v)]
+    model = wrap(bad=Fixed(*bad, sdpa), good=Fixed(q, k, v, sdpa))
+    monitor = make_monitor(model)
+    model()
+    monitor.step()
+    snap = monitor.snapshot()
+    assert snap.value("monitor_errors_total", component="attention") == 1
+    rep, _, _ = oracle(q, k)
+    assert head_values(snap, "attn_repeated_max_rows", "good", 2) == rep.tolist()
+    assert snap.get("attn_calls", layer="bad") is None
+
+
 transformers = pytest.importorskip("transformers")
 
 

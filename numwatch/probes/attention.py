@@ -230,7 +230,7 @@ class AttentionProbe:
             mode.__exit__(None, None, None)
             self.sampling = False
         if self._depth == 0 and self._held:
-            self.ctx.guard.run(self.component, self._measure_held)
+            self._measure_held()
 
     # ------------------------------------------------------------------ calls
     def locate(self) -> tuple[str, nn.Module | None]:
@@ -360,8 +360,8 @@ class AttentionProbe:
         groups: dict[tuple, list[_Sampled]] = {}
         for call in held:
             groups.setdefault(call.key, []).append(call)
-        for group in groups.values():
-            self._measure_group(group)
+        for group in groups.values():  # a failing group costs only its own layers
+            self.ctx.guard.run(self.component, self._measure_group, group)
 
     def _measure_group(self, group: list[_Sampled]) -> None:
         first = group[0]
@@ -481,7 +481,7 @@ class AttentionProbe:
     # ------------------------------------------------------------------ flush
     def device_tensors(self) -> dict[str, torch.Tensor]:
         if self._held:
-            self.ctx.guard.run(self.component, self._measure_held)
+            self._measure_held()
         out = {}
         for layer, st in self._stats.items():
             out[f"attn/{layer}/heads"] = merge_heads(st.heads)
