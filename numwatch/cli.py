@@ -1,4 +1,4 @@
-"""The `numwatch` command: `numwatch demo` (more subcommands join as features land)."""
+"""The `numwatch` command (also `python -m numwatch`): demo, report, tail."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import base64
 import gzip
 import re
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -158,6 +159,15 @@ def test_cli(log, tmp_path, capsys):
     assert out.is_file() and "wrote" in capsys.readouterr().out
     assert cli(["report", str(tmp_path / "missing.jsonl")]) == 1
     assert "no run log" in capsys.readouterr().err
+
+
+def test_python_dash_m_numwatch(log, tmp_path):
+    out = tmp_path / "module.html"
+    cmd = [sys.executable, "-m", "numwatch", "report", str(log), "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and out.is_file(), done.stderr
+    bad = subprocess.run([sys.executable, "-m", "numwatch", "nope"], capture_output=True)
+    assert bad.returncode == 2
 
 
 def test_without_matplotlib_says_what_to_install(log, monkeypatch, tmp_path):
