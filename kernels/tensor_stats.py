@@ -157,36 +157,24 @@ def tensor_stats_reference(
 # On a CPU, ops cost more in dispatch than in arithmetic (the reference's ~27 ops per tensor made
 # the demo model's 29 gradients take 8 ms), and reading a value back costs no device sync. So the
 # CPU path branches on the data: a tensor whose float64 sum is finite holds no NaN/Inf (finite
-# fp32 values cannot overflow a float64 sum), and its row needs about ten ops; others go through
-# the reference.
+# fp32 values cannot overflow a float64 sum), and its row takes about ten ops, read back as
+# Python floats (one tensor is built for all rows at the end); others go through the reference.
 
 
-def _finite_row(
-    x: torch.Tensor, total: torch.Tensor, own_tiny: float, underflow_tiny: float
-) -> torch.Tensor:
+def _finite_row(x: torch.Tensor, total: float, own_tiny: float, underflow_tiny: float) -> list:
     """Row of a tensor known to hold only finite values (flat, upcast to fp32 or fp64);
     ``own_tiny`` is the smallest normal of its original dtype."""
     mn, mx = torch.aminmax(x)
+    lo, hi = mn.item(), mx.item()
     a = x.abs()
-    zeros = (x == 0).sum()
-    below_own = (a < own_tiny).sum() - zeros
-    below_uf = below_own if underflow_tiny == own_tiny else (a < underflow_tiny).sum() - zeros
-    return torch.stack(
-        [
-            torch.tensor(float(x.numel()), dtype=torch.float64),
-            torch.maximum(-mn, mx).double(),
-            mn.double(),
-            mx.double(),
-            total,
-            x.square().sum(dtype=torch.float64),
-            torch.zeros((), dtype=torch.float64),
-            torch.zeros((), dtype=torch.float64),
-            torch.zeros((), dtype=torch.float64),
-            zeros.double(),
-            below_own.double(),
-            below_uf.double(),
-        ]
-    )
+    zeros = int((a == 0).sum())
+    below_own = int((a < own_tiny).sum()) - zeros
+    below_uf = below_own if underflow_tiny == own_tiny else int((a < underflow_tiny).sum()) - zeros
+    sumsq = x.square().sum(dtype=torch.float64).item()
+    return [
+        float(x.numel()), max(abs(lo), abs(hi)), lo, hi, total, sumsq,
+        0.0, 0.0, 0.0, float(zeros), float(below_own), float(below_uf),
+    ]  # fmt: skip
 
 
 def tensor_stats_cpu(
@@ -201,16 +189,16 @@ def tensor_stats_cpu(
     rows = []
     for t in tensors:
         x = t.detach().reshape(-1)
-        total = x.sum(dtype=torch.float64)
-        if x.numel() == 0 or not math.isfinite(total.item()):
-            rows.append(tensor_stats_reference([t], underflow_dtype)[0])
+        total = x.sum(dtype=torch.float64).item()
+        if x.numel() == 0 or not math.isfinite(total):
+            rows.append(tensor_stats_reference([t], underflow_dtype)[0].tolist())
             continue
         own = _tiny(t.dtype)
         if x.dtype not in (torch.float32, torch.float64):
             x = x.float()  # exact for bf16/fp16/fp8
         uf = _tiny(underflow_dtype) if underflow_dtype is not None else own
         rows.append(_finite_row(x, total, own, uf))
-    return torch.stack(rows)
+    return torch.tensor(rows, dtype=torch.float64)
 
 
 # --- fused Triton kernel -------------------------------------------------------------------------
