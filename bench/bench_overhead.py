@@ -146,16 +146,8 @@ def main() -> None:
         return
 
     model, opt, x, y, seq_len = _setup(args)
-    device_type = torch.device(args.device).type
-    backends = []
-    if device_type == "cuda":
-        from torch.nn.attention import SDPBackend
-
-        backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
-
-    def sync() -> None:
-        if device_type == "cuda":
-            torch.cuda.synchronize()
+    on_cuda = torch.device(args.device).type == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else lambda: None
 
     def step(monitor: numwatch.Monitor | None) -> None:
         train_step(model, opt, x, y, monitor)
@@ -169,19 +161,11 @@ def main() -> None:
     host: dict[str, list[float]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as logdir, ExitStack() as stack:
         monitors = {
-            name: numwatch.Monitor(
-                model,
-                sinks__console__enabled=False,
-                sinks__jsonl__path=f"{logdir}/{name}.jsonl",
-                **spec,
-            )
+            name: _monitor(model, name, spec, logdir)
             for name, spec in CONFIGS.items()
             if name in names and isinstance(spec, dict)
         }
-        if backends:
-            from torch.nn.attention import sdpa_kernel
-
-            stack.enter_context(sdpa_kernel(backends, set_priority=True))
+        _prefer_cudnn(stack, on_cuda)
         for r in range(args.rounds):
             for name in names:
                 with configured(name, model, opt, monitors) as monitor:
@@ -249,16 +233,8 @@ def main() -> None:
         print(line, flush=True)
     report = {
         "benchmark": "monitor overhead per training step",
-        "gpu": torch.cuda.get_device_name() if device_type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "triton": _triton_version(),
-        "model": args.preset,
+        **_run_info(args, seq_len, on_cuda),
         "params": sum(p.numel() for p in model.parameters()),
-        "batch": args.batch,
-        "seq_len": seq_len,
-        "dtype": "bf16 autocast",
-        "optimizer": "AdamW (fused on CUDA)",
-        "attention": "SDPA, cuDNN then FA2 backend" if backends else "SDPA",
         "rounds": args.rounds,
         "timed_steps_per_round": args.steps,
         "results": results,
@@ -267,8 +243,38 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(report, indent=2))
 
 
+def _monitor(model: torch.nn.Module, name: str, spec: dict, logdir: str) -> numwatch.Monitor:
+    return numwatch.Monitor(
+        model, sinks__console__enabled=False, sinks__jsonl__path=f"{logdir}/{name}.jsonl", **spec
+    )
+
+
+def _prefer_cudnn(stack: ExitStack, on_cuda: bool) -> None:
+    """SDPA as the issues measure it on the GPU: cuDNN first, then FA2."""
+    if on_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+        stack.enter_context(sdpa_kernel(backends, set_priority=True))
+
+
+def _run_info(args: argparse.Namespace, seq_len: int, on_cuda: bool) -> dict:
+    """What a report says about the machine and the training step it timed."""
+    return {
+        "gpu": torch.cuda.get_device_name() if on_cuda else "cpu",
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "model": args.preset,
+        "batch": args.batch,
+        "seq_len": seq_len,
+        "dtype": "bf16 autocast",
+        "optimizer": "AdamW (fused on CUDA)",
+        "attention": "SDPA, cuDNN then FA2 backend" if on_cuda else "SDPA",
+    }
+
+
 def _setup(args: argparse.Namespace):
-    """Model, optimizer, batch and SDPA backends of one run (same seed: same weights)."""
+    """Model, optimizer and batch of one run (same seed: same weights)."""
     torch.manual_seed(0)
     if args.preset == "demo":  # the model `numwatch demo` trains
         from numwatch.demo import GPTConfig, TinyGPT
@@ -290,29 +296,14 @@ def run_interleaved(args: argparse.Namespace) -> None:
     if names[0] != "baseline":
         raise SystemExit("--interleave needs 'baseline' first in --configs")
     on_cuda = torch.device(args.device).type == "cuda"
-
-    def sync() -> None:
-        if on_cuda:
-            torch.cuda.synchronize()
-
+    sync = torch.cuda.synchronize if on_cuda else lambda: None
     runs = {}
     with tempfile.TemporaryDirectory() as logdir, ExitStack() as stack:
-        if on_cuda:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
-            stack.enter_context(sdpa_kernel(backends, set_priority=True))
+        _prefer_cudnn(stack, on_cuda)
         for name in names:
             model, opt, x, y, seq_len = _setup(args)
             spec = CONFIGS[name]
-            monitors = {}
-            if isinstance(spec, dict):
-                monitors[name] = numwatch.Monitor(
-                    model,
-                    sinks__console__enabled=False,
-                    sinks__jsonl__path=f"{logdir}/{name}.jsonl",
-                    **spec,
-                )
+            monitors = {name: _monitor(model, name, spec, logdir)} if isinstance(spec, dict) else {}
             # detect_anomaly is process-wide: switched on around its own model's steps below
             monitor = (
                 None
@@ -355,15 +346,7 @@ def run_interleaved(args: argparse.Namespace) -> None:
         )
     report = {
         "benchmark": "monitor overhead per training step, interleaved models",
-        "gpu": torch.cuda.get_device_name() if on_cuda else "cpu",
-        "torch": torch.__version__,
-        "triton": _triton_version(),
-        "model": args.preset,
-        "batch": args.batch,
-        "seq_len": seq_len,
-        "dtype": "bf16 autocast",
-        "optimizer": "AdamW (fused on CUDA)",
-        "attention": "SDPA, cuDNN then FA2 backend" if on_cuda else "SDPA",
+        **_run_info(args, seq_len, on_cuda),
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
         "results": results,
