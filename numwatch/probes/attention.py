@@ -83,7 +83,7 @@ class _LayerStats:
         if len(self.heads) >= _FOLD_AT:
             self.heads = [merge_heads(self.heads)]
         if len(self.errors) >= _FOLD_AT:
-            self.errors = [torch.stack(self.errors).sum(0)]
+            self.errors = [merge_errors(self.errors)]
 
 
 # Columns merged with max/min; every other column adds.
@@ -100,6 +100,11 @@ def merge_heads(rows: list[torch.Tensor]) -> torch.Tensor:
     out[:, _MAX_COLS] = stacked[:, :, _MAX_COLS].amax(0)
     out[:, _MIN_COLS] = stacked[:, :, _MIN_COLS].amin(0)
     return out
+
+
+def merge_errors(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Merge per-call (H, N_ERR_STATS) rows: every column adds."""
+    return rows[0] if len(rows) == 1 else torch.stack(rows).sum(0)
 
 
 @dataclass
@@ -303,15 +308,21 @@ class AttentionProbe:
             return torch.get_autocast_dtype(kind)
         return x.dtype if x.dtype in _DTYPES.values() else torch.float32
 
-    def _samples(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        B, Tq = x.shape[0], x.shape[-2]
-        batch = None
-        if self.cfg.batch and self.cfg.batch < B:
-            batch = torch.arange(self.cfg.batch, device=x.device)
-        rows = None
+    def _n_batch(self, B: int) -> int:
+        """Batch elements sampled per call: the first ``attention.batch`` (0 = all)."""
+        return self.cfg.batch if 0 < self.cfg.batch < B else B
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Query rows sampled per call (None = all)."""
+        Tq = x.shape[-2]
         if self.cfg.rows and self.cfg.rows < Tq:
-            rows = torch.randperm(Tq, device=x.device)[: self.cfg.rows]
-        return batch, rows
+            return torch.randperm(Tq, device=x.device)[: self.cfg.rows]
+        return None
+
+    def _samples(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        n = self._n_batch(x.shape[0])
+        batch = torch.arange(n, device=x.device) if n < x.shape[0] else None
+        return batch, self._rows(x)
 
     @torch.no_grad()
     def _observe_sdpa(self, layer: str, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
@@ -324,7 +335,7 @@ class AttentionProbe:
         q, k, v = call.q.detach(), call.k.detach(), call.v.detach()
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             raise ValueError(f"attention statistics need 4-D q, k, v, got {tuple(q.shape)}")
-        n = self.cfg.batch if 0 < self.cfg.batch < q.shape[0] else q.shape[0]
+        n = self._n_batch(q.shape[0])
         mask = call.attn_mask
         if mask is not None and mask.dim() == 4 and mask.shape[0] == q.shape[0]:
             mask = mask[:n]
@@ -372,7 +383,7 @@ class AttentionProbe:
             return parts[0] if L == 1 else torch.cat(parts, 1)
 
         q, k = stacked("q"), stacked("k")
-        _, rows = self._samples(q)
+        rows = self._rows(q)
         heads = ats.attention_head_stats(
             q,
             k,
@@ -486,7 +497,7 @@ class AttentionProbe:
         for layer, st in self._stats.items():
             out[f"attn/{layer}/heads"] = merge_heads(st.heads)
             if st.errors:
-                out[f"attn/{layer}/errors"] = torch.stack(st.errors).sum(0)
+                out[f"attn/{layer}/errors"] = merge_errors(st.errors)
         return out
 
     def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
