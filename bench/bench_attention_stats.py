@@ -35,10 +35,20 @@ from numwatch.kernels import attention_stats as A
 
 B, H, T = 4, 16, 4096
 SHAPES = [(B, H, T, d, causal) for d in (128, 64) for causal in (False, True)]
-# (BLOCK_M, BLOCK_N, num_warps, num_stages)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]): the tile grid, plus register caps and
+# deeper pipelines that trade registers for resident blocks per SM (more overlap of one block's
+# QK^T with another's row statistics).
 CANDIDATES = [
     (bm, bn, w, st)
     for (bm, w), bn, st in itertools.product(((64, 4), (128, 4), (128, 8)), (64, 128), (2, 3))
+] + [
+    (64, 128, 4, 3, 128),
+    (64, 128, 4, 2, 128),
+    (64, 128, 4, 3, 168),
+    (64, 64, 4, 4),
+    (64, 64, 4, 3, 96),
+    (128, 128, 8, 2, 128),
+    (128, 64, 4, 2, 168),
 ]
 THR = A.saturation_threshold(torch.bfloat16)
 

@@ -664,12 +664,16 @@ if triton is not None:
         return keep or [min(configs, key=lambda cf: cf.kwargs["BLOCK_N"])]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner on GPUs: the winners of
-# bench/bench_attention_stats.py --sweep on the H200 (bench/results/attention_stats.json).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, maxnreg]) tried by the autotuner on GPUs: the
+# winners of bench/bench_attention_stats.py --sweep on the H200
+# (bench/results/attention_stats.json).
 _TUNED_CONFIGS = [
+    (64, 128, 4, 2, 128),
+    (64, 128, 4, 2),
     (64, 128, 4, 3),
+    (64, 64, 4, 2),
     (64, 64, 4, 3),
-    (128, 128, 8, 2),
+    (128, 128, 8, 2, 128),
 ]
 # Interpreter (CPU) tiles: small, so that tests cross several tiles per row.
 _INTERPRET_CONFIG = (32, 32, 4, 1)
@@ -681,9 +685,16 @@ _FP32_CONFIG = (32, 32, 4, 2)
 
 
 def _launch_config(cf: tuple) -> dict:
-    """A config tuple as the kernel's constexprs (kwargs) plus launch options."""
-    bm, bn, warps, stages = cf
-    return {"kwargs": {"BLOCK_M": bm, "BLOCK_N": bn}, "num_warps": warps, "num_stages": stages}
+    """A config tuple as the kernel's constexprs (kwargs) plus launch options.
+
+    An optional fifth field caps the registers per thread (``maxnreg``): fewer registers, more
+    resident blocks per SM to overlap one block's QK^T with another's row statistics.
+    """
+    bm, bn, warps, stages, *cap = cf
+    launch = {"kwargs": {"BLOCK_M": bm, "BLOCK_N": bn}, "num_warps": warps, "num_stages": stages}
+    if cap and cap[0]:
+        launch["maxnreg"] = cap[0]
+    return launch
 
 
 _tuned_kernel = None
@@ -761,8 +772,7 @@ def _head_stats_triton(
     kernel = _head_stats_kernel if config is not None else _autotuned()
     if config is not None:
         launch = _launch_config(config)
-        args.update(launch["kwargs"], num_warps=launch["num_warps"])
-        args.update(num_stages=launch["num_stages"])
+        args.update(launch.pop("kwargs"), **launch)
 
     def grid(meta: dict) -> tuple[int, int, int]:
         return (triton.cdiv(R, meta["BLOCK_M"]), Hq, Bs)
