@@ -59,11 +59,19 @@ CONFIGS = {
     },
     "weights_every_step": {**_SAMPLED_OFF, "weights__enabled": True, "weights__every": 1},
     "optimizer_every_step": {**_SAMPLED_OFF, "optimizer__enabled": True, "optimizer__every": 1},
+    # a sampled step of the defaults as it happens: every probe and the flush at once
+    "everything_every_step": {
+        "flush_every": 1,
+        "activations__every": 1,
+        "attention__every": 1,
+        "weights__every": 1,
+        "optimizer__every": 1,
+    },
 }
 
 
 def profile_views(step, monitor, real_step, steps: int, sync, on_cuda: bool) -> str:
-    """Three views of ``steps`` monitored steps: cProfile of the whole step (by own time),
+    """Three views of ``steps`` monitored steps: cProfile of the whole step (cumulative, own),
     cProfile of ``monitor.step`` alone (cumulative), and the torch profiler's table by host
     time (what a host-bound step pays) with device times beside it."""
     parts = []
@@ -73,9 +81,10 @@ def profile_views(step, monitor, real_step, steps: int, sync, on_cuda: bool) -> 
         step()
     sync()
     prof.disable()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
-    parts.append("--- whole step, cProfile by own time\n" + text.getvalue())
+    for order, lines in (("cumulative", 70), ("tottime", 30)):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(lines)
+        parts.append(f"--- whole step, cProfile by {order} time\n" + text.getvalue())
     inner = cProfile.Profile()
     monitor.step = functools.partial(inner.runcall, real_step)
     for _ in range(steps):
@@ -144,7 +153,7 @@ def main() -> None:
             monitor = numwatch.Monitor(
                 model,
                 sinks__console__enabled=False,
-                sinks__jsonl__enabled=False,
+                sinks__jsonl__path=str(out.with_suffix(f".{name}.jsonl")),
                 **{"flush_every": 10_000, **spec},  # by default no flush in the window
             ).attach(opt)
         inner: list[float] = []
