@@ -107,6 +107,46 @@ def test_engine_label_filters_and_events():
     assert event.labels == {"layer": "blocks.1.attn", "head": "3"}
 
 
+def test_engine_keeps_one_history_per_series_across_flushes():
+    """Two unfiltered rules on one metric over many series: each series' history is its own,
+    events carry the labels of the series that fired, NaN breaks runs."""
+    hold = ThresholdRule(name="hold", metric="attn_output_bias", threshold=0.5, for_flushes=3)
+    sign = PersistenceRule(name="sign", metric="attn_output_bias", flushes=3, min_abs=0.5)
+    engine = RuleEngine([hold, sign])
+    # head h's value per flush; head 1 holds > 0.5 from flush 0, head 2 from flush 2, head 3
+    # is interrupted by NaN at flush 2, head 4 by +inf, the others stay small.
+    series = {
+        1: [0.9, 0.9, 0.9, 0.9],
+        2: [0.1, 0.1, 0.9, 0.9],
+        3: [0.9, 0.9, math.nan, 0.9],
+        4: [0.9, 0.9, math.inf, 0.9],
+    }
+    fired_at = []
+    for flush in range(4):
+        records = [MetricRecord("other_metric", {"head": "1"}, 9.0)]
+        records += [
+            MetricRecord("attn_output_bias", {"layer": "l", "head": str(h)}, -0.1 if h > 4 else v)
+            for h, values in [*series.items(), (5, None), (6, None)]
+            for v in [values[flush] if values else None]
+        ]
+        for event, rule in engine.evaluate(flush, records):
+            fired_at.append((flush, rule.name, event.labels["head"], event.value))
+    assert fired_at == [  # +inf holds "> 0.5" (head 4) but is no finite sign run
+        (2, "hold", "1", 0.9),
+        (2, "hold", "4", math.inf),
+        (2, "sign", "1", 0.9),
+        (3, "hold", "1", 0.9),
+        (3, "hold", "4", 0.9),
+        (3, "sign", "1", 0.9),
+    ]
+    engine2 = RuleEngine([ThresholdRule(name="t", metric="m", threshold=0.5, for_flushes=2)])
+    out = [
+        [e.labels for e, _ in engine2.evaluate(f, [MetricRecord("m", {"k": "a"}, v)])]
+        for f, v in enumerate([math.inf, 0.9])
+    ]
+    assert out == [[], [{"k": "a"}]]
+
+
 def test_engine_rejects_duplicates_and_step_rules_on_flush_metrics():
     with pytest.raises(NumwatchConfigError, match="duplicate"):
         RuleEngine([ThresholdRule(name="a", metric="m", threshold=1)] * 2)

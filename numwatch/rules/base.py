@@ -7,7 +7,7 @@ that series fires now. Rules never touch the model: what happens next is the act
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -67,15 +67,26 @@ class Rule(BaseModel):
 
     def observe(self, key: SeriesKey, value: float) -> Finding | None:
         """Add this flush's value of one series; a Finding if the rule fires for it."""
-        history = self._history.get(key)
-        if history is None:
-            history = self._history[key] = deque(maxlen=self.window + 1)
-        finding = self.check(history, value)
-        history.append(value)
-        if finding is None or self._flushes < self._quiet_until.get(key, 0):
-            return None
-        self._quiet_until[key] = self._flushes + 1 + self.cooldown
-        return finding
+        fired = self.observe_all([(key, value)])
+        return fired[0][1] if fired else None
+
+    def observe_all(self, series: Iterable[tuple[SeriesKey, float]]) -> list[tuple[int, Finding]]:
+        """``observe`` over a flush's series of this rule, as (position, Finding) of those that
+        fire: the rule's state is looked up once (pydantic private attributes are slow to
+        reach), not once per series."""
+        histories, quiet, flushes = self._history, self._quiet_until, self._flushes
+        check, maxlen, cooldown = self.check, self.window + 1, self.cooldown
+        fired = []
+        for i, (key, value) in enumerate(series):
+            history = histories.get(key)
+            if history is None:
+                history = histories[key] = deque(maxlen=maxlen)
+            finding = check(history, value)
+            history.append(value)
+            if finding is not None and flushes >= quiet.get(key, 0):
+                quiet[key] = flushes + 1 + cooldown
+                fired.append((i, finding))
+        return fired
 
     def end_flush(self) -> None:
         self._flushes += 1

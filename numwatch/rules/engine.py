@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from numwatch.errors import NumwatchConfigError
 from numwatch.events import Event
-from numwatch.rules.base import Rule, SeriesKey
+from numwatch.rules.base import Finding, Rule, SeriesKey
 from numwatch.rules.nonfinite import NonfiniteRule
 from numwatch.snapshot import MetricRecord
 
@@ -42,18 +42,27 @@ class RuleEngine:
     ) -> list[tuple[Event, Rule]]:
         """Events of one flush, each with the rule that fired."""
         fired: list[tuple[Event, Rule]] = []
-        by_name: dict[str, list[MetricRecord]] = {}
-        for r in records:
-            by_name.setdefault(r.name, []).append(r)
+        wanted = {rule.metric for rule in self.flush_rules}
+        by_name: dict[str, list[MetricRecord]] = {name: [] for name in wanted}
+        for r in records:  # thousands per flush; few of them are read by a rule
+            if r.name in wanted:
+                by_name[r.name].append(r)
+        keys: dict[str, list[SeriesKey]] = {}
         for rule in self.flush_rules:
             if isinstance(rule, NonfiniteRule):
                 fired += [(_adopt(e, rule), rule) for e in nonfinite]
                 continue
-            for rec in by_name.get(rule.metric, ()):
-                if rule.wants(rec.name, rec.labels):
-                    event = self._observe(rule, step, rec.labels, rec.value)
-                    if event is not None:
-                        fired.append((event, rule))
+            recs = by_name[rule.metric]
+            if rule.labels:
+                recs = [rec for rec in recs if rule.wants(rec.name, rec.labels)]
+                series = [_key(rec.labels) for rec in recs]
+            else:  # rules on one metric share its series keys
+                series = keys.get(rule.metric)
+                if series is None:
+                    series = keys[rule.metric] = [_key(rec.labels) for rec in recs]
+            values = (rec.value for rec in recs)
+            for i, finding in rule.observe_all(zip(series, values, strict=True)):
+                fired.append((self._event(rule, step, recs[i].labels, finding), rule))
             rule.end_flush()
         return fired
 
@@ -71,8 +80,10 @@ class RuleEngine:
     @staticmethod
     def _observe(rule: Rule, step: int, labels: Mapping[str, str], value: float) -> Event | None:
         finding = rule.observe(_key(labels), value)
-        if finding is None:
-            return None
+        return None if finding is None else RuleEngine._event(rule, step, labels, finding)
+
+    @staticmethod
+    def _event(rule: Rule, step: int, labels: Mapping[str, str], finding: Finding) -> Event:
         return Event(
             kind=rule.kind,
             step=step,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import islice
 from typing import Literal
 
 from pydantic import Field
@@ -24,8 +25,11 @@ class PersistenceRule(Rule):
     min_abs: float = Field(0.5, ge=0, description="Each of them at least this large in magnitude.")
 
     def check(self, history: deque[float], value: float) -> Finding | None:
-        recent = [*list(history)[-(self.flushes - 1) :], value]
-        if len(recent) < self.flushes or any(not math.isfinite(v) for v in recent):
+        n = self.flushes
+        if not abs(value) >= self.min_abs or len(history) < n - 1:  # NaN fails the first test
+            return None
+        recent = [*islice(history, len(history) - (n - 1), None), value]
+        if any(not math.isfinite(v) for v in recent):
             return None
         if not all(abs(v) >= self.min_abs for v in recent):
             return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import deque
+from itertools import islice
 from typing import Literal
 
 from pydantic import Field
@@ -30,10 +31,11 @@ class ThresholdRule(Rule):
         return _OPS[self.op](v, self.threshold)
 
     def check(self, history: deque[float], value: float) -> Finding | None:
-        recent = (
-            [*list(history)[-(self.for_flushes - 1) :], value] if self.for_flushes > 1 else [value]
-        )
-        if len(recent) < self.for_flushes or not all(self._holds(v) for v in recent):
+        n = self.for_flushes
+        if not self._holds(value) or len(history) < n - 1:  # the usual case, decided at once
+            return None
+        recent = [*islice(history, len(history) - (n - 1), None), value]
+        if not all(self._holds(v) for v in recent):
             return None
         held = f" for {self.for_flushes} flushes" if self.for_flushes > 1 else ""
         return Finding(

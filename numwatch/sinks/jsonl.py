@@ -32,10 +32,16 @@ def _finite_or_str(value: Any) -> Any:
     return value
 
 
-def _number(value: float) -> str:
-    if math.isfinite(value):
-        return repr(float(value))
-    return '"nan"' if math.isnan(value) else ('"inf"' if value > 0 else '"-inf"')
+# json.dumps's spelling of the non-finite floats -> the strings this log writes instead.
+_NONFINITE = {"NaN": '"nan"', "Infinity": '"inf"', "-Infinity": '"-inf"'}
+
+
+def _numbers(values: list[float]) -> list[str]:
+    """JSON texts of many floats at once: the C encoder writes each as repr(float) does."""
+    texts = json.dumps(values).strip("[]").split(", ") if values else []
+    if any(not math.isfinite(v) for v in values):
+        texts = [_NONFINITE.get(t, t) for t in texts]
+    return texts
 
 
 class JsonlSink:
@@ -68,9 +74,11 @@ class JsonlSink:
             "time": snapshot.time,
             "rank": snapshot.rank,
         }
-        metrics = ", ".join(
-            self._prefix(r.name, r.labels) + _number(r.value) + "}" for r in snapshot
-        )
+        records = list(snapshot)
+        numbers = _numbers([float(r.value) for r in records])
+        prefix = self._prefix
+        pairs = zip(records, numbers, strict=True)
+        metrics = ", ".join([prefix(r.name, r.labels) + n + "}" for r, n in pairs])
         tail = json.dumps(_finite_or_str([e.to_dict() for e in events]), allow_nan=False)
         line = f'{json.dumps(head)[:-1]}, "metrics": [{metrics}], "events": {tail}}}\n'
         self._file.write(line)
