@@ -7,6 +7,9 @@ torch reference path. The statistics kernel does the QK^T half of attention's FL
 its "TFLOP/s" below counts 2*B*H*T^2*D (half when causal). Times are medians of
 triton.testing.do_bench (CUDA events, L2 flushed between calls); inputs are N(0, 1).
 
+Also timed: the output error of one sampled GPT-2 step, the torch path layer by layer against
+one kernel launch over the layers stacked as heads (``--output-error-only``: just that).
+
 ``--sweep`` first times candidate tile configs per (D, causal, entropy) (compiled beforehand in
 parallel worker processes), records whether every config returns the same counts, and then
 measures the public function with the autotuner restricted to the winners; the JSON records
@@ -173,10 +176,64 @@ def measure(shapes: list[tuple], save) -> list[dict]:
     return out
 
 
+def output_error_step(layers: int = 12, h: int = 12, t: int = 1024, d: int = 64) -> dict:
+    """The output error of one sampled GPT-2 step (12 layers, batch element 1, causal): the
+    torch path layer by layer (the probe's path before the kernel) against one kernel launch
+    over the layers stacked as heads. Wall time per step between device syncs (host included:
+    the probe runs on the training's host thread) and GPU time (do_bench)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    shape = (1, h, t, d)
+    calls = [
+        tuple(torch.randn(shape, device="cuda", generator=g).bfloat16() for _ in range(3))
+        for _ in range(layers)
+    ]
+    outs = [sdpa_fwd(q, k, v, True, SDPBackend.CUDNN_ATTENTION) for q, k, v in calls]
+
+    def per_layer():
+        return [
+            A.attention_output_error(q, k, v, o, is_causal=True, backend="torch")
+            for (q, k, v), o in zip(calls, outs, strict=True)
+        ]
+
+    def stacked():
+        q, k, v = (torch.cat([c[i] for c in calls], 1) for i in range(3))
+        o = torch.cat(outs, 1)
+        return A.attention_output_error(q, k, v, o, is_causal=True, backend="triton")
+
+    torch_rows = torch.cat(per_layer())
+    kernel_rows = stacked()
+    rel = ((kernel_rows[:, :3] - torch_rows[:, :3]).abs() / torch_rows[:, 1:2]).max().item()
+
+    def wall_ms(fn, n: int = 20) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return float(sorted(times)[n // 2])
+
+    row = {
+        "layers": layers, "B": 1, "H": h, "T": t, "D": d, "causal": True,
+        "torch_per_layer_wall_ms": wall_ms(per_layer),
+        "kernel_stacked_wall_ms": wall_ms(stacked),
+        "torch_per_layer_gpu_ms": bench_ms(per_layer),
+        "kernel_stacked_gpu_ms": bench_ms(stacked),
+        "max_rel_diff_vs_torch_path": rel,
+    }  # fmt: skip
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="tune tile configs first")
     ap.add_argument("--out", type=Path, default=Path("bench/results/attention_stats.json"))
+    ap.add_argument(
+        "--output-error-only", action="store_true", help="only the sampled-step output error"
+    )
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     result = {
@@ -192,6 +249,11 @@ def main() -> None:
         "inputs": "q, k, v ~ N(0, 1); all rows and batch elements sampled",
         "shapes": [dict(zip(("B", "H", "T", "D", "causal"), s, strict=True)) for s in SHAPES],
     }
+    result["output_error_step"] = output_error_step()
+    if args.output_error_only:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        return
     if args.sweep:
         rows, best = sweep(SHAPES)
         result["sweep"] = rows

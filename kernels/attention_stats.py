@@ -60,6 +60,7 @@ __all__ = [
     "TIE_ENTRIES",
     "attention_head_stats",
     "attention_output_error",
+    "output_error_in_one_launch",
     "saturation_threshold",
     "score_head_stats",
 ]
@@ -654,6 +655,77 @@ if triton is not None:
             tl.store(p + 7, tl.zeros([], tl.float64))
             tl.store(p + 8, tl.full([], float("inf"), tl.float64))
 
+    @triton.jit
+    def _output_error_kernel(
+        Q, K, V, OUT, PART,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_ob, stride_oh, stride_om, stride_od,
+        Tq, Tk, D, Dv, GROUP, scale,
+        IS_CAUSAL: tl.constexpr, QK_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):  # fmt: skip
+        """One program: O_ref of BLOCK_M query rows of one (batch, head) by an fp32 online
+        softmax, compared with the kernel's output there; writes the rows' sums of err, |err|
+        and err^2 (float64) to PART[b, h, block].
+
+        The products run on tensor cores at fp32 accuracy: QK^T in one TF32 pass when Q and K
+        come from bf16/fp16 (their values are exact in TF32: exact products, fp32 sums), else
+        in three (tf32x3, ~fp32); P V always in three, P being fp32."""
+        pid_m = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        b = tl.program_id(2).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        row_ok = offs_m < Tq
+        q_ptrs = Q + b * stride_qb + h * stride_qh
+        q_ptrs += offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+        q = q.to(tl.float32)
+        k_base = K + b * stride_kb + (h // GROUP) * stride_kh + offs_d[None, :] * stride_kd
+        v_base = V + b * stride_vb + (h // GROUP) * stride_vh + offs_dv[None, :] * stride_vd
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        lsum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        hi = tl.minimum(Tk, (pid_m + 1) * BLOCK_M) if IS_CAUSAL else Tk
+        for n0 in range(0, hi, BLOCK_N):
+            cols = n0 + offs_n
+            col_ok = cols < Tk
+            k = tl.load(
+                k_base + cols[:, None] * stride_kn,
+                mask=col_ok[:, None] & (offs_d < D)[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            v = tl.load(
+                v_base + cols[:, None] * stride_vn,
+                mask=col_ok[:, None] & (offs_dv < Dv)[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * scale
+            keep = col_ok[None, :]
+            if IS_CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))  # finite: every row sees key 0
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            lsum = lsum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32x3")
+            m = m_new
+        ref = acc / lsum[:, None]
+        o_ptrs = OUT + b * stride_ob + h * stride_oh
+        o_ptrs += offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
+        ok = row_ok[:, None] & (offs_dv < Dv)[None, :]
+        out = tl.load(o_ptrs, mask=ok, other=0.0).to(tl.float32)
+        err = tl.where(ok, out - ref, 0.0).to(tl.float64)
+        part = PART + ((b * tl.num_programs(1) + h) * tl.num_programs(0) + pid_m) * 3
+        tl.store(part + 0, tl.sum(tl.sum(err, 1), 0))
+        tl.store(part + 1, tl.sum(tl.sum(tl.abs(err), 1), 0))
+        tl.store(part + 2, tl.sum(tl.sum(err * err, 1), 0))
+
     def _gpu_configs() -> list[triton.Config]:
         return [triton.Config(**_launch_config(cf)) for cf in _TUNED_CONFIGS]
 
@@ -878,6 +950,53 @@ def _output_error_whole(
     return torch.stack([*sums, torch.full_like(sums[0], count)], -1)
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the output-error kernel by padded head dim
+# (sm_90 SASS without spills: ~150 registers at D 64, ~230 at D 128, ~205 at D 256); the
+# interpreter's tiles are small enough to cross several tiles per row.
+_ERROR_CONFIGS = {128: (64, 32, 8, 2), 256: (32, 32, 8, 2)}
+_ERROR_INTERPRET_CONFIG = (16, 16, 4, 1)
+
+
+def _output_error_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, is_causal: bool,
+    scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """``attention_output_error`` of a call without mask or row sampling in one launch: no
+    scores in memory, so many layers stacked as heads cost one call (the torch path's
+    recomputation materializes them and must go layer by layer)."""
+    B, Hq, Tq, D = q.shape
+    Tk, Dv = k.shape[2], v.shape[3]
+    exact_tf32 = all(x.dtype in (torch.bfloat16, torch.float16) for x in (q, k))
+    block_d = max(16, triton.next_power_of_2(max(D, Dv)))
+    config = _ERROR_CONFIGS[128 if block_d <= 128 else 256]
+    bm, bn, warps, stages = _ERROR_INTERPRET_CONFIG if _interpreting() else config
+    n_blocks = triton.cdiv(Tq, bm)
+    part = torch.empty((B, Hq, n_blocks, 3), dtype=torch.float64, device=q.device)
+    _output_error_kernel[(n_blocks, Hq, B)](
+        q, k, v, out, part,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        Tq, Tk, D, Dv, Hq // k.shape[1], scale,
+        IS_CAUSAL=bool(is_causal), QK_PRECISION="tf32" if exact_tf32 else "tf32x3",
+        BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    sums = part.sum((0, 2))
+    count = torch.full_like(sums[:, :1], float(B * Tq * Dv))
+    return torch.cat([sums, count], 1)
+
+
+def output_error_in_one_launch(
+    device: torch.device, attn_mask: torch.Tensor | None, rows: torch.Tensor | None,
+    backend: str = "auto",
+) -> bool:  # fmt: skip
+    """Whether ``attention_output_error`` takes the one-launch kernel for such a call (a caller
+    may then stack many layers' calls as heads)."""
+    if attn_mask is not None or rows is not None or backend == "torch" or triton is None:
+        return False
+    return device.type == "cuda" or (backend == "triton" and _interpreting())
+
+
 def attention_output_error(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -891,9 +1010,14 @@ def attention_output_error(
     batch: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
     memory_budget: int = _DEFAULT_MEMORY_BUDGET,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Signed error of an attention output against a recomputation: (Hq, N_ERR_STATS) float64
     with ERR_SUM, ERR_ABS_SUM, ERR_SQ_SUM, ERR_COUNT of err = out - O_ref per head.
+
+    Calls without ``attn_mask`` and ``rows`` run as one Triton launch on CUDA ("auto") and in
+    the interpreter with ``backend="triton"`` (an fp32 online softmax with exact fp32 products,
+    ``compute_dtype`` fp32); everything else, and ``backend="torch"``, runs in torch.
 
     ``out`` (B, Hq, Tq, Dv) is what the user's kernel returned for these inputs; O_ref is
     recomputed in ``compute_dtype`` (default fp32 on GPU, float64 on CPU), chunked over rows so
@@ -910,6 +1034,14 @@ def attention_output_error(
     _check_mask(attn_mask, is_causal)
     mask4 = _as_4d(attn_mask)
     scale = _resolve_scale(scale, D)
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    one_launch = Tk > 0 and max(D, Dv) <= 256  # larger head dims would spill registers
+    one_launch = one_launch and output_error_in_one_launch(q.device, attn_mask, rows, backend)
+    if compute_dtype in (None, torch.float32) and one_launch:
+        if batch is not None:
+            q, k, v, out = (x.index_select(0, batch.to(x.device)) for x in (q, k, v, out))
+        return _output_error_triton(q, k, v, out, is_causal, scale)
     cdt = compute_dtype or (torch.float64 if q.device.type == "cpu" else torch.float32)
     n_b = B if batch is None else batch.numel()
     whole_bytes = n_b * Hq * Tq * Tk * _WHOLE_BYTES_PER_ENTRY * (torch.finfo(cdt).bits // 32)

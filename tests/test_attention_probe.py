@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import numwatch
-from numwatch.testing import planted_sink_attention
+from numwatch.testing import kernel_devices, planted_sink_attention
 
 
 @pytest.fixture
@@ -232,6 +232,40 @@ def test_layers_of_one_shape_are_measured_together(make_monitor, monkeypatch):
     launches.clear()
     model()
     assert launches == [1, 1, 1]
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_output_errors_of_same_shaped_layers_in_one_launch(make_monitor, monkeypatch, device):
+    """With the Triton backend, same-shaped layers' output errors are one launch (their layers
+    stacked as heads); each layer still gets the error the torch path measures for it alone.
+    bf16 SDPA errs by ~1e-3, far above the fp32 and float64 references' own error."""
+    from numwatch.kernels import attention_stats
+
+    launches = []
+    real = attention_stats._output_error_triton
+    monkeypatch.setattr(
+        attention_stats, "_output_error_triton", lambda *a: launches.append(1) or real(*a)
+    )
+    g = torch.Generator().manual_seed(5)
+    layers = {
+        name: tuple(torch.randn(2, 3, 13, 16, generator=g).bfloat16().to(device) for _ in range(3))
+        for name in ("a", "b")
+    }
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    model = wrap(**{name: Fixed(*qkv, sdpa) for name, qkv in layers.items()})
+    snaps = {}
+    for backend in ("torch", "triton"):
+        monitor = make_monitor(model, kernel_backend=backend)
+        model()
+        monitor.step()
+        snaps[backend] = monitor.snapshot()
+        monitor.detach()
+    assert launches == [1]
+    for name in layers:
+        for metric in ("attn_output_bias", "attn_output_error_rms"):
+            want = head_values(snaps["torch"], metric, name, 3)
+            got = head_values(snaps["triton"], metric, name, 3)
+            assert got == pytest.approx(want, rel=1e-3, abs=1e-6), (name, metric)
 
 
 def test_probe_failure_survived(make_monitor, monkeypatch):

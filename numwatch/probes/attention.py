@@ -384,6 +384,7 @@ class AttentionProbe:
 
         q, k = stacked("q"), stacked("k")
         rows = self._rows(q)
+        backend = self.ctx.backend_for(q.device)
         heads = ats.attention_head_stats(
             q,
             k,
@@ -393,10 +394,18 @@ class AttentionProbe:
             rows=rows,
             saturation_dtype=first.saturation,
             entropy=self.cfg.entropy,
-            backend=self.ctx.backend_for(q.device),
+            backend=backend,
         ).reshape(L, H, -1)
         errors: list[torch.Tensor | None] = [None] * L
-        if first.out is not None:
+        if first.out is not None and ats.output_error_in_one_launch(
+            q.device, first.mask, rows, backend
+        ):  # no scores in memory: the layers go as heads of one launch
+            err = ats.attention_output_error(
+                q, k, stacked("v"), stacked("out"), is_causal=first.is_causal,
+                scale=first.scale, backend=backend,
+            )  # fmt: skip
+            errors = list(err.reshape(L, H, -1))
+        elif first.out is not None:
             # the fp32 recomputation materializes scores: layer by layer keeps its memory bound
             errors = [
                 ats.attention_output_error(

@@ -465,14 +465,46 @@ def test_output_error_whole_path_equals_the_chunked_path(device, causal):
     q, k, v = (t.to(device) for t in (q, k, v))
     # float64 on a CPU; fp32 on a GPU, where the two paths round O_ref differently (~1e-7 each)
     tol = {"rtol": 1e-9, "atol": 1e-9} if device == "cpu" else {"rtol": 1e-5, "atol": 1e-3}
-    whole = A.attention_output_error(q, k, v, out, is_causal=causal).cpu()
-    chunked = A.attention_output_error(q, k, v, out, is_causal=causal, memory_budget=1).cpu()
+    torch_path = {"is_causal": causal, "backend": "torch"}  # on a GPU "auto" takes the kernel
+    whole = A.attention_output_error(q, k, v, out, **torch_path).cpu()
+    chunked = A.attention_output_error(q, k, v, out, memory_budget=1, **torch_path).cpu()
     torch.testing.assert_close(whole, chunked, **tol)
     assert whole[:, A.ERR_COUNT].tolist() == [3 * 21 * 16.0] * 4
     per_head = offset.double().sum((0, 2, 3))
     torch.testing.assert_close(whole[:, A.ERR_SUM], per_head, **tol)
-    one = A.attention_output_error(q, k, v, out, is_causal=causal, batch=torch.tensor([2])).cpu()
+    one = A.attention_output_error(q, k, v, out, batch=torch.tensor([2]), **torch_path).cpu()
     torch.testing.assert_close(one[:, A.ERR_SUM], offset[2].double().sum((1, 2)), **tol)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize(
+    "shape", [(2, 4, 2, 21, 27, 16, 16, True), (1, 3, 3, 33, 33, 24, 40, False)]
+)
+def test_output_error_kernel_equals_the_torch_path(device, shape):
+    """The one-launch kernel (fp32 online softmax) against the float64 torch path on planted
+    errors: bf16 inputs, GQA, odd and unequal lengths, head dims off a power of two, Dv != D,
+    a sampled batch element."""
+    B, Hq, Hkv, Tq, Tk, D, Dv, causal = shape
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(B, Hq, Tq, D, generator=g).bfloat16()
+    k = torch.randn(B, Hkv, Tk, D, generator=g).bfloat16()
+    v = torch.randn(B, Hkv, Tk, Dv, generator=g).bfloat16()
+    ref = reference_output(q.double(), k.double(), v.double(), causal=causal)
+    offset = torch.where(torch.rand(ref.shape, generator=g) < 0.7, 1e-2, -3e-2)
+    out = (ref + offset).float()
+    oracle = A.attention_output_error(q, k, v, out, is_causal=causal, backend="torch")
+    args = (t.to(device) for t in (q, k, v, out))
+    got = A.attention_output_error(*args, is_causal=causal, backend="triton").cpu()
+    assert got[:, A.ERR_COUNT].tolist() == [B * Tq * Dv * 1.0] * Hq
+    # fp32 O_ref: ~1e-7 per entry against errors of 1e-2
+    torch.testing.assert_close(got[:, :3], oracle[:, :3], rtol=1e-4, atol=1e-4)
+    planted = offset.double()
+    torch.testing.assert_close(got[:, A.ERR_SUM], planted.sum((0, 2, 3)), rtol=1e-3, atol=1e-3)
+    one = A.attention_output_error(
+        *(t.to(device) for t in (q, k, v, out)), is_causal=causal, batch=torch.tensor([B - 1]),
+        backend="triton",
+    ).cpu()  # fmt: skip
+    torch.testing.assert_close(one[:, A.ERR_SUM], planted[B - 1].sum((1, 2)), rtol=1e-3, atol=1e-3)
 
 
 def test_output_error_path_choice(monkeypatch):
