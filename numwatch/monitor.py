@@ -34,6 +34,7 @@ from numwatch.config import MonitorConfig
 from numwatch.distributed import Aggregator
 from numwatch.errors import NumwatchError
 from numwatch.events import Event, EventBus
+from numwatch.gc_pause import gc_paused
 from numwatch.guard import Guard
 from numwatch.kernels.flash_attention import flash_attention_fallbacks
 from numwatch.kernels.host_copy import to_device
@@ -419,21 +420,23 @@ class Monitor:
         if not self.config.enabled:
             return None
         start = time.perf_counter()
-        snapshot, fired = self._guard.run("flush", self._collect) or (None, [])
+        with gc_paused():
+            snapshot, fired = self._guard.run("flush", self._collect) or (None, [])
+            if snapshot is not None:
+                self._snapshot = snapshot
+                self._history.append(snapshot)
+                events = [e for e, _ in fired]
+                self._publish(events)
+                unsent, self._unsent_events = self._unsent_events, []
+                for sink in self._sinks:
+                    # distributed.jsonl='per_rank': each rank's log holds its own values
+                    view = self._local_snapshot if isinstance(sink, JsonlSink) else snapshot
+                    self._guard.run("sinks", sink.emit, view, unsent)
         # The flush's own cost is charged to the next window's overhead.
         self._window_steps = 0
         self._window_start = time.perf_counter()
         self._guard.overhead_seconds = self._window_start - start
         if snapshot is not None:
-            self._snapshot = snapshot
-            self._history.append(snapshot)
-            events = [e for e, _ in fired]
-            self._publish(events)
-            unsent, self._unsent_events = self._unsent_events, []
-            for sink in self._sinks:
-                # distributed.jsonl='per_rank': each rank's log holds its own values
-                view = self._local_snapshot if isinstance(sink, JsonlSink) else snapshot
-                self._guard.run("sinks", sink.emit, view, unsent)
             self._run_actions(fired)  # after the sinks: a halt leaves the log complete
         return snapshot
 

@@ -668,3 +668,32 @@ def test_held_activation_outputs_are_bounded(make_monitor, monkeypatch):
     assert batches == [2, 2]  # no output was left for the end of the forward
     snap = monitor.snapshot()
     assert [snap.value("activation_max", module=f"parts.{i}") for i in range(4)] == [0, 1, 2, 3]
+
+
+def test_flushes_leave_no_tracked_records_and_restore_the_collector(make_monitor):
+    """Retained snapshots are columns, not thousands of GC-tracked record tuples; the flush's
+    pause of the cyclic collector ends with it and keeps a user's disabled collector off."""
+    import gc
+
+    from numwatch.snapshot import MetricRecord
+
+    model = Net()
+    monitor = make_monitor(model, flush_every=1).attach()
+    gc.collect()
+    before = sum(type(o) is MetricRecord for o in gc.get_objects())
+    train_steps(model, monitor, 3)
+    gc.collect()
+    assert sum(type(o) is MetricRecord for o in gc.get_objects()) == before
+    assert len(monitor.history) == 3 and gc.isenabled()
+    snap = monitor.snapshot()
+    names, labels, values = snap.columns()
+    assert len(names) == len(labels) == len(values) == len(snap) > 40
+    first = next(iter(snap))
+    assert isinstance(first, MetricRecord) and first == (names[0], labels[0], values[0])
+    assert snap.value("grad_numel", param="a.weight") == 32.0
+    gc.disable()
+    try:
+        train_steps(model, monitor, 1)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

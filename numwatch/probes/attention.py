@@ -417,6 +417,7 @@ class AttentionProbe:
                     is_causal=c.is_causal,
                     scale=c.scale,
                     rows=rows,
+                    backend=backend,
                 )
                 for c in group
             ]

@@ -36,7 +36,7 @@ def _finite_or_str(value: Any) -> Any:
 _NONFINITE = {"NaN": '"nan"', "Infinity": '"inf"', "-Infinity": '"-inf"'}
 
 
-def _numbers(values: list[float]) -> list[str]:
+def _numbers(values: list[float]) -> list[str]:  # floats: json.dumps would write ints bare
     """JSON texts of many floats at once: the C encoder writes each as repr(float) does."""
     texts = json.dumps(values).strip("[]").split(", ") if values else []
     if any(not math.isfinite(v) for v in values):
@@ -74,11 +74,9 @@ class JsonlSink:
             "time": snapshot.time,
             "rank": snapshot.rank,
         }
-        records = list(snapshot)
-        numbers = _numbers([float(r.value) for r in records])
-        prefix = self._prefix
-        pairs = zip(records, numbers, strict=True)
-        metrics = ", ".join([prefix(r.name, r.labels) + n + "}" for r, n in pairs])
+        names, labels, values = snapshot.columns()
+        pairs = zip(map(self._prefix, names, labels), _numbers(values.tolist()), strict=True)
+        metrics = ", ".join([p + n + "}" for p, n in pairs])
         tail = json.dumps(_finite_or_str([e.to_dict() for e in events]), allow_nan=False)
         line = f'{json.dumps(head)[:-1]}, "metrics": [{metrics}], "events": {tail}}}\n'
         self._file.write(line)
