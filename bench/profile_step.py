@@ -59,6 +59,13 @@ CONFIGS = {
     },
     "weights_every_step": {**_SAMPLED_OFF, "weights__enabled": True, "weights__every": 1},
     "optimizer_every_step": {**_SAMPLED_OFF, "optimizer__enabled": True, "optimizer__every": 1},
+    # every sampled probe at once, no flush: the sampled step of the defaults without its flush
+    "sampled_every_step": {
+        "activations__every": 1,
+        "attention__every": 1,
+        "weights__every": 1,
+        "optimizer__every": 1,
+    },
     # a sampled step of the defaults as it happens: every probe and the flush at once
     "everything_every_step": {
         "flush_every": 1,
