@@ -137,11 +137,15 @@ def _usable(g: torch.Tensor | None) -> torch.device | None:
     return g.device
 
 
+def _floating(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(t,)`` if ``t`` is a floating tensor with data, else ``()``."""
+    return (t,) if t.is_floating_point() and t.numel() > 0 and not t.is_meta else ()
+
+
 def _floating_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Floating tensors with data inside a (nested) module output; others are not statistics."""
     if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.numel() > 0 and not obj.is_meta:
-            yield obj
+        yield from _floating(obj)
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             yield from _floating_tensors(item)
@@ -395,7 +399,9 @@ class ActivationProbe:
     def _hook(self, index: int, module: nn.Module, _inputs: Any, output: Any) -> None:
         if self.cfg.training_only and not module.training:
             return
-        for t in _floating_tensors(output):
+        # a plain tensor (most modules) skips the structure walk: 136 hooks per GPT-2 forward
+        plain = type(output) is torch.Tensor
+        for t in _floating(output) if plain else _floating_tensors(output):
             self._pending.append((index, t.detach()))
             self._pending_bytes += t.numel() * t.element_size()
         if self._pending_bytes > self.cfg.max_pending_bytes:
