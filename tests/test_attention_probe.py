@@ -352,3 +352,45 @@ def test_transformers_numwatch_implementation_keeps_padding_masks():
         c = ref(input_ids=ids, attention_mask=mask).logits
     assert torch.allclose(a[1, 3:], b[1, 3:], atol=1e-5)
     assert torch.allclose(a, c, atol=1e-5)
+
+
+def test_activation_statistics_do_not_pass_through_the_attention_mode(make_monitor, monkeypatch):
+    """On sampled steps the attention probe's TorchFunctionMode sees every torch call of the
+    forward; the activation probe's own calls (hooks, statistics) must not add to them."""
+    from numwatch.probes import attention as probe_module
+
+    calls = []
+    real = probe_module._Interceptor.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        calls.append(func)
+        return real(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(probe_module._Interceptor, "__torch_function__", counting)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.proj(x).view(2, 9, 1, 16).transpose(1, 2)
+            return F.scaled_dot_product_attention(h, h, h, is_causal=True).sum()
+
+    model = nn.Sequential(Block(), nn.Identity())
+    x = torch.randn(2, 9, 16)
+    counts = {}
+    for activations in (False, True):
+        monitor = make_monitor(
+            model, activations__enabled=activations, activations__every=1,
+            activations__max_pending_bytes=1,  # measure in every hook, inside the forward
+        )  # fmt: skip
+        calls.clear()
+        model(x)
+        counts[activations] = len(calls)
+        monitor.step()
+        assert monitor.snapshot().value("monitor_errors_total", component="activations") == 0
+        if activations:
+            assert monitor.snapshot().value("activation_numel", module="0.proj") == 2 * 9 * 16
+        monitor.detach()
+    assert counts[True] == counts[False] > 0

@@ -397,6 +397,13 @@ class ActivationProbe:
     # graphs and broke AOTAutograd on sampled steps (tests/test_compile.py).
     @torch.compiler.disable
     def _hook(self, index: int, module: nn.Module, _inputs: Any, output: Any) -> None:
+        # The probe's own torch calls skip __torch_function__ handling: on sampled steps the
+        # attention probe's TorchFunctionMode is active, and its Python dispatch on each of
+        # these calls (~1,500 per GPT-2 forward) cost more than the statistics themselves.
+        with torch._C.DisableTorchFunction():
+            self._collect(index, module, output)
+
+    def _collect(self, index: int, module: nn.Module, output: Any) -> None:
         if self.cfg.training_only and not module.training:
             return
         # a plain tensor (most modules) skips the structure walk: 136 hooks per GPT-2 forward
@@ -410,7 +417,8 @@ class ActivationProbe:
     @torch.compiler.disable
     def _forward_done(self, *_: Any) -> None:
         if self._pending:
-            self.ctx.guard.run(self.component, self._measure)
+            with torch._C.DisableTorchFunction():
+                self.ctx.guard.run(self.component, self._measure)
 
     def on_step(self) -> None:
         """Outputs of modules run outside the model's own forward are measured at step end;
