@@ -697,3 +697,26 @@ def test_flushes_leave_no_tracked_records_and_restore_the_collector(make_monitor
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_jsonl_writes_every_float_exactly_and_non_finite_as_strings(tmp_path):
+    """The sink encodes a flush's numbers in one json.dumps: each must read back bitwise
+    (repr's shortest round trip), ints as floats, and NaN/Inf as the log's strings."""
+    from numwatch.sinks.jsonl import JsonlSink
+    from numwatch.snapshot import MetricRecord, Snapshot
+
+    values = [0.1, 3, -0.0, 1e-300, 5e-324, 1.7976931348623157e308, math.nan, math.inf, -math.inf]
+    records = [MetricRecord("m", {"i": str(i)}, v) for i, v in enumerate(values)]
+    sink = JsonlSink(tmp_path / "log.jsonl", "run")
+    sink.emit(Snapshot(7, records, time=1.0), [])
+    sink.emit(Snapshot(8, [], time=2.0), [])
+    sink.close()
+    line = (tmp_path / "log.jsonl").read_text().splitlines()[0]
+    assert '"value": 3.0}' in line and '"value": "nan"}' in line and '"value": "-inf"}' in line
+    first, empty = read_jsonl(tmp_path / "log.jsonl")
+    got = [m["value"] for m in first["metrics"]]
+    assert [m["labels"]["i"] for m in first["metrics"]] == [str(i) for i in range(len(values))]
+    assert math.isnan(got[6]) and got[7:] == [math.inf, -math.inf]
+    for g, v in zip(got[:6], values[:6], strict=True):
+        assert g == v and math.copysign(1.0, g) == math.copysign(1.0, v) and type(g) is float
+    assert empty["step"] == 8 and empty["metrics"] == []
