@@ -1036,7 +1036,9 @@ def attention_output_error(
     scale = _resolve_scale(scale, D)
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    one_launch = Tk > 0 and max(D, Dv) <= 256  # larger head dims would spill registers
+    if Tk == 0:  # every row is fully masked: nothing to measure
+        return torch.zeros(Hq, N_ERR_STATS, dtype=torch.float64, device=q.device)
+    one_launch = max(D, Dv) <= 256  # larger head dims would spill registers
     one_launch = one_launch and output_error_in_one_launch(q.device, attn_mask, rows, backend)
     if compute_dtype in (None, torch.float32) and one_launch:
         if batch is not None:

@@ -505,6 +505,10 @@ def test_output_error_kernel_equals_the_torch_path(device, shape):
         backend="triton",
     ).cpu()  # fmt: skip
     torch.testing.assert_close(one[:, A.ERR_SUM], planted[B - 1].sum((1, 2)), rtol=1e-3, atol=1e-3)
+    no_keys = [t[:, :, :0].to(device) for t in (k, v)]  # every row fully masked: excluded
+    for backend in ("torch", "triton"):
+        empty = A.attention_output_error(q.to(device), *no_keys, out.to(device), backend=backend)
+        assert empty.cpu().tolist() == [[0.0] * A.N_ERR_STATS] * Hq
 
 
 def test_output_error_path_choice(monkeypatch):
