@@ -924,7 +924,6 @@ def _output_error_whole(
     out: torch.Tensor,
     is_causal: bool,
     scale: float,
-    batch: torch.Tensor | None,
     cdt: torch.dtype,
 ) -> torch.Tensor:
     """``attention_output_error`` of calls without a mask or row sampling whose scores fit the
@@ -932,8 +931,6 @@ def _output_error_whole(
     layer, and the chunked path's ~60 small ops per call cost ~2.5 ms of host time each (H200
     host, GPT-2); this takes about 15. No row is fully masked here (causal is top-left aligned).
     """
-    if batch is not None:
-        q, k, v, out = (x.index_select(0, batch.to(x.device)) for x in (q, k, v, out))
     with _exact_fp32_matmul(q.device):
         ref, _ = torch.ops.aten._scaled_dot_product_attention_math(
             q.to(cdt),
@@ -967,8 +964,8 @@ def _output_error_triton(
     B, Hq, Tq, D = q.shape
     Tk, Dv = k.shape[2], v.shape[3]
     exact_tf32 = all(x.dtype in (torch.bfloat16, torch.float16) for x in (q, k))
-    block_d = max(16, triton.next_power_of_2(max(D, Dv)))
-    config = _ERROR_CONFIGS[128 if block_d <= 128 else 256]
+    block_d, block_dv = (max(16, triton.next_power_of_2(d)) for d in (D, Dv))
+    config = _ERROR_CONFIGS[128 if max(block_d, block_dv) <= 128 else 256]
     bm, bn, warps, stages = _ERROR_INTERPRET_CONFIG if _interpreting() else config
     n_blocks = triton.cdiv(Tq, bm)
     part = torch.empty((B, Hq, n_blocks, 3), dtype=torch.float64, device=q.device)
@@ -977,8 +974,7 @@ def _output_error_triton(
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         Tq, Tk, D, Dv, Hq // k.shape[1], scale,
         IS_CAUSAL=bool(is_causal), QK_PRECISION="tf32" if exact_tf32 else "tf32x3",
-        BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     sums = part.sum((0, 2))
@@ -1016,7 +1012,7 @@ def attention_output_error(
     with ERR_SUM, ERR_ABS_SUM, ERR_SQ_SUM, ERR_COUNT of err = out - O_ref per head.
 
     Calls without ``attn_mask`` and ``rows`` run as one Triton launch on CUDA ("auto") and in
-    the interpreter with ``backend="triton"`` (an fp32 online softmax with exact fp32 products,
+    the interpreter with ``backend="triton"`` (an fp32 online softmax at fp32 accuracy,
     ``compute_dtype`` fp32); everything else, and ``backend="torch"``, runs in torch.
 
     ``out`` (B, Hq, Tq, Dv) is what the user's kernel returned for these inputs; O_ref is
@@ -1038,17 +1034,21 @@ def attention_output_error(
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     if Tk == 0:  # every row is fully masked: nothing to measure
         return torch.zeros(Hq, N_ERR_STATS, dtype=torch.float64, device=q.device)
-    one_launch = max(D, Dv) <= 256  # larger head dims would spill registers
-    one_launch = one_launch and output_error_in_one_launch(q.device, attn_mask, rows, backend)
-    if compute_dtype in (None, torch.float32) and one_launch:
-        if batch is not None:
-            q, k, v, out = (x.index_select(0, batch.to(x.device)) for x in (q, k, v, out))
-        return _output_error_triton(q, k, v, out, is_causal, scale)
     cdt = compute_dtype or (torch.float64 if q.device.type == "cpu" else torch.float32)
+    one_launch = (
+        compute_dtype in (None, torch.float32)  # the kernel computes in fp32, on any device
+        and max(D, Dv) <= 256  # larger head dims would spill registers
+        and output_error_in_one_launch(q.device, attn_mask, rows, backend)
+    )
     n_b = B if batch is None else batch.numel()
     whole_bytes = n_b * Hq * Tq * Tk * _WHOLE_BYTES_PER_ENTRY * (torch.finfo(cdt).bits // 32)
-    if attn_mask is None and rows is None and whole_bytes <= memory_budget:
-        return _output_error_whole(q, k, v, out, is_causal, scale, batch, cdt)
+    whole = attn_mask is None and rows is None and whole_bytes <= memory_budget
+    if one_launch or whole:  # the sampled batch elements, then every row in one piece
+        if batch is not None:
+            q, k, v, out = (x.index_select(0, batch.to(x.device)) for x in (q, k, v, out))
+        if one_launch:
+            return _output_error_triton(q, k, v, out, is_causal, scale)
+        return _output_error_whole(q, k, v, out, is_causal, scale, cdt)
     g = Hq // Hkv
     b_idx, r_idx = _sampled(batch, rows, B, Tq, q.device)
     acc = torch.zeros(Hq, N_ERR_STATS, dtype=torch.float64, device=q.device)
