@@ -6,7 +6,7 @@ from array import array
 from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
-__all__ = ["MetricRecord", "Snapshot"]
+__all__ = ["MetricRecord", "Snapshot", "series_key"]
 
 
 class MetricRecord(NamedTuple):
@@ -42,7 +42,7 @@ class Snapshot:
     @property
     def _index(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         if self._index_cache is None:  # built on the first lookup, not at every flush
-            keys = zip(self._names, map(_key, self._labels), strict=True)
+            keys = zip(self._names, map(series_key, self._labels), strict=True)
             self._index_cache = dict(zip(keys, self._values, strict=True))
         return self._index_cache
 
@@ -55,14 +55,14 @@ class Snapshot:
     def value(self, name: str, **labels: str) -> float:
         """The value of metric ``name`` with exactly these labels; KeyError names what exists."""
         try:
-            return self._index[(name, _key(labels))]
+            return self._index[(name, series_key(labels))]
         except KeyError:
             have = [dict(r.labels) for r in self if r.name == name][:5]
             hint = f"series of {name!r} include {have}" if have else f"no metric named {name!r}"
             raise KeyError(f"{name}{labels} not in snapshot of step {self.step}; {hint}") from None
 
     def get(self, name: str, default: float | None = None, **labels: str) -> float | None:
-        return self._index.get((name, _key(labels)), default)
+        return self._index.get((name, series_key(labels)), default)
 
     def series(self, name: str) -> list[MetricRecord]:
         """Every record of metric ``name`` (all label sets)."""
@@ -80,5 +80,6 @@ class Snapshot:
         }
 
 
-def _key(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+def series_key(labels: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """A label set as a hashable, order-free key: with the metric name it names one series."""
     return tuple(sorted((k, str(v)) for k, v in labels.items()))

@@ -8,16 +8,12 @@ from numwatch.errors import NumwatchConfigError
 from numwatch.events import Event
 from numwatch.rules.base import Finding, Rule, SeriesKey
 from numwatch.rules.nonfinite import NonfiniteRule
-from numwatch.snapshot import MetricRecord
+from numwatch.snapshot import MetricRecord, series_key
 
 __all__ = ["STEP_METRICS", "RuleEngine"]
 
 # Metrics known at every step (without a flush), so rules on them can decide before the update.
 STEP_METRICS = ("grad_norm", "loss", "nonfinite")
-
-
-def _key(labels: Mapping[str, str]) -> SeriesKey:
-    return tuple(sorted((k, str(v)) for k, v in labels.items()))
 
 
 class RuleEngine:
@@ -55,11 +51,11 @@ class RuleEngine:
             recs = by_name[rule.metric]
             if rule.labels:
                 recs = [rec for rec in recs if rule.wants(rec.name, rec.labels)]
-                series = [_key(rec.labels) for rec in recs]
+                series = [series_key(rec.labels) for rec in recs]
             else:  # rules on one metric share its series keys
                 series = keys.get(rule.metric)
                 if series is None:
-                    series = keys[rule.metric] = [_key(rec.labels) for rec in recs]
+                    series = keys[rule.metric] = [series_key(rec.labels) for rec in recs]
             values = (rec.value for rec in recs)
             for i, finding in rule.observe_all(zip(series, values, strict=True)):
                 fired.append((self._event(rule, step, recs[i].labels, finding), rule))
@@ -79,7 +75,7 @@ class RuleEngine:
 
     @staticmethod
     def _observe(rule: Rule, step: int, labels: Mapping[str, str], value: float) -> Event | None:
-        finding = rule.observe(_key(labels), value)
+        finding = rule.observe(series_key(labels), value)
         return None if finding is None else RuleEngine._event(rule, step, labels, finding)
 
     @staticmethod
