@@ -6,8 +6,9 @@ cuDNN, and stabilize=True within 5% of stabilize=False. FLOPs counted as usual: 
 for the forward (half when causal), 2.5x that for the backward; "fwd+bwd" is one forward plus
 one backward call. Times are medians of triton.testing.do_bench (CUDA events).
 
-``--sweep`` first times candidate forward configs at T=4k per (D, causal) (compiled beforehand in
-parallel worker processes), checks each against SDPA, and benchmarks with the fastest (the
+``--sweep`` first times candidate forward configs at T=4k per (mode, D, causal), the plain and
+the stabilized kernel each with its own candidates (compiled beforehand in parallel worker
+processes), checks each against SDPA, and benchmarks with the fastest (the
 backward configs come from the first sweep, bench/results/flash_attention_h200_sweep1.json); the
 JSON records the configs used, and ``--configs-out`` writes them for NUMWATCH_FLASH_CONFIGS. The
 bias table measures mean(err)/mean|err| against float64 on planted ties (DESIGN.md §1: B4 H8
@@ -35,14 +36,13 @@ from numwatch.kernels.flash_attention import flash_attention
 from numwatch.testing import planted_tie_attention
 
 TC = fat.TileConfig
-# Forward candidates: the first sweep's best tiles, with and without split_stab, and one
-# alternative tile.
+# Forward candidates per padded head dim, timed for "fwd" (the plain kernel) and "fwd_stab" (the
+# stabilized one) separately, so that the stabilization cost compares the two at their best.
 FWD_CANDIDATES = {
-    64: [TC(128, 128, 4, 3), TC(128, 128, 4, 3, split_stab=True),
-         TC(128, 64, 4, 3, split_stab=True)],
-    128: [TC(128, 128, 8, 3), TC(128, 128, 8, 3, split_stab=True),
-          TC(128, 64, 8, 3, split_stab=True)],
-}  # fmt: skip
+    64: [TC(128, 128, 4, 3), TC(128, 128, 4, 2), TC(128, 64, 4, 3), TC(128, 128, 8, 3)],
+    128: [TC(128, 128, 8, 3), TC(128, 64, 8, 3), TC(128, 128, 8, 2)],
+}
+SWEEP_MODES = {"fwd": "plain", "fwd_stab": "stabilized"}
 
 
 def flops_fwd(b: int, h: int, t: int, d: int, causal: bool) -> float:
@@ -110,36 +110,40 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
 
 
 def sweep(dims, t_seq: int, tokens: int, hd: int, workers: int, log: dict) -> None:
-    """Pick the forward config per (D, causal) at T=t_seq; sets CONFIG_OVERRIDES."""
-    tasks = {(d, c, cfg): _task({("fwd", d, c): cfg}, d, c, "stabilized", False)
-             for d in dims for c in (False, True) for cfg in FWD_CANDIDATES[d]}  # fmt: skip
+    """Pick the forward config per (mode, D, causal) at T=t_seq; sets CONFIG_OVERRIDES."""
+    tasks = {(kern, d, c, cfg): _task({(kern, d, c): cfg}, d, c, SWEEP_MODES[kern], False)
+             for kern in SWEEP_MODES for d in dims for c in (False, True)
+             for cfg in FWD_CANDIDATES[d]}  # fmt: skip
     t0 = time.time()
-    status = compile_parallel(list(tasks.values()), workers, timeout_s=120)
+    status = compile_parallel(list(tasks.values()), workers, timeout_s=180)
     log["compile_s"] = round(time.time() - t0, 1)
     log["compile_failures"] = {str(key): status[t] for key, t in tasks.items() if status[t] != "ok"}
     log["choices"] = {}
-    for d in dims:
-        for causal in (False, True):
-            q, k, v, _ = make_inputs(tokens // t_seq, hd // d, t_seq, d)
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                o_ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            timings = {}
-            for cfg in FWD_CANDIDATES[d]:
-                if status[tasks[(d, causal, cfg)]] != "ok":
-                    continue
-                fat.CONFIG_OVERRIDES[("fwd", d, causal)] = cfg
-                o = flash_attention(q, k, v, is_causal=causal)
-                ms = bench_ms(lambda q=q, k=k, v=v, c=causal: flash_attention(q, k, v, is_causal=c))
-                timings[cfg] = ms if _close(o, o_ref, 0.03) else math.inf
-            best = fat.tile_config("fwd", d, causal)
-            if timings and math.isfinite(min(timings.values())):
-                best = min(timings, key=timings.get)
-            fat.CONFIG_OVERRIDES[("fwd", d, causal)] = best
-            name = f"fwd d{d} causal={causal}"
-            shown = {str(tuple(c)): round(t, 4) if math.isfinite(t) else "wrong result"
-                     for c, t in timings.items()}  # fmt: skip
-            log["choices"][name] = {"chosen": tuple(best), "ms": shown}
-            print(f"sweep {name}: {tuple(best)} {shown}", flush=True)
+    for kern, mode in SWEEP_MODES.items():
+        for d in dims:
+            for causal in (False, True):
+                q, k, v, _ = make_inputs(tokens // t_seq, hd // d, t_seq, d)
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    o_ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                timings = {}
+                for cfg in FWD_CANDIDATES[d]:
+                    if status[tasks[(kern, d, causal, cfg)]] != "ok":
+                        continue
+                    fat.CONFIG_OVERRIDES[(kern, d, causal)] = cfg
+
+                    def run(q=q, k=k, v=v, c=causal, m=mode):
+                        return flash_attention(q, k, v, is_causal=c, mode=m)
+
+                    timings[cfg] = bench_ms(run) if _close(run(), o_ref, 0.03) else math.inf
+                best = fat.tile_config(kern, d, causal)
+                if timings and math.isfinite(min(timings.values())):
+                    best = min(timings, key=timings.get)
+                fat.CONFIG_OVERRIDES[(kern, d, causal)] = best
+                name = f"{kern} d{d} causal={causal}"
+                shown = {str(tuple(c)): round(t, 4) if math.isfinite(t) else "wrong result"
+                         for c, t in timings.items()}  # fmt: skip
+                log["choices"][name] = {"chosen": tuple(best), "ms": shown}
+                print(f"sweep {name}: {tuple(best)} {shown}", flush=True)
 
 
 # ----------------------------------------------------------------------------- bias on ties
@@ -335,7 +339,7 @@ def main() -> None:
     report["configs"] = fat.configs_to_json(
         {
             (k, d, c): fat.tile_config(k, d, c)
-            for k in ("fwd", "dkdv", "dq")
+            for k in ("fwd", "fwd_stab", "dkdv", "dq")
             for d in args.dims
             for c in (False, True)
         }
