@@ -55,6 +55,8 @@ class Setting:
     settle: int = 20
     seed: int = 0
     flush_every: int = 10
+    data: str = "bigram"  # examples/gpt2.py's --data
+    pos_emb: bool = True  # False: NoPE (examples/gpt2.py's --no-pos-emb)
     max_seconds: float = 300.0  # a run stops here (recorded), so a whole batch fits a GPU call
     logdir: Path = field(default_factory=lambda: Path("."))
 
@@ -71,7 +73,7 @@ def run(
     """Train one run and summarize it. ``kernel``: route every attention layer to numwatch's
     kernel in this mode ('paper_repro' or 'stabilized') from the first step; None = SDPA."""
     torch.manual_seed(s.seed)
-    cfg = GPTConfig(**{**PRESETS[s.preset].__dict__})
+    cfg = GPTConfig(**{**PRESETS[s.preset].__dict__, "pos_emb": s.pos_emb})
     model = GPT(cfg).to(s.device)
     fused = s.device.startswith("cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), fused=fused)
@@ -94,7 +96,7 @@ def run(
     ).attach(opt)
     if kernel is not None:
         monitor.swap_attention(stabilize=kernel == "stabilized", mode=kernel)
-    data = batches(cfg, s.batch, "bigram", s.seed, s.device)
+    data = batches(cfg, s.batch, s.data, s.seed, s.device)
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(s.steps):
@@ -155,6 +157,8 @@ def add_arguments(p: argparse.ArgumentParser, *, lr: float, warmup: int, runs: s
     p.add_argument("--warmup", type=int, default=warmup)
     p.add_argument("--settle", type=int, default=20)
     p.add_argument("--flush-every", type=int, default=10)
+    p.add_argument("--data", choices=("bigram", "sinks"), default="bigram")
+    p.add_argument("--no-pos-emb", action="store_true", help="NoPE model")
     p.add_argument("--max-seconds", type=float, default=300.0, help="per run")
     p.add_argument("--runs", default=runs)
     p.add_argument("--seed", type=int, default=0)
@@ -176,6 +180,8 @@ def run_all(args: argparse.Namespace, plans: dict[str, dict[str, Any]], benchmar
         settle=args.settle,
         seed=args.seed,
         flush_every=args.flush_every,
+        data=args.data,
+        pos_emb=not args.no_pos_emb,
         max_seconds=args.max_seconds,
         logdir=logdir,
     )

@@ -7,8 +7,12 @@ Attention is selectable: ``sdpa`` (native F.scaled_dot_product_attention, cuDNN/
 ``stabilized`` (numwatch's stabilized flash attention), ``paper_repro`` (numwatch's emulation of
 the failing BF16-accumulating kernel of arXiv 2510.04212: for reproductions only) or ``eager``
 (scores materialized and passed to softmax). Data is generated locally: a random sparse bigram
-language with a BOS token (``--data bigram``) or uniform random tokens (``--data random``, for
-timing), so nothing is downloaded.
+language with a BOS token (``--data bigram``), the same language after a run of identical BOS
+tokens (``--data sinks``), or uniform random tokens (``--data random``, for timing), so nothing
+is downloaded. ``--no-pos-emb`` drops the learned position embedding (NoPE: causal masking alone
+tells positions apart); with ``--data sinks`` the leading BOS tokens then have identical keys in
+every layer, so rows that attend to the sink have a repeated maximum, the setting in which
+arXiv 2510.04212's failure starts.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class GPTConfig:
     n_embd: int = 768
     attention: str = "sdpa"
     qk_norm: bool = False
+    pos_emb: bool = True  # False: no position embedding (NoPE)
 
 
 PRESETS = {
@@ -102,7 +107,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_emb else None
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -120,11 +125,15 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+
+
+SINK_TOKENS = 4  # leading BOS tokens of --data sinks
 
 
 def batches(cfg: GPTConfig, batch: int, kind: str, seed: int, device: str):
@@ -141,8 +150,9 @@ def batches(cfg: GPTConfig, batch: int, kind: str, seed: int, device: str):
     probs = logits.softmax(-1).to(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     pool = torch.empty(max(256, 4 * batch), T + 1, dtype=torch.long, device=device)
-    pool[:, 0] = 0
-    for t in range(1, T + 1):  # one pass builds a pool; batches are drawn from it
+    bos = SINK_TOKENS if kind == "sinks" else 1
+    pool[:, :bos] = 0
+    for t in range(bos, T + 1):  # one pass builds a pool; batches are drawn from it
         pool[:, t] = torch.multinomial(probs[pool[:, t - 1]], 1, generator=gen).squeeze(1)
     while True:
         pick = torch.randint(0, pool.shape[0], (batch,), generator=gen, device=device)
@@ -184,11 +194,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--attention", choices=ATTENTION, default="sdpa")
     p.add_argument("--qk-norm", action="store_true")
+    p.add_argument("--no-pos-emb", action="store_true", help="NoPE: no position embedding")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--data", choices=("bigram", "random"), default="bigram")
+    p.add_argument("--data", choices=("bigram", "sinks", "random"), default="bigram")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-monitor", action="store_true")
@@ -202,7 +213,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def build(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer]:
     torch.manual_seed(args.seed)
     cfg = PRESETS[args.preset]
-    cfg = GPTConfig(**{**cfg.__dict__, "attention": args.attention, "qk_norm": args.qk_norm})
+    cfg = GPTConfig(
+        **{
+            **cfg.__dict__,
+            "attention": args.attention,
+            "qk_norm": args.qk_norm,
+            "pos_emb": not args.no_pos_emb,
+        }
+    )
     model = GPT(cfg).to(args.device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]

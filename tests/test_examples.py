@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from numwatch.sinks.jsonl import read_jsonl
 
@@ -27,6 +28,38 @@ def test_gpt2_example_trains_with_the_monitor(tmp_path, attention):
     assert [r["step"] for r in records] == [1, 3]
     layers = {m["labels"]["layer"] for m in records[0]["metrics"] if m["name"] == "attn_rows"}
     assert layers == {"h.0.attn", "h.1.attn"}
+
+
+def test_gpt2_example_nope_sinks_make_repeated_maxima(tmp_path):
+    """--data sinks with --no-pos-emb: every sequence starts with identical BOS tokens whose
+    layer-0 keys are bitwise equal, so the probe sees rows with a repeated maximum; with the
+    position embedding the same data gives distinct keys."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import gpt2
+    finally:
+        sys.path.pop(0)
+    n = gpt2.SINK_TOKENS
+    keys = {}
+    for flag in ("--no-pos-emb", ""):
+        args = gpt2.parse(f"--preset tiny --data sinks --device cpu {flag}".split())
+        model, _ = gpt2.build(args)
+        assert (model.wpe is None) == bool(flag)
+        x, _ = next(gpt2.batches(model.cfg, 2, "sinks", 0, "cpu"))
+        assert (x[:, :n] == 0).all() and (x[:, n:] != 0).all()
+        c = model.cfg.n_embd
+        h = model.wte(x) + (model.wpe(torch.arange(x.shape[1])) if model.wpe is not None else 0)
+        keys[flag] = model.h[0].attn.c_attn(model.h[0].ln_1(h))[:, :n, c : 2 * c]
+    nope = keys["--no-pos-emb"]
+    assert torch.equal(nope, nope[:, :1].expand_as(nope))
+    assert not torch.equal(keys[""][:, 1], keys[""][:, 0])
+    log = tmp_path / "run.jsonl"
+    args = "--preset tiny --steps 2 --batch 2 --data sinks --no-pos-emb --flush-every 2"
+    gpt2.main([*args.split(), "--jsonl", str(log), "--device", "cpu"])
+    (record,) = read_jsonl(log)
+    repeated = [m["value"] for m in record["metrics"] if m["name"] == "attn_repeated_max_rows"
+                and m["labels"]["layer"] == "h.0.attn"]  # fmt: skip
+    assert sum(repeated) > 0
 
 
 def test_overhead_benchmark_harness(tmp_path):
