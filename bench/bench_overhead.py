@@ -85,6 +85,7 @@ CONFIGS: dict[str, dict | str | None] = {
         "rules": {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
     },
     "attention_only": {**OFF, "attention__enabled": True},
+    "gradients_only": {**OFF, "gradients__enabled": True},  # the defaults' every-step part
     "grads_spectral_every_step": {
         **OFF,
         "gradients__enabled": True,
