@@ -25,6 +25,9 @@ if [[ $what == gpu || $what == all ]]; then
     --out $R/repro_spike_h200.json
   $py bench/repro_paper_mechanism.py --device cuda --preset small --steps 3000 --batch 32 \
     --lr 0.01 --max-seconds 40 --out $R/repro_paper_mechanism_h200.json
+  $py bench/repro_paper_mechanism.py --device cuda --preset small --steps 3000 --batch 32 \
+    --lr 0.003 --data sinks --no-pos-emb --max-seconds 45 \
+    --out $R/repro_paper_mechanism_sinks_h200.json
   for log in $R/repro_*_h200/*.jsonl.gz; do $py -m numwatch report "$log" -o "${log%.jsonl.gz}.html"; done
 fi
 if [[ $what == cpu || $what == all ]]; then
