@@ -39,7 +39,15 @@ TC = fat.TileConfig
 # Forward candidates per padded head dim, timed for "fwd" (the plain kernel) and "fwd_stab" (the
 # stabilized one) separately, so that the stabilization cost compares the two at their best.
 FWD_CANDIDATES = {
-    64: [TC(128, 128, 4, 3), TC(128, 128, 4, 2), TC(128, 64, 4, 3), TC(128, 128, 8, 3)],
+    64: [
+        TC(128, 128, 4, 3),
+        TC(128, 128, 4, 2),
+        TC(128, 64, 4, 3),
+        TC(128, 128, 8, 3),
+        TC(64, 128, 4, 3),
+        TC(64, 128, 4, 2),
+        TC(64, 64, 4, 3),
+    ],
     128: [TC(128, 128, 8, 3), TC(128, 64, 8, 3), TC(128, 128, 8, 2)],
 }
 SWEEP_MODES = {"fwd": "plain", "fwd_stab": "stabilized"}
