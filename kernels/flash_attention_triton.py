@@ -869,6 +869,7 @@ if os.environ.get(CONFIGS_ENV):
 # Interpreter: small tiles, so that the short CPU test sequences still span several blocks.
 _INTERPRET_CONFIGS = {
     "fwd": TileConfig(32, 32, 4, 1),
+    "fwd_stab": TileConfig(32, 32, 4, 1),
     "dkdv": TileConfig(16, 32, 4, 1),
     "dq": TileConfig(32, 16, 4, 1),
 }
@@ -876,16 +877,26 @@ _INTERPRET_CONFIGS = {
 # Hopper (H200) defaults per (padded head dim, causal), from the sweeps in bench/results (64
 # and 128 timed; 32 and 256 follow their neighbours within the shared-memory limit). BLOCK_M
 # must be a multiple of BLOCK_N for fwd/dq, and BLOCK_N of BLOCK_M for dkdv. The stabilized
-# forward ("fwd_stab") is tuned on its own (its saturation count needs registers and issue slots
-# the plain kernel does not) but uses the "fwd" tiles wherever it has no override: the last
-# sweep (bench/results/flash_attention_h200.json) picked the same tiles for both.
+# forward ("fwd_stab") is tuned on its own: its saturation count costs registers and issue
+# slots the plain kernel does not spend (bench/results/flash_attention_h200_sweep3_d64.json:
+# 64-row tiles at D 64).
 _T, _F = True, False
 _GPU_CONFIGS = {
     "fwd": {
         (32, _F): TileConfig(128, 128, 4, 3),
         (32, _T): TileConfig(128, 128, 4, 3),
         (64, _F): TileConfig(128, 128, 4, 3),
-        (64, _T): TileConfig(128, 128, 4, 3),
+        (64, _T): TileConfig(64, 64, 4, 3),
+        (128, _F): TileConfig(128, 128, 8, 3),
+        (128, _T): TileConfig(128, 128, 8, 3),
+        (256, _F): TileConfig(64, 64, 4, 2),
+        (256, _T): TileConfig(64, 64, 4, 2),
+    },
+    "fwd_stab": {
+        (32, _F): TileConfig(128, 128, 4, 3),
+        (32, _T): TileConfig(128, 128, 4, 3),
+        (64, _F): TileConfig(64, 64, 4, 3),
+        (64, _T): TileConfig(64, 64, 4, 3),
         (128, _F): TileConfig(128, 128, 8, 3),
         (128, _T): TileConfig(128, 128, 8, 3),
         (256, _F): TileConfig(64, 64, 4, 2),
@@ -921,15 +932,26 @@ def padded_head_dim(d: int) -> int:
 
 def tile_config(kernel: str, block_d: int, causal: bool) -> TileConfig:
     """Config for ``kernel`` in {"fwd", "fwd_stab", "dkdv", "dq"}: override, interpreter, GPU
-    default; "fwd_stab" (the stabilized forward) falls back to "fwd"."""
+    default ("fwd_stab", the stabilized forward, also takes a "fwd" override)."""
     key = (kernel, block_d, causal)
     if key in CONFIG_OVERRIDES:
-        return CONFIG_OVERRIDES[key]
-    if kernel == "fwd_stab":
-        return tile_config("fwd", block_d, causal)
-    if INTERPRET:
-        return _INTERPRET_CONFIGS[kernel]
-    return _GPU_CONFIGS[kernel][(max(block_d, 32), causal)]
+        cfg = CONFIG_OVERRIDES[key]
+    elif kernel == "fwd_stab" and ("fwd", block_d, causal) in CONFIG_OVERRIDES:
+        cfg = CONFIG_OVERRIDES[("fwd", block_d, causal)]
+    elif INTERPRET:
+        cfg = _INTERPRET_CONFIGS[kernel]
+    else:
+        cfg = _GPU_CONFIGS[kernel][(max(block_d, 32), causal)]
+    # The causal diagonal and the key-block loops assume nested tiles: a mismatch computes
+    # wrong results (64x128 causal forward tiles did in the sweep), so it is refused here.
+    small, big = (cfg.block_m, cfg.block_n) if kernel == "dkdv" else (cfg.block_n, cfg.block_m)
+    if big % small:
+        names = ("BLOCK_M", "BLOCK_N") if kernel == "dkdv" else ("BLOCK_N", "BLOCK_M")
+        raise ValueError(
+            f"flash attention tile config {key}: {tuple(cfg)} needs {names[1]} a multiple of "
+            f"{names[0]}"
+        )
+    return cfg
 
 
 # ----------------------------------------------------------------------------- host wrappers

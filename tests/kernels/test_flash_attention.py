@@ -315,6 +315,23 @@ def test_stabilized_forward_is_the_same_for_any_tiling(monkeypatch, tiles):
     assert (o.cpu().float() - ref.float()).abs().max() <= 2 * EPS[torch.bfloat16] * ref.abs().max()
 
 
+@needs_kernel
+@pytest.mark.parametrize(
+    ("kernel", "tiles"),
+    [("fwd", (32, 64)), ("fwd_stab", (16, 32)), ("dq", (16, 32)), ("dkdv", (32, 16))],
+)
+def test_tiles_that_do_not_nest_are_refused(monkeypatch, kernel, tiles):
+    """64x128 causal forward tiles computed wrong results in a sweep: such configs raise."""
+    device = _device()
+    cfg = fa._tri.TileConfig(*tiles, 4, 1)
+    monkeypatch.setitem(fa._tri.CONFIG_OVERRIDES, (kernel, 64, True), cfg)
+    qkv = planted_tie_attention(2, 4.0, torch.bfloat16, t=64)
+    q, k, v = (x.to(device).requires_grad_() for x in qkv)
+    mode = "plain" if kernel == "fwd" else "stabilized"
+    with pytest.raises(ValueError, match=r"needs BLOCK_[MN] a multiple of BLOCK_[MN]"):
+        flash_attention(q, k, v, is_causal=True, mode=mode).sum().backward()
+
+
 def test_tuned_configs_round_trip_through_json():
     """The NUMWATCH_FLASH_CONFIGS file format reads back what the sweep writes."""
     tri = pytest.importorskip("numwatch.kernels.flash_attention_triton")
