@@ -720,3 +720,19 @@ def test_jsonl_writes_every_float_exactly_and_non_finite_as_strings(tmp_path):
     for g, v in zip(got[:6], values[:6], strict=True):
         assert g == v and math.copysign(1.0, g) == math.copysign(1.0, v) and type(g) is float
     assert empty["step"] == 8 and empty["metrics"] == []
+
+
+def test_jsonl_finite_values_whose_sum_overflows_stay_numbers(tmp_path):
+    """The non-finite check sums the flush's values: an overflowing sum of finite values must
+    still write numbers."""
+    from numwatch.sinks.jsonl import JsonlSink
+    from numwatch.snapshot import MetricRecord, Snapshot
+
+    big = 1.7976931348623157e308
+    records = [MetricRecord("m", {"i": str(i)}, v) for i, v in enumerate([big, big, -1.5])]
+    sink = JsonlSink(tmp_path / "log.jsonl", "run")
+    sink.emit(Snapshot(1, records, time=1.0), [])
+    sink.close()
+    assert '"value": "' not in (tmp_path / "log.jsonl").read_text()
+    (record,) = read_jsonl(tmp_path / "log.jsonl")
+    assert [m["value"] for m in record["metrics"]] == [big, big, -1.5]

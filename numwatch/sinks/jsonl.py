@@ -39,7 +39,8 @@ _NONFINITE = {"NaN": '"nan"', "Infinity": '"inf"', "-Infinity": '"-inf"'}
 def _numbers(values: list[float]) -> list[str]:  # floats: json.dumps would write ints bare
     """JSON texts of many floats at once: the C encoder writes each as repr(float) does."""
     texts = json.dumps(values).strip("[]").split(", ") if values else []
-    if any(not math.isfinite(v) for v in values):
+    # NaN and Inf make the sum non-finite (an overflow only costs the slow path, never a value)
+    if not math.isfinite(sum(values)):
         texts = [_NONFINITE.get(t, t) for t in texts]
     return texts
 
