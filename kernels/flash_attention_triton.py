@@ -881,27 +881,19 @@ _INTERPRET_CONFIGS = {
 # slots the plain kernel does not spend (bench/results/flash_attention_h200_sweep3_d64.json:
 # 64-row tiles at D 64).
 _T, _F = True, False
+_FWD_TILES = {
+    (32, _F): TileConfig(128, 128, 4, 3),
+    (32, _T): TileConfig(128, 128, 4, 3),
+    (64, _F): TileConfig(128, 128, 4, 3),
+    (64, _T): TileConfig(64, 64, 4, 3),
+    (128, _F): TileConfig(128, 128, 8, 3),
+    (128, _T): TileConfig(128, 128, 8, 3),
+    (256, _F): TileConfig(64, 64, 4, 2),
+    (256, _T): TileConfig(64, 64, 4, 2),
+}
 _GPU_CONFIGS = {
-    "fwd": {
-        (32, _F): TileConfig(128, 128, 4, 3),
-        (32, _T): TileConfig(128, 128, 4, 3),
-        (64, _F): TileConfig(128, 128, 4, 3),
-        (64, _T): TileConfig(64, 64, 4, 3),
-        (128, _F): TileConfig(128, 128, 8, 3),
-        (128, _T): TileConfig(128, 128, 8, 3),
-        (256, _F): TileConfig(64, 64, 4, 2),
-        (256, _T): TileConfig(64, 64, 4, 2),
-    },
-    "fwd_stab": {
-        (32, _F): TileConfig(128, 128, 4, 3),
-        (32, _T): TileConfig(128, 128, 4, 3),
-        (64, _F): TileConfig(64, 64, 4, 3),
-        (64, _T): TileConfig(64, 64, 4, 3),
-        (128, _F): TileConfig(128, 128, 8, 3),
-        (128, _T): TileConfig(128, 128, 8, 3),
-        (256, _F): TileConfig(64, 64, 4, 2),
-        (256, _T): TileConfig(64, 64, 4, 2),
-    },
+    "fwd": _FWD_TILES,
+    "fwd_stab": {**_FWD_TILES, (64, _F): TileConfig(64, 64, 4, 3)},
     "dkdv": {
         (d, c): TileConfig(*cfg)
         for c in (_F, _T)
