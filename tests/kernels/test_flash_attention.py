@@ -132,6 +132,22 @@ def test_kernel_matches_fp64(shape, dtype):
     _check_against_oracle(o, grads, o64, grads64, dtype)
 
 
+@needs_kernel
+@pytest.mark.parametrize("stabilize", [True, False])
+@pytest.mark.parametrize(("d", "causal"), [(64, False), (64, True), (128, True)])
+def test_gpu_tile_tables_match_fp64(monkeypatch, d, causal, stabilize):
+    """The H200's default tiles (forward of both modes, dq, dkdv), also in the interpreter:
+    odd lengths spanning several blocks, GQA, forward and gradients against float64."""
+    for kernel in ("fwd", "fwd_stab", "dq", "dkdv"):
+        cfg = fa._tri._GPU_CONFIGS[kernel][(d, causal)]
+        monkeypatch.setitem(fa._tri.CONFIG_OVERRIDES, (kernel, d, causal), cfg)
+    q, k, v, do = _inputs(1, 2, 1, 301, 301, d, torch.bfloat16, _device())
+    kw = {"is_causal": causal, "enable_gqa": True, "stabilize": stabilize}
+    o, grads = _run_with_grads(flash_attention, q, k, v, do, **kw)
+    o64, grads64 = _oracle_with_grads(q, k, v, do, is_causal=causal)
+    _check_against_oracle(o, grads, o64, grads64, torch.bfloat16)
+
+
 @requires_gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
