@@ -843,7 +843,7 @@ class TileConfig(NamedTuple):
 
 # Per (kernel, padded head dim, causal) configs that take precedence over the tables below: the
 # tuning sweep (bench/bench_flash_attention.py --sweep) sets them, and so does a JSON file named
-# by NUMWATCH_FLASH_CONFIGS, e.g. {"fwd,64,false": [128, 128, 4, 3, false, true]}
+# by NUMWATCH_FLASH_CONFIGS, e.g. {"fwd_stab,64,false": [64, 64, 4, 3, false]}
 # (TileConfig's fields in order), to use configs tuned on another GPU.
 CONFIG_OVERRIDES: dict[tuple[str, int, bool], TileConfig] = {}
 CONFIGS_ENV = "NUMWATCH_FLASH_CONFIGS"
