@@ -846,6 +846,7 @@ class TileConfig(NamedTuple):
 # by NUMWATCH_FLASH_CONFIGS, e.g. {"fwd_stab,64,false": [64, 64, 4, 3, false]}
 # (TileConfig's fields in order), to use configs tuned on another GPU.
 CONFIG_OVERRIDES: dict[tuple[str, int, bool], TileConfig] = {}
+KERNELS = ("fwd", "fwd_stab", "dkdv", "dq")
 CONFIGS_ENV = "NUMWATCH_FLASH_CONFIGS"
 
 
@@ -858,6 +859,12 @@ def configs_from_json(data: dict[str, list]) -> dict[tuple[str, int, bool], Tile
     out = {}
     for key, fields in data.items():
         kernel, d, causal = key.split(",")
+        if kernel not in KERNELS or not 4 <= len(fields) <= len(TileConfig._fields):
+            raise ValueError(
+                f"flash attention config {key!r}: {fields!r}; keys are 'kernel,head_dim,causal' "
+                f"with kernel in {KERNELS}, values the fields "
+                f"{TileConfig._fields} in order (the last optional)"
+            )
         out[(kernel, int(d), causal == "true")] = TileConfig(*fields)
     return out
 

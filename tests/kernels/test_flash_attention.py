@@ -354,6 +354,9 @@ def test_tuned_configs_round_trip_through_json():
     cfgs = {("fwd_stab", 64, True): tri.TileConfig(128, 64, 4, 3, False),
             ("dq", 128, False): tri.TileConfig(128, 64, 8, 3)}  # fmt: skip
     assert tri.configs_from_json(json.loads(json.dumps(tri.configs_to_json(cfgs)))) == cfgs
+    for bad in ({"fwd,64,false": [128, 128, 4, 3, False, True]}, {"bwd,64,true": [64, 64, 4, 3]}):
+        with pytest.raises(ValueError, match="flash attention config"):
+            tri.configs_from_json(bad)
 
 
 # ----------------------------------------------------------------------------- the trigger
