@@ -160,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
             "sinks__prometheus__port": args.metrics_port,
         }
     monitor = None if args.no_monitor else numwatch.Monitor(model, **overrides).attach(opt)
+    if monitor is not None:
+        print(
+            f"numwatch demo: every probe sampled every {every} steps, with a flush each time "
+            "(the defaults sample and flush every 50): the overhead printed is this setting's, "
+            "see README 'Overhead' for the defaults on a GPU"
+        )
     if monitor is not None and monitor.jsonl_path:
         print(f"numwatch demo: JSONL log at {monitor.jsonl_path}")
     if monitor is not None and monitor.prometheus_url:
