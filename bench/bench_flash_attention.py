@@ -345,7 +345,7 @@ def main() -> None:
     report["configs"] = fat.configs_to_json(
         {
             (k, d, c): fat.tile_config(k, d, c)
-            for k in ("fwd", "fwd_stab", "dkdv", "dq")
+            for k in fat.KERNELS
             for d in args.dims
             for c in (False, True)
         }
