@@ -318,12 +318,15 @@ def test_kernel_matches_reference_on_ties(mode):
 
 
 @needs_kernel
-@pytest.mark.parametrize("tiles", [(32, 16), (16, 16)])
+@pytest.mark.parametrize("tiles", [(32, 16, False), (16, 16, False), (32, 32, True)])
 def test_stabilized_forward_is_the_same_for_any_tiling(monkeypatch, tiles):
-    """The saturation count carries across key blocks: other tilings, the same attention."""
+    """The saturation count carries across key blocks: other tilings (and the row sum on the
+    tensor cores), the same attention."""
     device = _device()
     d = 64
-    cfg = fa._tri.tile_config("fwd_stab", d, True)._replace(block_m=tiles[0], block_n=tiles[1])
+    cfg = fa._tri.tile_config("fwd_stab", d, True)._replace(
+        block_m=tiles[0], block_n=tiles[1], rowsum_mma=tiles[2]
+    )
     monkeypatch.setitem(fa._tri.CONFIG_OVERRIDES, ("fwd_stab", d, True), cfg)
     q, k, v = (x.to(device) for x in planted_tie_attention(3, 14.0, torch.bfloat16, t=96))
     o = flash_attention(q, k, v, is_causal=True)
