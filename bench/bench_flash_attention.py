@@ -49,7 +49,13 @@ FWD_CANDIDATES = {
         TC(64, 64, 4, 2, rowsum_mma=True),
         TC(128, 64, 4, 3, rowsum_mma=True),
     ],
-    128: [TC(128, 128, 8, 3), TC(128, 64, 8, 3), TC(128, 128, 8, 2)],
+    128: [
+        TC(128, 128, 8, 3),
+        TC(128, 64, 8, 3),
+        TC(128, 128, 8, 2),
+        TC(128, 128, 8, 2, rowsum_mma=True),
+        TC(128, 64, 8, 3, rowsum_mma=True),
+    ],
 }
 SWEEP_MODES = {"fwd": "plain", "fwd_stab": "stabilized"}
 
