@@ -354,10 +354,11 @@ def test_tiles_that_do_not_nest_are_refused(monkeypatch, kernel, tiles):
 def test_tuned_configs_round_trip_through_json():
     """The NUMWATCH_FLASH_CONFIGS file format reads back what the sweep writes."""
     tri = pytest.importorskip("numwatch.kernels.flash_attention_triton")
-    cfgs = {("fwd_stab", 64, True): tri.TileConfig(128, 64, 4, 3, False),
+    cfgs = {("fwd_stab", 64, True): tri.TileConfig(128, 64, 4, 3, False, True),
             ("dq", 128, False): tri.TileConfig(128, 64, 8, 3)}  # fmt: skip
     assert tri.configs_from_json(json.loads(json.dumps(tri.configs_to_json(cfgs)))) == cfgs
-    for bad in ({"fwd,64,false": [128, 128, 4, 3, False, True]}, {"bwd,64,true": [64, 64, 4, 3]}):
+    too_long = {"fwd,64,false": [128, 128, 4, 3, False, True, 1]}
+    for bad in (too_long, {"bwd,64,true": [64, 64, 4, 3]}):
         with pytest.raises(ValueError, match="flash attention config"):
             tri.configs_from_json(bad)
 
