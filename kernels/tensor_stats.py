@@ -302,10 +302,11 @@ if triton is not None:
         return bits
 
     @triton.jit
-    def _count_below(count, ab, t):
-        """``count`` plus one where ``ab < t`` (0 <= ab < 2**31, t >= 1): ``(ab - t) >> 31`` is -1
-        there and 0 elsewhere, two integer ops per count (no compare-and-select)."""
-        return count - ((ab - t) >> 31)
+    def _count_where(count, cond):
+        """``count`` (fp32 lanes) plus one where ``cond``: a compare that yields 1.0 or 0.0 and
+        one add, both off the integer pipe that bounds the bf16 and fp16 loops. A lane counts at
+        most 0xFFFF tiles, so its fp32 count stays exact."""
+        return count + tl.where(cond, 1.0, 0.0)
 
     @triton.jit
     def _fast_tile(bits, mn, mx, s, sq, c_zero, c_own, c_uf, T_OWN, T_UF, SAME_UF: tl.constexpr):
@@ -313,16 +314,16 @@ if triton is not None:
         ``s`` non-finite for good (Inf and NaN absorb every later sum), which is how the caller
         finds the chunks to read again with no per-value test: bf16 and fp16 tensors are bound by
         the ALU, not by memory, so every op per value counts."""
-        ab = bits & 0x7FFFFFFF
         x = bits.to(tl.float32, bitcast=True)
+        ax = tl.abs(x)
         s += x
         sq += x * x
         mn = tl.minimum(mn, x)
         mx = tl.maximum(mx, x)
-        c_zero = _count_below(c_zero, ab, 1)
-        c_own = _count_below(c_own, ab, T_OWN)
+        c_zero = _count_where(c_zero, x == 0.0)
+        c_own = _count_where(c_own, ax < T_OWN.to(tl.float32, bitcast=True))
         if not SAME_UF:
-            c_uf = _count_below(c_uf, ab, T_UF)
+            c_uf = _count_where(c_uf, ax < T_UF.to(tl.float32, bitcast=True))
         return mn, mx, s, sq, c_zero, c_own, c_uf
 
     @triton.jit
@@ -347,10 +348,11 @@ if triton is not None:
         xn = tl.where(fin, x, float("nan"))
         mn = tl.minimum(mn, xn)
         mx = tl.maximum(mx, xn)
-        c_zero = _count_below(c_zero, ab, 1)
-        c_own = _count_below(c_own, ab, T_OWN)  # zeros included; subtracted at the end
+        ax = tl.abs(x)
+        c_zero = _count_where(c_zero, x == 0.0)
+        c_own = _count_where(c_own, ax < T_OWN.to(tl.float32, bitcast=True))  # zeros included
         if not SAME_UF:
-            c_uf = _count_below(c_uf, ab, T_UF)
+            c_uf = _count_where(c_uf, ax < T_UF.to(tl.float32, bitcast=True))
         nonfin = (0x7F7FFFFF - ab) >> 31  # -1 where ab >= Inf
         nan = (0x7F800000 - ab) >> 31  # -1 where ab > Inf
         c_nonfin_nan -= nonfin + (nan << 16)
@@ -390,9 +392,9 @@ if triton is not None:
         mx = tl.full([BLOCK], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
         sq = tl.zeros([BLOCK], tl.float32)
-        c_zero = tl.zeros([BLOCK], tl.int32)
-        c_own = tl.zeros([BLOCK], tl.int32)
-        c_uf = tl.zeros([BLOCK], tl.int32)
+        c_zero = tl.zeros([BLOCK], tl.float32)
+        c_own = tl.zeros([BLOCK], tl.float32)
+        c_uf = tl.zeros([BLOCK], tl.float32)
         c_nonfin_nan = tl.zeros([BLOCK], tl.int32)
         c_ninf = tl.zeros([BLOCK], tl.int32)
         for it in range(0, n_full - 1, 2):  # two tiles per step: twice the loads in flight
@@ -416,9 +418,9 @@ if triton is not None:
             mx = tl.full([BLOCK], float("-inf"), tl.float32)
             s = tl.zeros([BLOCK], tl.float32)
             sq = tl.zeros([BLOCK], tl.float32)
-            c_zero = tl.zeros([BLOCK], tl.int32)
-            c_own = tl.zeros([BLOCK], tl.int32)
-            c_uf = tl.zeros([BLOCK], tl.int32)
+            c_zero = tl.zeros([BLOCK], tl.float32)
+            c_own = tl.zeros([BLOCK], tl.float32)
+            c_uf = tl.zeros([BLOCK], tl.float32)
             for it in range(n_full):
                 bits = _load_bits(base, start + it * BLOCK + offs, None, FMT, False, ALIGNED)
                 mn, mx, s, sq, c_zero, c_own, c_uf, c_nonfin_nan, c_ninf = _accumulate(
@@ -439,12 +441,12 @@ if triton is not None:
         tl.store(out + n_chunks_total, tl.max(mx, 0))
         tl.store(out + 2 * n_chunks_total, tl.sum(s, 0))
         tl.store(out + 3 * n_chunks_total, tl.sum(sq, 0))
-        low_own = tl.sum(c_own, 0)
-        low_uf = low_own if SAME_UF else tl.sum(c_uf, 0)
+        low_own = tl.sum(c_own.to(tl.int32), 0)
+        low_uf = low_own if SAME_UF else tl.sum(c_uf.to(tl.int32), 0)
         tl.store(out + 4 * n_chunks_total, tl.sum(c_nonfin_nan & 0xFFFF, 0).to(tl.float32))
         tl.store(out + 5 * n_chunks_total, tl.sum((c_nonfin_nan >> 16) & 0xFFFF, 0).to(tl.float32))
         tl.store(out + 6 * n_chunks_total, tl.sum(c_ninf, 0).to(tl.float32))
-        tl.store(out + 7 * n_chunks_total, tl.sum(c_zero, 0).to(tl.float32))
+        tl.store(out + 7 * n_chunks_total, tl.sum(c_zero.to(tl.int32), 0).to(tl.float32))
         tl.store(out + 8 * n_chunks_total, low_own.to(tl.float32))
         tl.store(out + 9 * n_chunks_total, low_uf.to(tl.float32))
 
