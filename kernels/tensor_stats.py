@@ -258,9 +258,12 @@ def _fp32_bits(value: float) -> int:
 
 
 @functools.cache
-def _threshold_bits(dtype: torch.dtype) -> int:
-    """fp32 bit pattern of ``dtype``'s smallest normal; 1 where no fp32 value lies below it."""
-    return max(1, _fp32_bits(torch.finfo(dtype).tiny))
+def _threshold(dtype: torch.dtype) -> float:
+    """``dtype``'s smallest normal as an fp32 value; fp32's smallest subnormal where no fp32
+    value lies below it (then only zeros are below). A float, because triton would turn an
+    integer argument equal to 1 into a constant."""
+    bits = max(1, _fp32_bits(torch.finfo(dtype).tiny))
+    return torch.tensor(bits, dtype=torch.int32).view(torch.float32).item()
 
 
 if triton is not None:
@@ -321,9 +324,9 @@ if triton is not None:
         mn = tl.minimum(mn, x)
         mx = tl.maximum(mx, x)
         c_zero = _count_where(c_zero, x == 0.0)
-        c_own = _count_where(c_own, ax < T_OWN.to(tl.float32, bitcast=True))
+        c_own = _count_where(c_own, ax < T_OWN)
         if not SAME_UF:
-            c_uf = _count_where(c_uf, ax < T_UF.to(tl.float32, bitcast=True))
+            c_uf = _count_where(c_uf, ax < T_UF)
         return mn, mx, s, sq, c_zero, c_own, c_uf
 
     @triton.jit
@@ -350,9 +353,9 @@ if triton is not None:
         mx = tl.maximum(mx, xn)
         ax = tl.abs(x)
         c_zero = _count_where(c_zero, x == 0.0)
-        c_own = _count_where(c_own, ax < T_OWN.to(tl.float32, bitcast=True))  # zeros included
+        c_own = _count_where(c_own, ax < T_OWN)  # zeros included
         if not SAME_UF:
-            c_uf = _count_where(c_uf, ax < T_UF.to(tl.float32, bitcast=True))
+            c_uf = _count_where(c_uf, ax < T_UF)
         nonfin = (0x7F7FFFFF - ab) >> 31  # -1 where ab >= Inf
         nan = (0x7F800000 - ab) >> 31  # -1 where ab > Inf
         c_nonfin_nan -= nonfin + (nan << 16)
@@ -367,8 +370,8 @@ if triton is not None:
         n_tensors,
         n_chunks_total,
         chunk_base,  # first global chunk of this launch
-        T_OWN,  # fp32 bits of the own dtype's smallest normal
-        T_UF,  # fp32 bits of the underflow dtype's smallest normal
+        T_OWN,  # fp32: the own dtype's smallest normal
+        T_UF,  # fp32: the underflow dtype's smallest normal
         FMT: tl.constexpr,
         SAME_UF: tl.constexpr,
         ALIGNED: tl.constexpr,  # every tensor of this launch starts at a multiple of 16 bytes
@@ -648,8 +651,8 @@ def _tensor_stats_triton(
         if plan.kernel_rows:
             partials = torch.empty(_N_PARTIALS, max(plan.n_chunks, 1), device=device)
             for dtype, chunk_base, n_chunks, aligned in plan.launches:
-                t_own = _threshold_bits(dtype)
-                t_uf = t_own if underflow_dtype is None else _threshold_bits(underflow_dtype)
+                t_own = _threshold(dtype)
+                t_uf = t_own if underflow_dtype is None else _threshold(underflow_dtype)
                 _stats_partials_kernel[(n_chunks,)](
                     plan.table, partials, plan.kernel_rows, plan.n_chunks, chunk_base,
                     t_own, t_uf, FMT=_FORMATS[dtype], SAME_UF=t_own == t_uf,
