@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from .host_copy import to_device
+from .launch import Relauncher
 
 __all__ = ["PowerIteration", "head_views", "power_iteration_reference", "qk_logit_bound"]
 
@@ -294,6 +295,10 @@ if triton is not None:
             restart = tl.load(u0_ptr + u_off + rows, mask=rmask, other=0.0)
             tl.store(u_ptr + u_off + rows, tl.where(ok, w * inv, restart), mask=rmask)
 
+    _launch_pass1 = Relauncher(_pi_pass1_kernel)
+    _launch_pass2 = Relauncher(_pi_pass2_kernel)
+    _launch_normalize = Relauncher(_pi_normalize_kernel)
+
 
 class _Plan(NamedTuple):
     table: torch.Tensor  # int64 sections, layout in the kernels
@@ -381,20 +386,24 @@ def _run_triton(
     with torch.cuda.device(device) if switch else nullcontext():
         for _ in range(iters):
             for dtype, base1, n1, _, _, align in plan.launches:
-                _pi_pass1_kernel[(n1,)](
-                    plan.table, u, vp, plan.n_mats, plan.n_tiles1, base1,
-                    FMT=_FORMATS[dtype], ALIGN=align, BM=cfg.bm1, BK=cfg.bk1,
+                fmt = _FORMATS[dtype]
+                _launch_pass1(
+                    (fmt, align, cfg), (n1,), plan.table, u, vp, plan.n_mats, plan.n_tiles1, base1,
+                    FMT=fmt, ALIGN=align, BM=cfg.bm1, BK=cfg.bk1,
                     num_warps=cfg.num_warps,
                 )  # fmt: skip
             for dtype, _, _, base2, n2, align in plan.launches:
-                _pi_pass2_kernel[(n2,)](
+                fmt = _FORMATS[dtype]
+                _launch_pass2(
+                    (fmt, align, cfg), (n2,),
                     plan.table, u, vp, sq, nv2, plan.n_mats, plan.n_tiles1, plan.n_tiles2, base2,
-                    FMT=_FORMATS[dtype], ALIGN=align, BM=cfg.bm2, BK=cfg.bk2,
+                    FMT=fmt, ALIGN=align, BM=cfg.bm2, BK=cfg.bk2,
                     num_warps=cfg.num_warps,
                 )  # fmt: skip
-            _pi_normalize_kernel[(plan.n_mats,)](
-                plan.table, u, u0, sq, nv2, sigma, plan.n_mats, BLOCK=256, num_warps=4
-            )
+            _launch_normalize(
+                None, (plan.n_mats,),
+                plan.table, u, u0, sq, nv2, sigma, plan.n_mats, BLOCK=256, num_warps=4,
+            )  # fmt: skip
     return sigma
 
 

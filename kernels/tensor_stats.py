@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from .host_copy import to_device
+from .launch import Relauncher
 
 __all__ = [
     "ABSMAX",
@@ -505,6 +506,9 @@ if triton is not None:
         tl.store(o + 10, tl.sum(low_own, 0) - n_zero)
         tl.store(o + 11, tl.sum(low_uf, 0) - n_zero)
 
+    _launch_partials = Relauncher(_stats_partials_kernel)
+    _launch_finalize = Relauncher(_stats_finalize_kernel)
+
 
 @dataclass
 class _Plan:
@@ -585,14 +589,15 @@ def _point(plan: _Plan, ptrs: tuple[int, ...]) -> None:
     """Write the tensors' addresses into the table (a no-op when they did not move)."""
     if ptrs == plan.ptrs:
         return
-    host = torch.tensor([ptrs[i] for i in plan.order], dtype=torch.int64)
+    host = [ptrs[i] for i in plan.order]
     if plan.table.device.type == "cuda":
         # pinned + non_blocking: no wait for the GPU; the copy runs in stream order after the
         # launches that read the old addresses (the caching host allocator keeps the pinned
         # block alive until the copy has run)
-        plan.table[: plan.kernel_rows].copy_(host.pin_memory(), non_blocking=True)
+        pinned = torch.tensor(host, dtype=torch.int64, pin_memory=True)
+        plan.table[: plan.kernel_rows].copy_(pinned, non_blocking=True)
     else:
-        plan.table[: plan.kernel_rows] = host
+        plan.table[: plan.kernel_rows] = torch.tensor(host, dtype=torch.int64)
     plan.ptrs = ptrs
 
 
@@ -650,15 +655,20 @@ def _tensor_stats_triton(
     with torch.cuda.device(device) if switch else nullcontext():
         if plan.kernel_rows:
             partials = torch.empty(_N_PARTIALS, max(plan.n_chunks, 1), device=device)
+            # torch allocations and plan tables start at multiples of 16 bytes, as the
+            # relaunch keys assume (triton specializes pointers on it)
             for dtype, chunk_base, n_chunks, aligned in plan.launches:
                 t_own = _threshold(dtype)
                 t_uf = t_own if underflow_dtype is None else _threshold(underflow_dtype)
-                _stats_partials_kernel[(n_chunks,)](
-                    plan.table, partials, plan.kernel_rows, plan.n_chunks, chunk_base,
-                    t_own, t_uf, FMT=_FORMATS[dtype], SAME_UF=t_own == t_uf,
-                    ALIGNED=aligned, BLOCK=cfg.block, num_warps=cfg.num_warps,
+                fmt, same_uf = _FORMATS[dtype], t_own == t_uf
+                _launch_partials(
+                    (fmt, same_uf, aligned, cfg), (n_chunks,),
+                    plan.table, partials, plan.kernel_rows, plan.n_chunks, chunk_base, t_own, t_uf,
+                    FMT=fmt, SAME_UF=same_uf, ALIGNED=aligned, BLOCK=cfg.block,
+                    num_warps=cfg.num_warps,
                 )  # fmt: skip
-            _stats_finalize_kernel[(plan.kernel_rows,)](
+            _launch_finalize(
+                cfg, (plan.kernel_rows,),
                 plan.table, partials, out, plan.kernel_rows, max(plan.n_chunks, 1),
                 FINAL_BLOCK=cfg.final_block, num_warps=4,
             )  # fmt: skip

@@ -112,3 +112,29 @@ def test_warm_start_tracks_a_growing_weight_with_one_iteration():
         got = monitor.snapshot().value("weight_spectral_norm", param="0.weight")
         errors.append(abs(got - sigma(model[0].weight)) / sigma(model[0].weight))
     assert errors[-1] < 0.01
+
+
+def test_norms_follow_weights_that_move():
+    """The head views are built once per placement of the weights: a weight given new storage
+    (``.data`` replaced, as loading a checkpoint or ``model.to`` does) is read from its new place,
+    one updated in place is read as it is now."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("attn", Attn())
+    monitor = monitor_for(model, weights__iters=300)
+    monitor.step()
+    w = model.attn.qkv.weight
+    with torch.no_grad():
+        w.data = w.data * 3.0  # new storage
+    monitor.step()
+    labels = {"layer": "attn", "head": "1"}
+    expected = sigma(w[8:16])
+    assert monitor.snapshot().value("attn_q_spectral_norm", **labels) == pytest.approx(
+        expected, rel=1e-2
+    )
+    with torch.no_grad():
+        w.mul_(0.5)  # in place
+    monitor.step()
+    assert monitor.snapshot().value("attn_q_spectral_norm", **labels) == pytest.approx(
+        expected / 2, rel=1e-2
+    )

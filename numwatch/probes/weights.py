@@ -47,6 +47,12 @@ class WeightProbe:
         # FSDP2 (DTensor) weights: norms from the local shards, never gathered (distributed.py)
         self._blocks = weight_blocks(self.params, self.layers)
         self._sharded = ShardedPowerIteration(cfg.iters) if self._blocks else None
+        # the weights whose storage the matrices view: the views are rebuilt when one moves
+        self._sources = [p for _, p in self.params] + [
+            h.weight for _, layout in self.layers for h in (layout.q[0], layout.k[0])
+        ]
+        self._views_key: tuple[int, ...] | None = None
+        self._views: list[torch.Tensor] = []
 
     def attach(self) -> None:
         """Nothing to hook: the probe reads the weights at step time."""
@@ -55,10 +61,15 @@ class WeightProbe:
         """Nothing to remove."""
 
     def _matrices(self) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = [p for _, p in self.params]
-        for _, layout in self.layers:
-            out += [layout.views("q"), layout.views("k")]
-        return out
+        """The matrices, as views built once per placement of the weights (building the head
+        views every step cost more host time than the power iteration's launches)."""
+        key = tuple(map(torch.Tensor.data_ptr, self._sources))
+        if key != self._views_key:
+            out: list[torch.Tensor] = [p for _, p in self.params]
+            for _, layout in self.layers:
+                out += [layout.views("q"), layout.views("k")]
+            self._views, self._views_key = out, key
+        return self._views
 
     @torch.no_grad()
     def on_step(self) -> None:
