@@ -26,12 +26,15 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import nullcontext
+from operator import attrgetter
 from typing import NamedTuple
 
 import torch
 
 from .host_copy import to_device
 from .launch import Relauncher
+
+_SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 
 __all__ = ["PowerIteration", "head_views", "power_iteration_reference", "qk_logit_bound"]
 
@@ -456,8 +459,10 @@ class PowerIteration:
         iters = self.iters if iters is None else iters
         # hot path: a list laid out as before reuses its table (weights do not move)
         key = (
-            *map(torch.Tensor.data_ptr, matrices),
-            *[(t.shape, t.stride(), t.dtype) for t in matrices],
+            tuple(map(torch.Tensor.data_ptr, matrices)),
+            tuple(map(_SHAPE, matrices)),
+            tuple(map(torch.Tensor.stride, matrices)),
+            tuple(map(_DTYPE, matrices)),
         )
         state = self._states.get(key)
         if state is None or state.signature is not self._signature:

@@ -53,6 +53,7 @@ class WeightProbe:
         ]
         self._views_key: tuple[int, ...] | None = None
         self._views: list[torch.Tensor] = []
+        self._views_device: torch.device | None = None
 
     def attach(self) -> None:
         """Nothing to hook: the probe reads the weights at step time."""
@@ -60,16 +61,25 @@ class WeightProbe:
     def detach(self) -> None:
         """Nothing to remove."""
 
-    def _matrices(self) -> list[torch.Tensor]:
-        """The matrices, as views built once per placement of the weights (building the head
-        views every step cost more host time than the power iteration's launches)."""
+    def _matrices(self) -> tuple[list[torch.Tensor], torch.device | None]:
+        """The matrices and their device (None: nothing to measure yet), as views built and
+        checked once per placement of the weights: building the head views every step cost more
+        host time than the power iteration's launches."""
         key = tuple(map(torch.Tensor.data_ptr, self._sources))
         if key != self._views_key:
             out: list[torch.Tensor] = [p for _, p in self.params]
             for _, layout in self.layers:
                 out += [layout.views("q"), layout.views("k")]
-            self._views, self._views_key = out, key
-        return self._views
+            device = out[0].device if out else None
+            if out and any(m.device != device for m in out):
+                raise NotImplementedError(
+                    "spectral norms of a model spread over several devices are not yet "
+                    "supported; set weights.enabled=false"
+                )
+            if any(m.is_meta for m in out):
+                device = None  # a model on the meta device has no values yet
+            self._views, self._views_device, self._views_key = out, device, key
+        return self._views, self._views_device
 
     @torch.no_grad()
     def on_step(self) -> None:
@@ -78,15 +88,9 @@ class WeightProbe:
         if self._sharded is not None:
             self._sigma = self._sharded.step(self._blocks)
             return
-        matrices = self._matrices()
-        if not matrices or any(m.is_meta for m in matrices):
-            return  # a model on the meta device has no values yet
-        device = matrices[0].device
-        if any(m.device != device for m in matrices):
-            raise NotImplementedError(
-                "spectral norms of a model spread over several devices are not yet "
-                "supported; set weights.enabled=false"
-            )
+        matrices, device = self._matrices()
+        if device is None:
+            return
         pi = self._pi.get(device)
         if pi is None:
             pi = self._pi[device] = PowerIteration(
