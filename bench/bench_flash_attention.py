@@ -58,6 +58,17 @@ FWD_CANDIDATES = {
     ],
 }
 SWEEP_MODES = {"fwd": "plain", "fwd_stab": "stabilized"}
+# Backward candidates: dK/dV tiles (BLOCK_N a multiple of BLOCK_M) and dQ tiles (BLOCK_M a
+# multiple of BLOCK_N), timed on the backward alone, dkdv first, then dq with the dkdv chosen.
+BWD_CANDIDATES = {
+    ("dkdv", 64): [TC(32, 128, 4, 3), TC(64, 128, 4, 3), TC(64, 128, 8, 3), TC(32, 64, 4, 3),
+                   TC(64, 64, 4, 3)],
+    ("dkdv", 128): [TC(64, 128, 8, 2), TC(64, 128, 8, 3), TC(32, 128, 4, 3), TC(64, 128, 4, 2),
+                    TC(64, 64, 4, 3), TC(128, 128, 8, 2)],
+    ("dq", 64): [TC(128, 64, 8, 3), TC(64, 64, 4, 3), TC(128, 128, 8, 3), TC(128, 64, 4, 3)],
+    ("dq", 128): [TC(128, 64, 8, 3), TC(64, 64, 4, 3), TC(128, 128, 8, 2), TC(128, 64, 8, 2),
+                  TC(64, 32, 4, 3)],
+}  # fmt: skip
 
 
 def flops_fwd(b: int, h: int, t: int, d: int, causal: bool) -> float:
@@ -159,6 +170,54 @@ def sweep(dims, t_seq: int, tokens: int, hd: int, workers: int, log: dict) -> No
                          for c, t in timings.items()}  # fmt: skip
                 log["choices"][name] = {"chosen": tuple(best), "ms": shown}
                 print(f"sweep {name}: {tuple(best)} {shown}", flush=True)
+
+
+def sweep_bwd(dims, t_seq: int, tokens: int, hd: int, workers: int, log: dict) -> None:
+    """Pick the dkdv, then the dq config per (D, causal) at T=t_seq on the plain kernel's
+    backward alone (forward outside the timing); sets CONFIG_OVERRIDES."""
+    tasks = {(kern, d, c, cfg): _task({(kern, d, c): cfg, **_fixed(d, c)}, d, c, "plain", True)
+             for (kern, d), cfgs in BWD_CANDIDATES.items() if d in dims for c in (False, True)
+             for cfg in cfgs}  # fmt: skip
+    t0 = time.time()
+    status = compile_parallel(list(tasks.values()), workers, timeout_s=240)
+    log["compile_s"] = round(time.time() - t0, 1)
+    log["compile_failures"] = {str(key): status[t] for key, t in tasks.items() if status[t] != "ok"}
+    log["choices"] = {}
+    for d in dims:
+        for causal in (False, True):
+            q, k, v, do = make_inputs(tokens // t_seq, hd // d, t_seq, d)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                ref = torch.autograd.grad(
+                    F.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v), do
+                )
+            for kern in ("dkdv", "dq"):
+                timings = {}
+                for cfg in BWD_CANDIDATES[(kern, d)]:
+                    if status[tasks[(kern, d, causal, cfg)]] != "ok":
+                        continue
+                    fat.CONFIG_OVERRIDES[(kern, d, causal)] = cfg
+                    o = flash_attention(q, k, v, is_causal=causal, mode="plain")
+
+                    def run(o=o, q=q, k=k, v=v, do=do):
+                        return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+
+                    ok = all(_close(g, r, 0.02 * r.abs().max().item() + 0.01)
+                             for g, r in zip(run(), ref, strict=True))  # fmt: skip
+                    timings[cfg] = bench_ms(run) if ok else math.inf
+                best = fat.tile_config(kern, d, causal)
+                if timings and math.isfinite(min(timings.values())):
+                    best = min(timings, key=timings.get)
+                fat.CONFIG_OVERRIDES[(kern, d, causal)] = best
+                name = f"{kern} d{d} causal={causal}"
+                shown = {str(tuple(c)): round(t, 4) if math.isfinite(t) else "wrong result"
+                         for c, t in timings.items()}  # fmt: skip
+                log["choices"][name] = {"chosen": tuple(best), "ms": shown}
+                print(f"sweep {name}: {tuple(best)} {shown}", flush=True)
+
+
+def _fixed(d: int, causal: bool) -> dict:
+    """The configs a backward compile task does not vary: the current ones of this process."""
+    return {key: cfg for key, cfg in fat.CONFIG_OVERRIDES.items() if key[1:] == (d, causal)}
 
 
 # ----------------------------------------------------------------------------- bias on ties
@@ -350,6 +409,10 @@ def main() -> None:
     if args.sweep:
         report["sweep"] = {}
         sweep(args.dims, args.sweep_seq, args.tokens, args.hd, args.workers, report["sweep"])
+        report["sweep_bwd"] = {}
+        sweep_bwd(
+            args.dims, args.sweep_seq, args.tokens, args.hd, args.workers, report["sweep_bwd"]
+        )
         save()
     report["configs"] = fat.configs_to_json(
         {
