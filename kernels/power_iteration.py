@@ -7,7 +7,8 @@ so while the weights drift slowly a single iteration per training step tracks si
 
 One iteration on a matrix A (m, k) with unit vector u (m,):
     v = A^T u            (pass 1: per column block and row segment; partial sums over segments)
-    w = A v / ||v||      (pass 2: per row block; ||v|| taken from the summed segments)
+    v <- v / ||v||       (per matrix: the segments summed once)
+    w = A v              (pass 2: per row block)
     sigma = ||w||,  u <- w / sigma
 ``sigma = ||A A^T u|| / ||A^T u||`` is a lower bound of sigma(A) that rises to it. When ``v`` is 0
 (A == 0, or u orthogonal to A's columns) the estimate is 0; when it is not finite (A holds Inf or
@@ -17,7 +18,7 @@ that recovers is tracked again.
 ``PowerIteration`` is what probes call. ``power_iteration_reference`` is the pure-torch path (the
 CPU path and the oracle of the Triton kernels): it groups matrices of one shape and dtype into one
 batched matmul. The Triton path runs every matrix of a dtype in one launch per pass, reading
-strided views in place (pointer table), three launches per iteration in all.
+strided views in place (pointer table), four launches per iteration in all.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ class _Config(NamedTuple):
     bm1: int = 32  # pass 1 tile rows
     bk1: int = 64  # pass 1 tile columns (one program per column block and row segment)
     seg_min: int = 1024  # pass 1 rows per program at least
-    max_segs: int = 16  # pass 1 row segments per matrix at most (pass 2 re-adds them per tile)
+    max_segs: int = 16  # pass 1 row segments per matrix at most
     bm2: int = 32  # pass 2 tile rows
     bk2: int = 64  # pass 2 tile columns
     elems2: int = 32768  # pass 2 elements per program, about (whole row blocks)
@@ -167,13 +168,18 @@ _CONFIG = _Config()
 if triton is not None:
 
     @triton.jit
-    def _matrix_ptr(base, FMT: tl.constexpr):
+    def _matrix_ptr(base, FMT: tl.constexpr, ALIGN: tl.constexpr):
+        """The matrix's typed pointer; 16-byte aligned when ALIGN > 1 (stated here: a hint
+        applied to the returned pointer does not reach triton's vectorizer)."""
         if FMT == 0:
-            return base.to(tl.pointer_type(tl.float32))
+            p = base.to(tl.pointer_type(tl.float32))
         elif FMT == 1:
-            return base.to(tl.pointer_type(tl.bfloat16))
+            p = base.to(tl.pointer_type(tl.bfloat16))
         else:
-            return base.to(tl.pointer_type(tl.float16))
+            p = base.to(tl.pointer_type(tl.float16))
+        if ALIGN > 1:
+            p = tl.multiple_of(p, 16)
+        return p
 
     @triton.jit(do_not_specialize=["n_mats", "n_tiles1", "tile_base"])
     def _pi_pass1_kernel(
@@ -188,13 +194,12 @@ if triton is not None:
         r0 = tl.load(tiles + 2 * n_tiles1 + tile)
         r1 = tl.load(tiles + 3 * n_tiles1 + tile)
         seg = tl.load(tiles + 4 * n_tiles1 + tile)
-        a_ptr = _matrix_ptr(tl.load(table_ptr + i), FMT)
+        a_ptr = _matrix_ptr(tl.load(table_ptr + i), FMT, ALIGN)
         k = tl.load(table_ptr + 2 * n_mats + i)
         sm = tl.load(table_ptr + 3 * n_mats + i)
         u_off = tl.load(table_ptr + 4 * n_mats + i)
         vp_off = tl.load(table_ptr + 5 * n_mats + i)
         if ALIGN > 1:  # rows start and end on 16-byte boundaries: vector loads
-            a_ptr = tl.multiple_of(a_ptr, 16)
             sm = tl.multiple_of(sm, ALIGN)
             k = tl.multiple_of(k, ALIGN)
         cols = cb * BK + tl.arange(0, BK)
@@ -220,35 +225,50 @@ if triton is not None:
             v += tl.load(vp_ptr + vp_off + s * k + cols, mask=cmask, other=0.0)
         return v
 
+    @triton.jit(do_not_specialize=["n_mats"])
+    def _pi_vnorm_kernel(table_ptr, vp_ptr, nv2_ptr, n_mats, BLOCK: tl.constexpr):
+        """v = the sum of pass 1's row-segment partials, scaled to unit length and written over
+        segment 0 (all pass 2 reads, so that its row blocks never re-add segments); ||v||^2."""
+        i = tl.program_id(0)
+        k = tl.load(table_ptr + 2 * n_mats + i)
+        vp_off = tl.load(table_ptr + 5 * n_mats + i)
+        n_seg = tl.load(table_ptr + 6 * n_mats + i)
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for c in range(0, k, BLOCK):
+            cols = c + offs
+            v = _load_v(vp_ptr, vp_off, n_seg, k, cols, cols < k)
+            acc += v * v
+        nv2 = tl.sum(acc, 0)
+        inv = 1.0 / tl.sqrt(tl.maximum(nv2, 1.1754944e-38))  # v == 0: w = 0, sigma 0
+        for c in range(0, k, BLOCK):
+            cols = c + offs
+            cmask = cols < k
+            v = _load_v(vp_ptr, vp_off, n_seg, k, cols, cmask)
+            tl.store(vp_ptr + vp_off + cols, v * inv, mask=cmask)
+        tl.store(nv2_ptr + i, nv2)
+
     @triton.jit(do_not_specialize=["n_mats", "n_tiles1", "n_tiles2", "tile_base"])
     def _pi_pass2_kernel(
-        table_ptr, u_ptr, vp_ptr, sq_ptr, nv2_ptr, n_mats, n_tiles1, n_tiles2, tile_base,
+        table_ptr, u_ptr, vp_ptr, sq_ptr, n_mats, n_tiles1, n_tiles2, tile_base,
         FMT: tl.constexpr, ALIGN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
-        """u[rows] = A[rows] v / ||v|| for a range of rows; sum of squares of those rows."""
+        """u[rows] = A[rows] v (v of unit length) for a range of rows; sum of squares of those
+        rows."""
         tile = tile_base + tl.program_id(0)
         tiles = table_ptr + 9 * n_mats + 5 * n_tiles1
         i = tl.load(tiles + tile)
         r0 = tl.load(tiles + n_tiles2 + tile)
         r1 = tl.load(tiles + 2 * n_tiles2 + tile)
-        a_ptr = _matrix_ptr(tl.load(table_ptr + i), FMT)
+        a_ptr = _matrix_ptr(tl.load(table_ptr + i), FMT, ALIGN)
         k = tl.load(table_ptr + 2 * n_mats + i)
         sm = tl.load(table_ptr + 3 * n_mats + i)
         u_off = tl.load(table_ptr + 4 * n_mats + i)
         vp_off = tl.load(table_ptr + 5 * n_mats + i)
-        n_seg = tl.load(table_ptr + 6 * n_mats + i)
         if ALIGN > 1:
-            a_ptr = tl.multiple_of(a_ptr, 16)
             sm = tl.multiple_of(sm, ALIGN)
             k = tl.multiple_of(k, ALIGN)
         offs_k = tl.arange(0, BK)
-        nv2 = tl.zeros([BK], tl.float32)
-        for c in range(0, k, BK):
-            cols = c + offs_k
-            v = _load_v(vp_ptr, vp_off, n_seg, k, cols, cols < k)
-            nv2 += v * v
-        nv2_total = tl.sum(nv2, 0)
-        inv = 1.0 / tl.sqrt(tl.maximum(nv2_total, 1.1754944e-38))  # v == 0: w = 0, sigma 0
         sq = tl.zeros([BM], tl.float32)
         for r in range(r0, r1, BM):
             rows = r + tl.arange(0, BM)
@@ -257,19 +277,17 @@ if triton is not None:
             for c in range(0, k, BK):
                 cols = c + offs_k
                 cmask = cols < k
-                v = _load_v(vp_ptr, vp_off, n_seg, k, cols, cmask)
+                v = tl.load(vp_ptr + vp_off + cols, mask=cmask, other=0.0)
                 a = tl.load(
                     a_ptr + rows[:, None] * sm + cols[None, :],
                     mask=rmask[:, None] & cmask[None, :],
                     other=0.0,
                 ).to(tl.float32)
                 acc += a * v[None, :]
-            w = tl.sum(acc, 1) * inv
+            w = tl.sum(acc, 1)
             tl.store(u_ptr + u_off + rows, w, mask=rmask)
             sq += tl.where(rmask, w * w, 0.0)
         tl.store(sq_ptr + tile, tl.sum(sq, 0))
-        if r0 == 0:
-            tl.store(nv2_ptr + i, nv2_total)
 
     @triton.jit(do_not_specialize=["n_mats"])
     def _pi_normalize_kernel(
@@ -299,6 +317,7 @@ if triton is not None:
             tl.store(u_ptr + u_off + rows, tl.where(ok, w * inv, restart), mask=rmask)
 
     _launch_pass1 = Relauncher(_pi_pass1_kernel)
+    _launch_vnorm = Relauncher(_pi_vnorm_kernel)
     _launch_pass2 = Relauncher(_pi_pass2_kernel)
     _launch_normalize = Relauncher(_pi_normalize_kernel)
 
@@ -395,11 +414,14 @@ def _run_triton(
                     FMT=fmt, ALIGN=align, BM=cfg.bm1, BK=cfg.bk1,
                     num_warps=cfg.num_warps,
                 )  # fmt: skip
+            _launch_vnorm(
+                None, (plan.n_mats,), plan.table, vp, nv2, plan.n_mats, BLOCK=256, num_warps=4
+            )
             for dtype, _, _, base2, n2, align in plan.launches:
                 fmt = _FORMATS[dtype]
                 _launch_pass2(
                     (fmt, align, cfg), (n2,),
-                    plan.table, u, vp, sq, nv2, plan.n_mats, plan.n_tiles1, plan.n_tiles2, base2,
+                    plan.table, u, vp, sq, plan.n_mats, plan.n_tiles1, plan.n_tiles2, base2,
                     FMT=fmt, ALIGN=align, BM=cfg.bm2, BK=cfg.bk2,
                     num_warps=cfg.num_warps,
                 )  # fmt: skip

@@ -58,7 +58,7 @@ def test_relaunched_power_iteration_matches_the_first_launch() -> None:
     """Two steps with relaunches against two steps that each go through JITFunction.run."""
     torch.manual_seed(0)
     mats = [torch.randn(64, 48, device="cuda"), torch.randn(3, 16, 32, device="cuda").bfloat16()]
-    launchers = (pi._launch_pass1, pi._launch_pass2, pi._launch_normalize)
+    launchers = (pi._launch_pass1, pi._launch_vnorm, pi._launch_pass2, pi._launch_normalize)
     a, b = pi.PowerIteration(iters=3), pi.PowerIteration(iters=3)
     a.step(mats)
     before = pi._launch_pass1.direct_launches
