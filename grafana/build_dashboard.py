@@ -238,13 +238,20 @@ SECTIONS: list[tuple[str, list[tuple[dict[str, Any], int, int]]]] = [
             ),
             (
                 timeseries(
-                    "Attention output bias (range over heads)",
-                    "mean(err)/mean|err| of the attention output against an fp32 recomputation: "
-                    "a persistent sign is the biased rounding of the paper; max and min over "
-                    "heads.",
+                    "Attention output bias and systematic error",
+                    "mean(err)/mean|err| of the attention output against an fp32 recomputation "
+                    "(max and min over heads): a persistent sign is the biased rounding of the "
+                    "paper. Systematic error (largest head): the error beyond correct rounding "
+                    "that keeps one sign per output dim, relative to the whole error; about 1 "
+                    "when the kernel is biased, whatever the signs of V.",
                     [
                         target(by_layer("max", "attn_output_bias"), "max " + LEGEND_LAYER),
                         target(by_layer("min", "attn_output_bias"), "min " + LEGEND_LAYER, "B"),
+                        target(
+                            by_layer("max", "attn_output_systematic_error"),
+                            "systematic " + LEGEND_LAYER,
+                            "C",
+                        ),
                     ],
                 ),
                 8,

@@ -45,6 +45,7 @@ __all__ = [
     "ENTROPY_SUM",
     "ERR_ABS_SUM",
     "ERR_COUNT",
+    "ERR_EXCESS_COHERENT_SUM",
     "ERR_SQ_SUM",
     "ERR_STAT_NAMES",
     "ERR_SUM",
@@ -93,8 +94,16 @@ ERR_SUM = 0
 ERR_ABS_SUM = 1
 ERR_SQ_SUM = 2
 ERR_COUNT = 3
-N_ERR_STATS = 4
-ERR_STAT_NAMES = ("err_sum", "err_abs_sum", "err_sq_sum", "err_count")
+# sum over output dims of |sum over rows of excess|, excess = out - O_ref rounded to out's dtype:
+# the error beyond correct rounding that keeps one sign per dim across rows. Correct rounding
+# alone leaves none (rows that share one output value share its rounding error, in every
+# kernel), and a systematic error whose sign differs between dims (V of mixed signs) cancels in
+# ERR_SUM but not here.
+ERR_EXCESS_COHERENT_SUM = 4
+N_ERR_STATS = 5
+ERR_STAT_NAMES = (
+    "err_sum", "err_abs_sum", "err_sq_sum", "err_count", "err_excess_coherent_sum"
+)  # fmt: skip
 
 _LOG2E = 1.4426950408889634
 # Bytes of temporaries per score entry in the chunked torch paths (S, exp, products, masks).
@@ -656,8 +665,21 @@ if triton is not None:
             tl.store(p + 8, tl.full([], float("inf"), tl.float64))
 
     @triton.jit
+    def _round_nearest(x, dtype: tl.constexpr):
+        """fp32 x rounded to ``dtype`` to nearest even, back in fp32. bf16 by bit arithmetic:
+        the interpreter's bf16 conversion truncates, whatever rounding mode it is given."""
+        if dtype == tl.float32:
+            return x
+        elif dtype == tl.bfloat16:
+            b = x.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+            return b.to(tl.float32, bitcast=True)
+        else:
+            return x.to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
+
+    @triton.jit
     def _output_error_kernel(
-        Q, K, V, OUT, PART,
+        Q, K, V, OUT, PART, PART_DIM,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
@@ -668,7 +690,8 @@ if triton is not None:
     ):  # fmt: skip
         """One program: O_ref of BLOCK_M query rows of one (batch, head) by an fp32 online
         softmax, compared with the kernel's output there; writes the rows' sums of err, |err|
-        and err^2 (float64) to PART[b, h, block].
+        and err^2 (float64) to PART[b, h, block] and the per-dim sums of the excess over correct
+        rounding (out - O_ref rounded to out's dtype) to PART_DIM[b, h, block].
 
         The products run on tensor cores at fp32 accuracy: QK^T in one TF32 pass when Q and K
         come from bf16/fp16 (their values are exact in TF32: exact products, fp32 sums), else
@@ -721,10 +744,14 @@ if triton is not None:
         ok = row_ok[:, None] & (offs_dv < Dv)[None, :]
         out = tl.load(o_ptrs, mask=ok, other=0.0).to(tl.float32)
         err = tl.where(ok, out - ref, 0.0).to(tl.float64)
-        part = PART + ((b * tl.num_programs(1) + h) * tl.num_programs(0) + pid_m) * 3
+        ref_rounded = _round_nearest(ref, OUT.dtype.element_ty)
+        excess = tl.where(ok, out - ref_rounded, 0.0).to(tl.float64)
+        block = (b * tl.num_programs(1) + h) * tl.num_programs(0) + pid_m
+        part = PART + block * 3
         tl.store(part + 0, tl.sum(tl.sum(err, 1), 0))
         tl.store(part + 1, tl.sum(tl.sum(tl.abs(err), 1), 0))
         tl.store(part + 2, tl.sum(tl.sum(err * err, 1), 0))
+        tl.store(PART_DIM + block * BLOCK_DV + offs_dv, tl.sum(excess, 0))
 
     def _gpu_configs() -> list[triton.Config]:
         return [triton.Config(**_launch_config(cf)) for cf in _TUNED_CONFIGS]
@@ -941,10 +968,12 @@ def _output_error_whole(
             enable_gqa=q.shape[1] != k.shape[1],
         )
     err = (out.to(cdt) - ref).to(torch.float64)
+    excess = (out.to(cdt) - ref.to(out.dtype).to(cdt)).to(torch.float64)
     dims = (0, 2, 3)
     count = float(out.shape[0] * out.shape[2] * out.shape[3])
     sums = [err.sum(dims), err.abs().sum(dims), err.square().sum(dims)]
-    return torch.stack([*sums, torch.full_like(sums[0], count)], -1)
+    coherent = excess.sum((0, 2)).abs().sum(-1)
+    return torch.stack([*sums, torch.full_like(sums[0], count), coherent], -1)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the output-error kernel by padded head dim
@@ -969,8 +998,9 @@ def _output_error_triton(
     bm, bn, warps, stages = _ERROR_INTERPRET_CONFIG if _interpreting() else config
     n_blocks = triton.cdiv(Tq, bm)
     part = torch.empty((B, Hq, n_blocks, 3), dtype=torch.float64, device=q.device)
+    part_dim = torch.empty((B, Hq, n_blocks, block_dv), dtype=torch.float64, device=q.device)
     _output_error_kernel[(n_blocks, Hq, B)](
-        q, k, v, out, part,
+        q, k, v, out, part, part_dim,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         Tq, Tk, D, Dv, Hq // k.shape[1], scale,
         IS_CAUSAL=bool(is_causal), QK_PRECISION="tf32" if exact_tf32 else "tf32x3",
@@ -979,7 +1009,8 @@ def _output_error_triton(
     )  # fmt: skip
     sums = part.sum((0, 2))
     count = torch.full_like(sums[:, :1], float(B * Tq * Dv))
-    return torch.cat([sums, count], 1)
+    coherent = part_dim.sum((0, 2)).abs().sum(1, keepdim=True)  # padded dims hold zeros
+    return torch.cat([sums, count, coherent], 1)
 
 
 def output_error_in_one_launch(
@@ -1009,7 +1040,8 @@ def attention_output_error(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Signed error of an attention output against a recomputation: (Hq, N_ERR_STATS) float64
-    with ERR_SUM, ERR_ABS_SUM, ERR_SQ_SUM, ERR_COUNT of err = out - O_ref per head.
+    with ERR_SUM, ERR_ABS_SUM, ERR_SQ_SUM, ERR_COUNT of err = out - O_ref and
+    ERR_EXCESS_COHERENT_SUM (see its definition) per head.
 
     Calls without ``attn_mask`` and ``rows`` run as one Triton launch on CUDA ("auto") and in
     the interpreter with ``backend="triton"`` (an fp32 online softmax at fp32 accuracy,
@@ -1018,8 +1050,10 @@ def attention_output_error(
     ``out`` (B, Hq, Tq, Dv) is what the user's kernel returned for these inputs; O_ref is
     recomputed in ``compute_dtype`` (default fp32 on GPU, float64 on CPU), chunked over rows so
     memory stays under ``memory_budget`` bytes. Fully masked rows are excluded. The probe derives
-    bias = ERR_SUM / ERR_ABS_SUM (a one-signed error gives ±1) and rms = sqrt(ERR_SQ_SUM /
-    ERR_COUNT). No host sync.
+    bias = ERR_SUM / ERR_ABS_SUM (a one-signed error gives ±1), systematic error =
+    ERR_EXCESS_COHERENT_SUM / ERR_ABS_SUM (about 1 when the kernel errs beyond correct rounding
+    with one sign per output dim across rows, whatever the sign; 0 for correct rounding) and
+    rms = sqrt(ERR_SQ_SUM / ERR_COUNT). No host sync.
     """
     B, Hq, Tq, D, Hkv, Tk = _check_qk(q, k)
     if v.dim() != 4 or v.shape[:3] != (B, Hkv, Tk):
@@ -1052,6 +1086,7 @@ def attention_output_error(
     g = Hq // Hkv
     b_idx, r_idx = _sampled(batch, rows, B, Tq, q.device)
     acc = torch.zeros(Hq, N_ERR_STATS, dtype=torch.float64, device=q.device)
+    dim_sums = torch.zeros(Hq, v.shape[-1], dtype=torch.float64, device=q.device)
     # temporaries are counted in fp32 entries: scale the budget by the compute dtype's width
     budget = memory_budget * 4 // (torch.finfo(cdt).bits // 8)
     with _exact_fp32_matmul(q.device):
@@ -1072,10 +1107,15 @@ def attention_output_error(
                 row_ok = valid.any(-1)  # (Hq, rc)
                 p = torch.softmax(s, -1).nan_to_num_(0.0)  # fully masked rows: NaN -> 0
                 o = (p.view(Hkv, g * rc, Tk) @ vb).view(Hq, rc, Dv)
-                err = ob.index_select(1, r).to(cdt) - o
+                ob_r = ob.index_select(1, r)
+                err = ob_r.to(cdt) - o
                 err = torch.where(row_ok.unsqueeze(-1), err, 0.0).to(torch.float64)
+                excess = ob_r.to(cdt) - o.to(ob_r.dtype).to(cdt)
+                excess = torch.where(row_ok.unsqueeze(-1), excess, 0.0).to(torch.float64)
                 acc[:, ERR_SUM] += err.sum((1, 2))
                 acc[:, ERR_ABS_SUM] += err.abs().sum((1, 2))
                 acc[:, ERR_SQ_SUM] += err.square().sum((1, 2))
                 acc[:, ERR_COUNT] += row_ok.sum(-1, dtype=torch.float64) * Dv
+                dim_sums += excess.sum(1)
+    acc[:, ERR_EXCESS_COHERENT_SUM] = dim_sums.abs().sum(-1)
     return acc

@@ -196,6 +196,31 @@ def test_output_bias_of_torch_cpu_flash_bf16_kernel(make_monitor):
     assert all(abs(b) < 0.5 for b in bias[SDPBackend.MATH]), bias
 
 
+def test_systematic_error_of_torch_cpu_flash_kernel_with_mixed_sign_values(make_monitor):
+    """The same planted ties with V's sign alternating over the output dims: the flawed kernel's
+    error still keeps one sign per dim, which the signed bias (cancelling across dims) misses and
+    attn_output_systematic_error shows; the math backend errs little beyond correct rounding."""
+    q, k, v = planted_sink_attention(B=1, H=2, T=256, D=64, n_sink=2, gap=14.0)
+    v = v * torch.tensor([1.0, -1.0] * 32).to(v.dtype)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    model = Net(Fixed(q, k, v, sdpa))
+    got = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
+        monitor = make_monitor(model)
+        with sdpa_kernel(backend):
+            model()
+        monitor.step()
+        snap = monitor.snapshot()
+        got[backend] = {
+            m: head_values(snap, m, "block.attn", 2)
+            for m in ("attn_output_bias", "attn_output_systematic_error")
+        }
+    flash, math_ = got[SDPBackend.FLASH_ATTENTION], got[SDPBackend.MATH]
+    assert all(abs(b) < 0.1 for b in flash["attn_output_bias"]), got  # measured 0.0, -0.03
+    assert all(x > 0.8 for x in flash["attn_output_systematic_error"]), got  # 0.91, 1.07
+    assert all(x < 0.4 for x in math_["attn_output_systematic_error"]), got  # 0.16, 0.22
+
+
 def test_layers_of_one_shape_are_measured_together(make_monitor, monkeypatch):
     """Sampled calls wait for the forward's end; calls of one shape (and one mask tensor) are
     measured in one statistics call with their layers stacked as heads. Each layer must still

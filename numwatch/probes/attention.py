@@ -555,5 +555,7 @@ def _head_records(
     if err is not None:
         abs_sum, count = err[ats.ERR_ABS_SUM], err[ats.ERR_COUNT]
         values["attn_output_bias"] = err[ats.ERR_SUM] / abs_sum if abs_sum else 0.0
+        systematic = err[ats.ERR_EXCESS_COHERENT_SUM]
+        values["attn_output_systematic_error"] = systematic / abs_sum if abs_sum else 0.0
         values["attn_output_error_rms"] = math.sqrt(err[ats.ERR_SQ_SUM] / count) if count else 0.0
     return [MetricRecord(name, labels, v) for name, v in values.items()]

@@ -65,6 +65,7 @@ HEAD_REDUCTIONS: dict[str, str] = {
     "attn_entropy_mean": "min",
     "attn_entropy_min": "min",
     "attn_output_bias": "absmax",
+    "attn_output_systematic_error": "max",
     "attn_output_error_rms": "max",
     "attn_q_spectral_norm": "max",
     "attn_k_spectral_norm": "max",
@@ -114,6 +115,8 @@ _HELP = {
     "attn_entropy_mean": "Mean softmax-row entropy (nats).",
     "attn_entropy_min": "Smallest softmax-row entropy (nats).",
     "attn_output_bias": "Signed error bias of the attention output vs fp32: mean(err)/mean|err|.",
+    "attn_output_systematic_error": "Attention output error beyond correct rounding that keeps one "
+    "sign per output dim across rows, relative to the whole error (about 1: systematic; 0: none).",
     "attn_output_error_rms": "RMS error of the attention output vs an fp32 recomputation.",
     "attn_q_spectral_norm": "Spectral norm of the head's W_Q block (power iteration).",
     "attn_k_spectral_norm": "Spectral norm of the head's W_K block (power iteration).",

@@ -43,6 +43,7 @@ ATTENTION_PLOTS = [
     ("attn_saturated_fraction", "Saturated rows (fraction, worst head)", False),
     ("attn_max_logit", "Max attention logit (worst head)", True),
     ("attn_output_bias", "Output error bias mean(err)/mean|err| (worst head, signed)", False),
+    ("attn_output_systematic_error", "Systematic output error beyond rounding (worst head)", False),
     ("attn_entropy_min", "Lowest softmax-row entropy, nats", False),
     ("attn_qk_logit_bound", "QK logit bound sigma_q sigma_k / sqrt(d) (largest head)", True),
 ]
@@ -375,6 +376,7 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         ("attn_repeated_max_fraction", "most repeated-max rows", {}),
         ("attn_saturated_fraction", "most saturated rows", {}),
         ("attn_output_bias", "strongest output bias", {"absolute": True}),
+        ("attn_output_systematic_error", "most systematic output error", {}),
         ("attn_entropy_min", "lowest softmax entropy", {"largest": False}),
         ("weight_spectral_norm", "largest weight spectral norm", {}),
         ("attn_qk_logit_bound", "largest QK logit bound", {}),
@@ -449,6 +451,7 @@ def worst_heads(run: Run, top: int) -> list[tuple[str, str, str, float, int]]:
         "attn_saturated_fraction",
         "attn_max_logit",
         "attn_output_bias",
+        "attn_output_systematic_error",
     ):
         peaks = []
         for labels, points in run.series.get(metric, {}).items():

@@ -151,7 +151,8 @@ def test_columns_and_names_agree():
     assert len(A.HEAD_STAT_NAMES) == A.N_HEAD_STATS and len(A.ERR_STAT_NAMES) == A.N_ERR_STATS
     cols = [A.ROWS, *COUNTS[1:], A.MAX_LOGIT, A.MIN_LOGIT, A.ENTROPY_SUM, A.ENTROPY_MIN]
     assert cols == list(range(A.N_HEAD_STATS))
-    assert list(range(A.N_ERR_STATS)) == [A.ERR_SUM, A.ERR_ABS_SUM, A.ERR_SQ_SUM, A.ERR_COUNT]
+    err_cols = [A.ERR_SUM, A.ERR_ABS_SUM, A.ERR_SQ_SUM, A.ERR_COUNT, A.ERR_EXCESS_COHERENT_SUM]
+    assert list(range(A.N_ERR_STATS)) == err_cols
     assert A.saturation_threshold(torch.float32) == 0.0
     thr = A.saturation_threshold(torch.bfloat16)
     assert torch.tensor(thr, dtype=torch.float32).item() == thr  # an fp32 constant
@@ -498,7 +499,11 @@ def test_output_error_kernel_equals_the_torch_path(device, shape):
     assert got[:, A.ERR_COUNT].tolist() == [B * Tq * Dv * 1.0] * Hq
     # fp32 O_ref: ~1e-7 per entry against errors of 1e-2
     torch.testing.assert_close(got[:, :3], oracle[:, :3], rtol=1e-4, atol=1e-4)
+    col = A.ERR_EXCESS_COHERENT_SUM
+    torch.testing.assert_close(got[:, col], oracle[:, col], rtol=1e-4, atol=1e-4)
     planted = offset.double()
+    coherent = planted.sum((0, 2)).abs().sum(-1)  # per head: sum over dims of |sum over rows|
+    torch.testing.assert_close(got[:, A.ERR_EXCESS_COHERENT_SUM], coherent, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(got[:, A.ERR_SUM], planted.sum((0, 2, 3)), rtol=1e-3, atol=1e-3)
     one = A.attention_output_error(
         *(t.to(device) for t in (q, k, v, out)), is_causal=causal, batch=torch.tensor([B - 1]),
@@ -509,6 +514,43 @@ def test_output_error_kernel_equals_the_torch_path(device, shape):
     for backend in ("torch", "triton"):
         empty = A.attention_output_error(q.to(device), *no_keys, out.to(device), backend=backend)
         assert empty.cpu().tolist() == [[0.0] * A.N_ERR_STATS] * Hq
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("path", ["chunked", "whole", "kernel"])
+def test_output_error_systematic_part_sees_mixed_sign_errors_not_rounding(device, path):
+    """ERR_EXCESS_COHERENT_SUM / ERR_ABS_SUM: an error of fixed size whose sign depends only on
+    the output dim (as V of mixed signs gives) makes it exactly 1 while the signed bias cancels
+    to 0; independent random signs per entry give about 1/sqrt(rows); a correctly rounded bf16
+    output gives 0 although its rounding error is not."""
+    if path == "kernel" and device not in kernel_devices():
+        pytest.skip("no device can run Triton kernels")
+    g = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(2, 4, 64, 16, generator=g) for _ in range(3))
+    ref = reference_output(q, k, v, causal=True)
+    signs = torch.tensor([1.0, -1.0] * 8, dtype=torch.float64)
+    noise = torch.where(torch.rand(ref.shape, generator=g) < 0.5, 1.0, -1.0).double()
+    kw = {
+        "chunked": {"memory_budget": 1, "backend": "torch"},
+        "whole": {"backend": "torch"},
+        "kernel": {"backend": "triton"},
+    }[path]
+    outs = {"mixed signs": ref + 1e-2 * signs, "noise": ref + 1e-2 * noise}
+    outs = {name: out.float() if path == "kernel" else out for name, out in outs.items()}
+    outs["rounded"] = ref.bfloat16()
+    for name, out in outs.items():
+        e = A.attention_output_error(
+            *(t.to(device) for t in (q, k, v, out)), is_causal=True, **kw
+        ).cpu()
+        bias = e[:, A.ERR_SUM] / e[:, A.ERR_ABS_SUM]
+        systematic = e[:, A.ERR_EXCESS_COHERENT_SUM] / e[:, A.ERR_ABS_SUM]
+        if name == "mixed signs":
+            assert bias.abs().max() < 1e-3
+            torch.testing.assert_close(systematic, torch.ones_like(systematic), rtol=1e-3, atol=0)
+        elif name == "noise":  # 128 rows: E|sum of 128 signs| / 128 is about 0.07
+            assert systematic.max() < 0.2
+        else:  # the fp32 reference of the kernel path may round a few ties the other way
+            assert (e[:, A.ERR_ABS_SUM] > 0).all() and systematic.max() < 0.02, systematic
 
 
 def test_output_error_path_choice(monkeypatch):
