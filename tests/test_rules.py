@@ -165,7 +165,26 @@ def test_default_rules_quiet_on_a_healthy_run_shape():
             MetricRecord("attn_repeated_max_fraction", {"layer": "l", "head": "0"}, 0.0),
             MetricRecord("attn_saturated_fraction", {"layer": "l", "head": "0"}, 0.002),
             MetricRecord("attn_output_bias", {"layer": "l", "head": "0"}, rng.uniform(-0.3, 0.3)),
+            MetricRecord(
+                "attn_output_systematic_error", {"layer": "l", "head": "0"}, rng.uniform(0.0, 0.4)
+            ),
             MetricRecord("grad_norm", {}, 1 + 0.1 * rng.gauss(0, 1)),
             MetricRecord("loss", {}, 3 * math.exp(-step / 200) + 0.05 * rng.gauss(0, 1)),
         ]
         assert engine.evaluate(step, records) == []
+
+
+def test_default_rules_swap_on_a_sustained_systematic_output_error():
+    """The paper kernel's CPU NoPE + sinks runs read 0.7-0.95 once logits grow: five flushes
+    above 0.5 swap the layer; four do not."""
+    for flushes, fires in ((4, False), (5, True)):
+        engine = RuleEngine(default_rules())
+        events = []
+        for step in range(flushes):
+            rec = MetricRecord("attn_output_systematic_error", {"layer": "l", "head": "1"}, 0.8)
+            events += engine.evaluate(step, [rec])
+        got = [(e, rule) for e, rule in events if e.rule == "attn_output_systematic"]
+        assert bool(got) == fires
+        if fires:
+            assert got[0][0].labels == {"layer": "l", "head": "1"}
+            assert list(got[0][1].actions) == ["swap_attention_kernel"]
