@@ -57,6 +57,7 @@ class Setting:
     flush_every: int = 10
     data: str = "bigram"  # examples/gpt2.py's --data
     pos_emb: bool = True  # False: NoPE (examples/gpt2.py's --no-pos-emb)
+    qk_norm: bool = False  # LayerNorm on q and k per head (no attention-logit growth)
     max_seconds: float = 300.0  # a run stops here (recorded), so a whole batch fits a GPU call
     logdir: Path = field(default_factory=lambda: Path("."))
 
@@ -73,7 +74,7 @@ def run(
     """Train one run and summarize it. ``kernel``: route every attention layer to numwatch's
     kernel in this mode ('paper_repro' or 'stabilized') from the first step; None = SDPA."""
     torch.manual_seed(s.seed)
-    cfg = GPTConfig(**{**PRESETS[s.preset].__dict__, "pos_emb": s.pos_emb})
+    cfg = GPTConfig(**{**PRESETS[s.preset].__dict__, "pos_emb": s.pos_emb, "qk_norm": s.qk_norm})
     model = GPT(cfg).to(s.device)
     fused = s.device.startswith("cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), fused=fused)
@@ -159,6 +160,7 @@ def add_arguments(p: argparse.ArgumentParser, *, lr: float, warmup: int, runs: s
     p.add_argument("--flush-every", type=int, default=10)
     p.add_argument("--data", choices=("bigram", "sinks"), default="bigram")
     p.add_argument("--no-pos-emb", action="store_true", help="NoPE model")
+    p.add_argument("--qk-norm", action="store_true", help="LayerNorm on each head's q and k")
     p.add_argument("--max-seconds", type=float, default=300.0, help="per run")
     p.add_argument("--runs", default=runs)
     p.add_argument("--seed", type=int, default=0)
@@ -182,6 +184,7 @@ def run_all(args: argparse.Namespace, plans: dict[str, dict[str, Any]], benchmar
         flush_every=args.flush_every,
         data=args.data,
         pos_emb=not args.no_pos_emb,
+        qk_norm=args.qk_norm,
         max_seconds=args.max_seconds,
         logdir=logdir,
     )
