@@ -135,16 +135,35 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return bool(torch.isfinite(a).all()) and (a.float() - b.float()).abs().max().item() <= tol
 
 
+def _compile_logged(tasks: dict, workers: int, timeout_s: float, log: dict) -> dict:
+    """compile_parallel over the sweep's tasks, its time and failures logged; status per task."""
+    t0 = time.time()
+    status = compile_parallel(list(tasks.values()), workers, timeout_s=timeout_s)
+    log["compile_s"] = round(time.time() - t0, 1)
+    log["compile_failures"] = {str(key): status[t] for key, t in tasks.items() if status[t] != "ok"}
+    log["choices"] = {}
+    return status
+
+
+def _choose(kern: str, d: int, causal: bool, timings: dict, log: dict) -> None:
+    """Override (kern, d, causal) with the fastest correct config (the default if none ran)."""
+    best = fat.tile_config(kern, d, causal)
+    if timings and math.isfinite(min(timings.values())):
+        best = min(timings, key=timings.get)
+    fat.CONFIG_OVERRIDES[(kern, d, causal)] = best
+    name = f"{kern} d{d} causal={causal}"
+    shown = {str(tuple(c)): round(t, 4) if math.isfinite(t) else "wrong result"
+             for c, t in timings.items()}  # fmt: skip
+    log["choices"][name] = {"chosen": tuple(best), "ms": shown}
+    print(f"sweep {name}: {tuple(best)} {shown}", flush=True)
+
+
 def sweep(dims, t_seq: int, tokens: int, hd: int, workers: int, log: dict) -> None:
     """Pick the forward config per (mode, D, causal) at T=t_seq; sets CONFIG_OVERRIDES."""
     tasks = {(kern, d, c, cfg): _task({(kern, d, c): cfg}, d, c, SWEEP_MODES[kern], False)
              for kern in SWEEP_MODES for d in dims for c in (False, True)
              for cfg in FWD_CANDIDATES[d]}  # fmt: skip
-    t0 = time.time()
-    status = compile_parallel(list(tasks.values()), workers, timeout_s=180)
-    log["compile_s"] = round(time.time() - t0, 1)
-    log["compile_failures"] = {str(key): status[t] for key, t in tasks.items() if status[t] != "ok"}
-    log["choices"] = {}
+    status = _compile_logged(tasks, workers, 180, log)
     for kern, mode in SWEEP_MODES.items():
         for d in dims:
             for causal in (False, True):
@@ -161,15 +180,7 @@ def sweep(dims, t_seq: int, tokens: int, hd: int, workers: int, log: dict) -> No
                         return flash_attention(q, k, v, is_causal=c, mode=m)
 
                     timings[cfg] = bench_ms(run) if _close(run(), o_ref, 0.03) else math.inf
-                best = fat.tile_config(kern, d, causal)
-                if timings and math.isfinite(min(timings.values())):
-                    best = min(timings, key=timings.get)
-                fat.CONFIG_OVERRIDES[(kern, d, causal)] = best
-                name = f"{kern} d{d} causal={causal}"
-                shown = {str(tuple(c)): round(t, 4) if math.isfinite(t) else "wrong result"
-                         for c, t in timings.items()}  # fmt: skip
-                log["choices"][name] = {"chosen": tuple(best), "ms": shown}
-                print(f"sweep {name}: {tuple(best)} {shown}", flush=True)
+                _choose(kern, d, causal, timings, log)
 
 
 def sweep_bwd(dims, t_seq: int, tokens: int, hd: int, workers: int, log: dict) -> None:
@@ -178,11 +189,7 @@ def sweep_bwd(dims, t_seq: int, tokens: int, hd: int, workers: int, log: dict) -
     tasks = {(kern, d, c, cfg): _task({(kern, d, c): cfg, **_fixed(d, c)}, d, c, "plain", True)
              for (kern, d), cfgs in BWD_CANDIDATES.items() if d in dims for c in (False, True)
              for cfg in cfgs}  # fmt: skip
-    t0 = time.time()
-    status = compile_parallel(list(tasks.values()), workers, timeout_s=240)
-    log["compile_s"] = round(time.time() - t0, 1)
-    log["compile_failures"] = {str(key): status[t] for key, t in tasks.items() if status[t] != "ok"}
-    log["choices"] = {}
+    status = _compile_logged(tasks, workers, 240, log)
     for d in dims:
         for causal in (False, True):
             q, k, v, do = make_inputs(tokens // t_seq, hd // d, t_seq, d)
@@ -204,15 +211,7 @@ def sweep_bwd(dims, t_seq: int, tokens: int, hd: int, workers: int, log: dict) -
                     ok = all(_close(g, r, 0.02 * r.abs().max().item() + 0.01)
                              for g, r in zip(run(), ref, strict=True))  # fmt: skip
                     timings[cfg] = bench_ms(run) if ok else math.inf
-                best = fat.tile_config(kern, d, causal)
-                if timings and math.isfinite(min(timings.values())):
-                    best = min(timings, key=timings.get)
-                fat.CONFIG_OVERRIDES[(kern, d, causal)] = best
-                name = f"{kern} d{d} causal={causal}"
-                shown = {str(tuple(c)): round(t, 4) if math.isfinite(t) else "wrong result"
-                         for c, t in timings.items()}  # fmt: skip
-                log["choices"][name] = {"chosen": tuple(best), "ms": shown}
-                print(f"sweep {name}: {tuple(best)} {shown}", flush=True)
+                _choose(kern, d, causal, timings, log)
 
 
 def _fixed(d: int, causal: bool) -> dict:

@@ -967,8 +967,9 @@ def _output_error_whole(
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-    err = (out.to(cdt) - ref).to(torch.float64)
-    excess = (out.to(cdt) - ref.to(out.dtype).to(cdt)).to(torch.float64)
+    out_c = out.to(cdt)
+    err = (out_c - ref).to(torch.float64)
+    excess = (out_c - ref.to(out.dtype).to(cdt)).to(torch.float64)
     dims = (0, 2, 3)
     count = float(out.shape[0] * out.shape[2] * out.shape[3])
     sums = [err.sum(dims), err.abs().sum(dims), err.square().sum(dims)]
@@ -1108,9 +1109,9 @@ def attention_output_error(
                 p = torch.softmax(s, -1).nan_to_num_(0.0)  # fully masked rows: NaN -> 0
                 o = (p.view(Hkv, g * rc, Tk) @ vb).view(Hq, rc, Dv)
                 ob_r = ob.index_select(1, r)
-                err = ob_r.to(cdt) - o
-                err = torch.where(row_ok.unsqueeze(-1), err, 0.0).to(torch.float64)
-                excess = ob_r.to(cdt) - o.to(ob_r.dtype).to(cdt)
+                ob_c = ob_r.to(cdt)
+                err = torch.where(row_ok.unsqueeze(-1), ob_c - o, 0.0).to(torch.float64)
+                excess = ob_c - o.to(ob_r.dtype).to(cdt)
                 excess = torch.where(row_ok.unsqueeze(-1), excess, 0.0).to(torch.float64)
                 acc[:, ERR_SUM] += err.sum((1, 2))
                 acc[:, ERR_ABS_SUM] += err.abs().sum((1, 2))

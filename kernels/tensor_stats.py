@@ -254,17 +254,13 @@ def _chunk_iters(numel: int, cfg: _Config) -> int:
     return min(iters, _MAX_CHUNK // cfg.block, 0xFFFF)  # a lane's count must fit 16 bits
 
 
-def _fp32_bits(value: float) -> int:
-    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
-
-
 @functools.cache
 def _threshold(dtype: torch.dtype) -> float:
     """``dtype``'s smallest normal as an fp32 value; fp32's smallest subnormal where no fp32
     value lies below it (then only zeros are below). A float, because triton would turn an
     integer argument equal to 1 into a constant."""
-    bits = max(1, _fp32_bits(torch.finfo(dtype).tiny))
-    return torch.tensor(bits, dtype=torch.int32).view(torch.float32).item()
+    tiny = torch.tensor(torch.finfo(dtype).tiny, dtype=torch.float32).item()
+    return max(tiny, 2.0**-149)
 
 
 if triton is not None:

@@ -178,18 +178,27 @@ def test_no_interception_outside_sampled_steps(make_monitor):
     assert monitor.snapshot().value("attn_calls", layer="block.attn") == 2
 
 
-def test_output_bias_of_torch_cpu_flash_bf16_kernel(make_monitor):
-    """DESIGN.md: torch's CPU flash SDPA in bf16 errs one-signed on planted sink ties."""
-    q, k, v = planted_sink_attention(B=1, H=2, T=256, D=64, n_sink=2, gap=14.0)
+def cpu_sdpa_backends(make_monitor, q, k, v, metrics):
+    """{SDPA backend: {metric: per-head values}} of one causal SDPA layer, measured once with
+    torch's CPU flash kernel and once with its math backend."""
     sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
     model = Net(Fixed(q, k, v, sdpa))
-    bias = {}
+    got = {}
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
         monitor = make_monitor(model)
         with sdpa_kernel(backend):
             model()
         monitor.step()
-        bias[backend] = head_values(monitor.snapshot(), "attn_output_bias", "block.attn", 2)
+        snap = monitor.snapshot()
+        got[backend] = {m: head_values(snap, m, "block.attn", q.shape[1]) for m in metrics}
+    return got
+
+
+def test_output_bias_of_torch_cpu_flash_bf16_kernel(make_monitor):
+    """DESIGN.md: torch's CPU flash SDPA in bf16 errs one-signed on planted sink ties."""
+    q, k, v = planted_sink_attention(B=1, H=2, T=256, D=64, n_sink=2, gap=14.0)
+    got = cpu_sdpa_backends(make_monitor, q, k, v, ("attn_output_bias",))
+    bias = {backend: values["attn_output_bias"] for backend, values in got.items()}
     assert all(b < -0.9 for b in bias[SDPBackend.FLASH_ATTENTION]), bias  # measured -0.999
     # The math backend rounds an fp32 result once; rows share nearly one output value here, so
     # its ratio is a handful of correlated roundings (measured +0.07 and +0.29), never -1.
@@ -202,19 +211,8 @@ def test_systematic_error_of_torch_cpu_flash_kernel_with_mixed_sign_values(make_
     attn_output_systematic_error shows; the math backend errs little beyond correct rounding."""
     q, k, v = planted_sink_attention(B=1, H=2, T=256, D=64, n_sink=2, gap=14.0)
     v = v * torch.tensor([1.0, -1.0] * 32).to(v.dtype)
-    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    model = Net(Fixed(q, k, v, sdpa))
-    got = {}
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
-        monitor = make_monitor(model)
-        with sdpa_kernel(backend):
-            model()
-        monitor.step()
-        snap = monitor.snapshot()
-        got[backend] = {
-            m: head_values(snap, m, "block.attn", 2)
-            for m in ("attn_output_bias", "attn_output_systematic_error")
-        }
+    metrics = ("attn_output_bias", "attn_output_systematic_error")
+    got = cpu_sdpa_backends(make_monitor, q, k, v, metrics)
     flash, math_ = got[SDPBackend.FLASH_ATTENTION], got[SDPBackend.MATH]
     assert all(abs(b) < 0.1 for b in flash["attn_output_bias"]), got  # measured 0.0, -0.03
     assert all(x > 0.8 for x in flash["attn_output_systematic_error"]), got  # 0.91, 1.07
