@@ -4,6 +4,11 @@ examples/gpt2.py, its divergence step, its first warning and its outcome.
 Divergence (issue 9's definition): the first step, after ``settle`` steps, whose loss is
 non-finite or more than twice the median of the previous 50 losses. Lead time = divergence step
 - step of the first precursor/spike/nonfinite event under the default rules.
+
+Regression: the first step at which the mean loss of the last 100 steps is 10 % above the lowest
+such mean reached before it. It catches the failure the 2x rule cannot see: a run whose loss climbs
+back and stays up without a jump or a non-finite value (the paper mechanism's at GPT-2-small
+scale on the H200: the loss rises from 5.4 to 6 and never recovers).
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ from gpt2 import GPT, PRESETS, GPTConfig, batches, lr_at, train_step
 import numwatch
 
 WARN_KINDS = ("precursor", "spike", "nonfinite")
+REGRESSION = (
+    "first step at which the mean loss of the last 100 steps is more than 10% above the lowest "
+    "100-step mean reached before it"
+)
+_REGRESSION_WINDOW, _REGRESSION_MARGIN = 100, 1.10
 DIVERGENCE = (
     "first step after the settle steps with a non-finite loss or a loss above 2x the median of "
     "the previous 50"
@@ -40,6 +50,20 @@ def divergence_step(losses: list[float], settle: int) -> int | None:
         window = [v for v in losses[max(0, t - 50) : t] if math.isfinite(v)]
         if not math.isfinite(losses[t]) or (window and losses[t] > 2 * statistics.median(window)):
             return t
+    return None
+
+
+def regression_step(losses: list[float]) -> int | None:
+    """First step whose trailing 100-step mean exceeds the best earlier one by 10 % (a non-finite
+    loss makes its windows' means +inf, so a run that diverges after step 100 also regresses)."""
+    w = _REGRESSION_WINDOW
+    best = math.inf
+    for t in range(w - 1, len(losses)):
+        window = losses[t - w + 1 : t + 1]
+        mean = math.fsum(window) / w if all(map(math.isfinite, window)) else math.inf
+        if mean > _REGRESSION_MARGIN * best:
+            return t
+        best = min(best, mean)
     return None
 
 
@@ -113,7 +137,11 @@ def run(
     warn = [e for e in events if e.kind in WARN_KINDS]
     max_logits = [r.value for snap in monitor.history for r in snap.series("attn_max_logit")]
     div = divergence_step(losses, s.settle)
+    regressed = regression_step(losses)
     first = warn[0] if warn else None
+    first_of = {}
+    for e in warn:
+        first_of.setdefault(e.rule, e.step)
     with log.open("rb") as f, gzip.open(f"{log}.gz", "wb") as g:
         shutil.copyfileobj(f, g)
     log.unlink()
@@ -129,6 +157,8 @@ def run(
         "first_warning_step": first.step if first else None,
         "first_warning_rule": first.rule if first else None,
         "lead_steps": (div - first.step) if (div is not None and first) else None,
+        "regression_step": regressed,
+        "first_warning_step_by_rule": first_of,
         "warnings": len(warn),
         "warning_rules": sorted({e.rule for e in warn}),
         "actions_taken": sum(e.kind == "action" for e in events),
@@ -143,6 +173,9 @@ def run(
         "nonfinite_losses": sum(not math.isfinite(v) for v in losses),
         "max_attn_logit_last_flushes": max(max_logits, default=None),
         "log": f"{log.name}.gz",
+        "loss_every_10_steps": [
+            round(statistics.fmean(losses[i : i + 10]), 4) for i in range(0, len(losses), 10)
+        ],
     }
     print(name, summary, flush=True)
     return summary
@@ -194,6 +227,7 @@ def run_all(args: argparse.Namespace, plans: dict[str, dict[str, Any]], benchmar
         "torch": torch.__version__,
         "settings": vars(args),
         "divergence_definition": DIVERGENCE,
+        "regression_definition": REGRESSION,
         "runs": {},
     }
     for name in args.runs.split(","):

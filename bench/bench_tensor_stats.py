@@ -265,7 +265,8 @@ def main() -> None:
         ts._Config(block=2048, num_warps=8),
         ts._Config(block=4096, num_warps=8),
         ts._Config(block=2048, num_warps=16),
-        ts._Config(block=1024, num_warps=4),
+        ts._Config(block=1024, num_warps=8),
+        ts._Config(block=2048, num_warps=4),
         ts._Config(min_iters=16, target_chunks=4096),
     ):
         row = {"config": cfg._asdict()}

@@ -9,7 +9,9 @@ Runs of the GPT of examples/gpt2.py, every attention layer routed by the monitor
 - ``stabilized``: numwatch's stabilized kernel for the whole run, actions off (the healthy
   reference: its precursor events are false alarms);
 - ``mitigated``: starts on ``paper_repro`` with the default rules acting: a persistent one-signed
-  output error or sustained repeated maxima swap the layer to the stabilized kernel.
+  output error or sustained repeated maxima swap the layer to the stabilized kernel;
+- ``sdpa``: PyTorch's own SDPA (cuDNN/flash on the GPU), actions off: what the user's native
+  kernel does in the same setting (not in the default ``--runs``).
 
 The synthetic bigram language starts every sequence with a BOS token (an attention sink); a
 learning rate near the top of the healthy range keeps logits large, where bf16 scores tie often.
@@ -34,6 +36,7 @@ def main() -> None:
         "paper_repro": {"lr": args.lr, "kernel": "paper_repro", "act": False},
         "stabilized": {"lr": args.lr, "kernel": "stabilized", "act": False},
         "mitigated": {"lr": args.lr, "kernel": "paper_repro", "act": True},
+        "sdpa": {"lr": args.lr, "kernel": None, "act": False},
     }
     run_all(args, plans, "paper mechanism: BF16-accumulating flash attention vs stabilized kernel")
 

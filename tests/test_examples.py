@@ -131,6 +131,13 @@ def test_divergence_definition_and_repro_harness(tmp_path):
     assert repro.divergence_step(flat, settle=20) is None
     assert repro.divergence_step([*flat, 7.0], settle=20) == 60  # > 2x the running median
     assert repro.divergence_step([*flat[:30], float("nan")], settle=20) == 30
+    # regression: the 100-step mean falls to 3.0 at step 199, then 3.7s pull it past 3.3 (10 %
+    # above) at the 43rd of them (3.301; 3.294 at the 42nd)
+    descent = [4.0] * 100 + [3.0] * 100
+    assert repro.regression_step(descent) is None
+    assert repro.regression_step([*descent, *[3.7] * 60]) == 199 + 43
+    assert repro.regression_step([*descent, float("inf")]) == 200
+    assert repro.regression_step([*descent, *[3.2] * 300]) is None  # 6.7 % up: not a regression
     common = "--device cpu --preset tiny --steps 12 --batch 2 --flush-every 4"
     scripts = {
         "repro_logit_growth.py": ("--lr 0.05 --mitigation spike", {"control", "unstable"}),
