@@ -179,6 +179,17 @@ def bench_list(name: str, grads: list, copy_bw: float, device: str, reps: int) -
     return res
 
 
+def host_with_moving_addresses(grads: list, reps: int, device: str) -> dict:
+    """Host time per call when the gradients keep their addresses, and when they move every call
+    (two lists of one layout in turn), as gradients reallocated by ``zero_grad(set_to_none=True)``
+    may: each such call rewrites the table's addresses."""
+    twins = (grads, [g.clone() for g in grads])
+    turn = iter(range(1 << 62))
+    moved = measure(lambda: ts.tensor_stats(twins[next(turn) % 2], backend="triton"), reps, device)
+    still = measure(lambda: ts.tensor_stats(grads, backend="triton"), reps, device)
+    return {"same_addresses": still["host_us"], "moved": moved["host_us"]}
+
+
 def bench_large(x: torch.Tensor, label: str, copy_bw: float, device: str, reps: int) -> dict:
     nbytes = x.numel() * x.element_size()
     kern = measure(lambda: ts.tensor_stats([x], torch.float16, backend="triton"), reps, device)
@@ -229,6 +240,7 @@ def main() -> None:
     t0 = time.perf_counter()
     ts.tensor_stats(grads, backend="triton")  # table build (cache miss): host time, no sync
     result["plan_build_host_ms"] = (time.perf_counter() - t0) * 1e3
+    result["gpt2_fp32_host_us"] = host_with_moving_addresses(grads, reps, device)
     result["gpt2_grads"] = [bench_list("gpt2 dense grads", grads, copy_bw, device, reps)]
     save()
     grads_bf16 = [g.to(torch.bfloat16) for g in grads]
