@@ -28,6 +28,13 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/repro_paper_mechanism.py --device cuda --preset small --steps 3000 --batch 32 \
     --lr 0.003 --data sinks --no-pos-emb --max-seconds 45 \
     --out $R/repro_paper_mechanism_sinks_h200.json
+  # the paper's mechanism failing a run (LR 2e-2): kernels, SDPA, seed 1, safe-LR controls
+  pm="bench/repro_paper_mechanism.py --device cuda --preset small --steps 3000 --batch 32 --data sinks --no-pos-emb"
+  $py $pm --lr 0.02 --max-seconds 90 --out $R/repro_paper_mechanism_sinks_h200_lr2e-2.json
+  $py $pm --lr 0.02 --runs sdpa --max-seconds 90 --out $R/repro_paper_mechanism_sinks_h200_lr2e-2_sdpa.json
+  $py $pm --lr 0.02 --seed 1 --max-seconds 90 --out $R/repro_paper_mechanism_sinks_h200_lr2e-2_seed1.json
+  $py $pm --lr 0.003 --runs sdpa,paper_repro --max-seconds 45 \
+    --out $R/repro_paper_mechanism_sinks_h200_lr3e-3_control.json
   for log in $R/repro_*_h200/*.jsonl.gz; do $py -m numwatch report "$log" -o "${log%.jsonl.gz}.html"; done
 fi
 if [[ $what == cpu || $what == all ]]; then
