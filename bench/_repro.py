@@ -82,6 +82,8 @@ class Setting:
     data: str = "bigram"  # examples/gpt2.py's --data
     pos_emb: bool = True  # False: NoPE (examples/gpt2.py's --no-pos-emb)
     qk_norm: bool = False  # LayerNorm on q and k per head (no attention-logit growth)
+    beta2: float = 0.95  # AdamW's second-moment decay (0.999: slow to follow a gradient burst)
+    eps: float = 1e-8  # AdamW's epsilon
     max_seconds: float = 300.0  # a run stops here (recorded), so a whole batch fits a GPU call
     logdir: Path = field(default_factory=lambda: Path("."))
 
@@ -101,7 +103,7 @@ def run(
     cfg = GPTConfig(**{**PRESETS[s.preset].__dict__, "pos_emb": s.pos_emb, "qk_norm": s.qk_norm})
     model = GPT(cfg).to(s.device)
     fused = s.device.startswith("cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), fused=fused)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, s.beta2), eps=s.eps, fused=fused)
     rules: dict[str, Any] = {"act": act}
     if add_rules:
         rules["add"] = add_rules
@@ -194,6 +196,8 @@ def add_arguments(p: argparse.ArgumentParser, *, lr: float, warmup: int, runs: s
     p.add_argument("--data", choices=("bigram", "sinks"), default="bigram")
     p.add_argument("--no-pos-emb", action="store_true", help="NoPE model")
     p.add_argument("--qk-norm", action="store_true", help="LayerNorm on each head's q and k")
+    p.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2")
+    p.add_argument("--eps", type=float, default=1e-8, help="AdamW epsilon")
     p.add_argument("--max-seconds", type=float, default=300.0, help="per run")
     p.add_argument("--runs", default=runs)
     p.add_argument("--seed", type=int, default=0)
@@ -218,6 +222,8 @@ def run_all(args: argparse.Namespace, plans: dict[str, dict[str, Any]], benchmar
         data=args.data,
         pos_emb=not args.no_pos_emb,
         qk_norm=args.qk_norm,
+        beta2=args.beta2,
+        eps=args.eps,
         max_seconds=args.max_seconds,
         logdir=logdir,
     )
