@@ -121,8 +121,8 @@ def reference_forward(
     neg_inf = torch.full((b, h, tq), float("-inf"), device=q.device)
     m_raw, m_sh = neg_inf, neg_inf  # running raw max and running shift (log2 units)
     count = torch.zeros((b, h, tq), dtype=torch.int32, device=q.device)
-    l_round = torch.zeros((b, h, tq), device=q.device)  # sum of the rounded P̄ (normalizes O)
-    l_exact = torch.zeros((b, h, tq), device=q.device)  # sum of the fp32 P̄ (gives the LSE)
+    l_round = torch.zeros((b, h, tq), device=q.device)  # sum of the rounded P̄: normalizes O
+    l_exact = torch.zeros((b, h, tq), device=q.device)  # sum of the fp32 P̄: the paper mode's LSE
     acc = torch.zeros_like(qf)  # (B, H, Tq, D) fp32
     m_use = torch.zeros_like(neg_inf)
     for n0 in range(0, tk, REF_BLOCK_N):
@@ -154,10 +154,14 @@ def reference_forward(
         else:
             acc = acc * alpha[..., None] + pv
             l_round = l_round * alpha + p_lo.sum(-1)
-        l_exact = l_exact * alpha + p.sum(-1)
+        if mode == MODE_PAPER:
+            l_exact = l_exact * alpha + p.sum(-1)
         m_sh = m_new
     o = acc / torch.where(l_round > 0, l_round, 1.0)[..., None]
-    lse2 = torch.where(l_exact > 0, m_use + torch.log2(l_exact.clamp_min(1e-38)), float("inf"))
+    # The LSE from the sum that normalizes O, so the backward's P sums to the forward's weights
+    # (the paper mode's rounded sum would add its rounding to the gradient: the fp32 sum there).
+    l_lse = l_exact if mode == MODE_PAPER else l_round
+    lse2 = torch.where(l_lse > 0, m_use + torch.log2(l_lse.clamp_min(1e-38)), float("inf"))
     return o.to(dtype), lse2
 
 

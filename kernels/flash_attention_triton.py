@@ -257,7 +257,8 @@ def _fwd_block(
             l_r = l_r * alpha + tl.sum(p_lo.to(tl.float32), 1)
         acc = acc * alpha[:, None]
         acc = _mm_acc(p_lo, v, acc, INTERPRET)
-    l_e = l_e * alpha + tl.sum(p, 1)
+    if MODE == 2:  # the emulated kernel's LSE comes from the fp32 P̄, its l_r being rounded
+        l_e = l_e * alpha + tl.sum(p, 1)
     return acc, l_r, l_e, m_raw_new, m_new, cnt
 
 
@@ -412,7 +413,10 @@ def _fwd_kernel(
     if MODE != 2 and ROWSUM_MMA:
         l_r = tl.max(l_r, 1)
     o = tl.math.div_rn(acc, tl.where(l_r > 0, l_r, 1.0)[:, None])  # IEEE division
-    lse = tl.where(l_e > 0, m_fin + tl.math.log2(tl.where(l_e > 0, l_e, 1.0)), float("inf"))
+    # The LSE comes from the same row sum that normalizes O (an add per score fewer), so the
+    # backward's P = exp2(S - LSE) sums to what the forward weighted V with.
+    l_lse = l_e if MODE == 2 else l_r
+    lse = tl.where(l_lse > 0, m_fin + tl.math.log2(tl.where(l_lse > 0, l_lse, 1.0)), float("inf"))
     o_desc.store([m0, 0], _to_lo(o, DTYPE, INTERPRET))
     tl.store(LSE + pid_bh.to(tl.int64) * T_Q + offs_m, lse, mask=offs_m < T_Q)
 
