@@ -11,7 +11,10 @@ Runs of the GPT of examples/gpt2.py, every attention layer routed by the monitor
 - ``mitigated``: starts on ``paper_repro`` with the default rules acting: a persistent one-signed
   output error or sustained repeated maxima swap the layer to the stabilized kernel;
 - ``sdpa``: PyTorch's own SDPA (cuDNN/flash on the GPU), actions off: what the user's native
-  kernel does in the same setting (not in the default ``--runs``).
+  kernel does in the same setting (not in the default ``--runs``);
+- ``paper_stabilized``: the BF16-accumulating kernel with the stabilizing shift (the paper's fix
+  on its own kernel), actions off: whether the ties, or BF16 accumulation by itself, fail the run
+  (not in the default ``--runs``).
 
 The synthetic bigram language starts every sequence with a BOS token (an attention sink); a
 learning rate near the top of the healthy range keeps logits large, where bf16 scores tie often.
@@ -37,6 +40,7 @@ def main() -> None:
         "stabilized": {"lr": args.lr, "kernel": "stabilized", "act": False},
         "mitigated": {"lr": args.lr, "kernel": "paper_repro", "act": True},
         "sdpa": {"lr": args.lr, "kernel": None, "act": False},
+        "paper_stabilized": {"lr": args.lr, "kernel": "paper_repro_stabilized", "act": False},
     }
     run_all(args, plans, "paper mechanism: BF16-accumulating flash attention vs stabilized kernel")
 

@@ -19,8 +19,8 @@ Fallback: a call the kernel does not run (``dropout_p > 0``, fp32/fp64 inputs, o
 V head dim != QK head dim, a mask that needs a gradient, a
 non-positive scale, a GPU older than Hopper, ...) goes to ``F.scaled_dot_product_attention``
 unchanged and increments ``flash_attention_fallbacks()[reason]``. The decision reads arguments,
-shapes, dtypes and devices only, never tensor data (no host sync). ``mode="paper_repro"`` never
-falls back: it raises, since SDPA would not reproduce anything.
+shapes, dtypes and devices only, never tensor data (no host sync). The paper_repro modes never
+fall back: they raise, since SDPA would not reproduce anything.
 
 Stabilization (``mode="stabilized"``, ``stabilize=True``). Per query row and key block, with m the
 running row maximum in fp32:
@@ -63,6 +63,9 @@ paper's failing kernel (github ucker/why-low-precision-training-fails, attention
 to the input dtype, and the P̄V product, the O accumulation and the row sum rounded to the input
 dtype after every key block, no stabilization (``stabilize`` is ignored). Its output carries the
 biased rounding on planted ties; its backward is the exact one of this module, from an fp32 LSE.
+``mode="paper_repro_stabilized"`` adds this module's stabilizing shift to that emulation (the
+paper's own fix on its own kernel, with the bounded shift): it separates what the ties cost from
+what BF16 accumulation costs by itself.
 """
 
 from __future__ import annotations
@@ -77,8 +80,10 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from .flash_attention_torch import (
     MODE_PAPER,
+    MODE_PAPER_STABILIZED,
     MODE_PLAIN,
     MODE_STABILIZED,
+    PAPER_MODES,
     reference_backward,
     reference_forward,
 )
@@ -90,7 +95,12 @@ except ImportError:  # platforms without triton: the torch reference runs on CPU
 
 __all__ = ["flash_attention", "flash_attention_fallbacks", "flash_attention_reference"]
 
-_MODES = {"stabilized": MODE_STABILIZED, "plain": MODE_PLAIN, "paper_repro": MODE_PAPER}
+_MODES = {
+    "stabilized": MODE_STABILIZED,
+    "plain": MODE_PLAIN,
+    "paper_repro": MODE_PAPER,
+    "paper_repro_stabilized": MODE_PAPER_STABILIZED,
+}
 _DTYPES = (torch.bfloat16, torch.float16)
 _MASK_DTYPES = (torch.bool, torch.bfloat16, torch.float16, torch.float32)
 
@@ -226,9 +236,9 @@ def _run(
     q, k, v = _autocast_inputs(q, k, v)
     reason = _fallback_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if reason is not None:
-        if mode == MODE_PAPER:
+        if mode in PAPER_MODES:
             raise ValueError(
-                f"mode='paper_repro' cannot run this call ({reason}); it has no SDPA fallback"
+                f"the paper_repro modes cannot run this call ({reason}); they have no SDPA fallback"
             )
         _FALLBACKS[reason] += 1
         extra = {"enable_gqa": True} if enable_gqa else {}

@@ -16,10 +16,14 @@ from torch import Tensor
 
 LOG2E = 1.4426950408889634
 
-# Modes as the kernels see them (a constexpr in Triton).
+# Modes as the kernels see them (a constexpr in Triton): bit 0 is the stabilizing shift, bit 1
+# the paper's rounding of S, P̄V, O and the row sum to the input dtype.
 MODE_PLAIN = 0
 MODE_STABILIZED = 1
 MODE_PAPER = 2
+MODE_PAPER_STABILIZED = 3  # the paper's rounding with the stabilizing shift
+PAPER_MODES = (MODE_PAPER, MODE_PAPER_STABILIZED)
+STABILIZED_MODES = (MODE_STABILIZED, MODE_PAPER_STABILIZED)
 
 # exp(S - m) rounds to exactly 1.0 in the P dtype once S >= m + SATURATION_LN[dtype]:
 # bf16 keeps 8 significand bits (1 - 2^-9 is the rounding midpoint below 1.0), fp16 keeps 11.
@@ -55,7 +59,7 @@ def _block_logits(
 ) -> Tensor:
     """Logits of one key block in log2 units, masked entries at -inf.  # (B, H, Tq, bn) fp32"""
     s = qf @ kb.transpose(-1, -2)  # (B, H, Tq, bn) fp32: exact products of bf16/fp16 inputs
-    if mode == MODE_PAPER:
+    if mode in PAPER_MODES:
         # The paper's kernel holds S in the input dtype.
         s = s * sm_scale
         if mask_b is not None and mask_b.dtype != torch.bool:
@@ -136,7 +140,7 @@ def reference_forward(
             mode,
             dtype,
         )
-        if mode == MODE_STABILIZED:
+        if mode in STABILIZED_MODES:
             m_raw, m_new, count = stabilized_shift(s2, m_raw, m_sh, count, dtype, beta)
         else:
             m_raw = torch.maximum(m_raw, s2.amax(-1))  # (B, H, Tq)
@@ -146,7 +150,7 @@ def reference_forward(
         p = torch.exp2(s2 - m_use[..., None])  # (B, H, Tq, bn) fp32
         p_lo = _round(p, dtype)  # what the P̄V product sees
         pv = p_lo @ vf[:, :, n0:n1]
-        if mode == MODE_PAPER:
+        if mode in PAPER_MODES:
             # P̄V product, O accumulation and row sum rounded to the input dtype per block.
             alpha_r = _round(alpha, dtype)
             acc = _round(_round(acc * alpha_r[..., None], dtype) + _round(pv, dtype), dtype)
@@ -154,13 +158,13 @@ def reference_forward(
         else:
             acc = acc * alpha[..., None] + pv
             l_round = l_round * alpha + p_lo.sum(-1)
-        if mode == MODE_PAPER:
+        if mode in PAPER_MODES:
             l_exact = l_exact * alpha + p.sum(-1)
         m_sh = m_new
     o = acc / torch.where(l_round > 0, l_round, 1.0)[..., None]
     # The LSE from the sum that normalizes O, so the backward's P sums to the forward's weights
     # (the paper mode's rounded sum would add its rounding to the gradient: the fp32 sum there).
-    l_lse = l_exact if mode == MODE_PAPER else l_round
+    l_lse = l_exact if mode in PAPER_MODES else l_round
     lse2 = torch.where(l_lse > 0, m_use + torch.log2(l_lse.clamp_min(1e-38)), float("inf"))
     return o.to(dtype), lse2
 

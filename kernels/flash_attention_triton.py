@@ -26,10 +26,11 @@ from .flash_attention_torch import (
     LOG2E,
     MODE_PAPER,
     MODE_PLAIN,
-    MODE_STABILIZED,
+    PAPER_MODES,
     SATURATION_LN,
     SHIFT_MAX_LN,
     SHIFT_MIN_LN,
+    STABILIZED_MODES,
 )
 
 # triton.jit reads TRITON_INTERPRET when it decorates, so this is fixed at import time too.
@@ -127,7 +128,7 @@ def _logits(
     else:
         rows_q = offs_m[:, None]
         cols_k = offs_n[None, :]
-    PRESCALED: tl.constexpr = MODE == 2 or MASK_KIND == 2
+    PRESCALED: tl.constexpr = MODE >= 2 or MASK_KIND == 2
     if MASK_KIND != 0:
         mv = tl.load(
             MASK + mask_base + rows_q * stride_mq + cols_k * stride_mk,
@@ -138,7 +139,7 @@ def _logits(
         s = qk * sm_scale
         if MASK_KIND == 2:
             s += mv.to(tl.float32)
-        if MODE == 2:  # the paper's kernel holds S in the input dtype
+        if MODE >= 2:  # the paper's kernel holds S in the input dtype
             s = _round_f32(s, DTYPE, INTERPRET)
         x = s * 1.4426950408889634
         xs = 1.0
@@ -220,7 +221,7 @@ def _fwd_block(
         INTERPRET,
     )
     m_raw_new = tl.maximum(m_raw, tl.max(x, 1) * xs)  # (BLOCK_M,) log2 units
-    if MODE == 1:
+    if MODE % 2 == 1:  # the stabilizing shift (stabilized, and paper_repro_stabilized)
         # Entries whose exp2(s - m) rounds to 1.0 in DTYPE; the count carries across blocks
         # while the earlier maximum stays within the saturation window of the new one. Counted
         # in fp32 (exact below 2^24): a compare that yields 1.0/0.0 plus an add per score, where
@@ -239,7 +240,7 @@ def _fwd_block(
     alpha = tl.math.exp2(m_sh - m_use)
     p = tl.math.exp2(x * xs - m_use[:, None])  # (BLOCK_M, BLOCK_N) fp32
     p_lo = _to_lo(p, DTYPE, INTERPRET)
-    if MODE == 2:
+    if MODE >= 2:
         # Emulation of the paper's failing kernel: P̄V, O and l rounded to DTYPE per block.
         pv = _round_f32(_mm(p_lo, v, INTERPRET), DTYPE, INTERPRET)
         alpha_r = _round_f32(alpha, DTYPE, INTERPRET)
@@ -257,7 +258,7 @@ def _fwd_block(
             l_r = l_r * alpha + tl.sum(p_lo.to(tl.float32), 1)
         acc = acc * alpha[:, None]
         acc = _mm_acc(p_lo, v, acc, INTERPRET)
-    if MODE == 2:  # the emulated kernel's LSE comes from the fp32 P̄, its l_r being rounded
+    if MODE >= 2:  # the emulated kernel's LSE comes from the fp32 P̄, its l_r being rounded
         l_e = l_e * alpha + tl.sum(p, 1)
     return acc, l_r, l_e, m_raw_new, m_new, cnt
 
@@ -327,7 +328,7 @@ def _fwd_kernel(
     m_raw = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m_sh = tl.full([BLOCK_M], float("-inf"), tl.float32)
     cnt = tl.zeros([BLOCK_M], tl.float32)
-    if MODE != 2 and ROWSUM_MMA:
+    if MODE < 2 and ROWSUM_MMA:
         l_r = tl.zeros([BLOCK_M, 16], tl.float32)  # 16 equal columns: see _fwd_block
     else:
         l_r = tl.zeros([BLOCK_M], tl.float32)
@@ -410,12 +411,12 @@ def _fwd_kernel(
     m_fin = tl.where(m_sh == float("-inf"), 0.0, m_sh)
     # Fully masked rows (attn_mask only) give O = 0 like SDPA, and LSE = +inf so that the
     # backward's P = exp2(S - LSE) is 0 there.
-    if MODE != 2 and ROWSUM_MMA:
+    if MODE < 2 and ROWSUM_MMA:
         l_r = tl.max(l_r, 1)
     o = tl.math.div_rn(acc, tl.where(l_r > 0, l_r, 1.0)[:, None])  # IEEE division
     # The LSE comes from the same row sum that normalizes O (an add per score fewer), so the
     # backward's P = exp2(S - LSE) sums to what the forward weighted V with.
-    l_lse = l_e if MODE == 2 else l_r
+    l_lse = l_e if MODE >= 2 else l_r
     lse = tl.where(l_lse > 0, m_fin + tl.math.log2(tl.where(l_lse > 0, l_lse, 1.0)), float("inf"))
     o_desc.store([m0, 0], _to_lo(o, DTYPE, INTERPRET))
     tl.store(LSE + pid_bh.to(tl.int64) * T_Q + offs_m, lse, mask=offs_m < T_Q)
@@ -1061,7 +1062,7 @@ def triton_forward(
     b, h, tq, d = q.shape
     hk, tk = k.shape[1], k.shape[2]
     block_d = padded_head_dim(d)
-    cfg = tile_config("fwd_stab" if mode == MODE_STABILIZED else "fwd", block_d, causal)
+    cfg = tile_config("fwd_stab" if mode in STABILIZED_MODES else "fwd", block_d, causal)
     o = torch.empty_like(q)
     lse = torch.empty((b, h, tq), device=q.device, dtype=torch.float32)
     mask_t, mask_kind, ms = _mask_args(mask, q)
@@ -1107,7 +1108,7 @@ def triton_backward(
     mask_t, mask_kind, ms = _mask_args(mask, q)
     # The backward only needs to know whether S was rounded (paper_repro): plain and stabilized
     # share their backward kernels.
-    bwd_mode = MODE_PAPER if mode == MODE_PAPER else MODE_PLAIN
+    bwd_mode = MODE_PAPER if mode in PAPER_MODES else MODE_PLAIN
     dq = torch.empty_like(q)
     if group == 1:
         dk, dv = torch.empty_like(k), torch.empty_like(v)

@@ -359,7 +359,9 @@ class Monitor:
         *,
         stabilize: bool = True,
         beta: float = 2.0,
-        mode: Literal["stabilized", "plain", "paper_repro"] = "stabilized",
+        mode: Literal[
+            "stabilized", "plain", "paper_repro", "paper_repro_stabilized"
+        ] = "stabilized",
     ) -> None:
         """Route the SDPA calls of ``layers`` (globs over module paths; None = all) to numwatch's
         flash-attention kernel, from the next step boundary on (now, if between steps)."""

@@ -139,7 +139,7 @@ def test_probe_sees_paper_kernel_bias_and_stabilized_kernel_without_it():
     q, k, v = planted_sink_attention(B=1, H=2, T=128, D=64, n_sink=2, gap=14.0)
     model = Holder(Planted(q, k, v))
     bias = {}
-    for mode in ("paper_repro", "stabilized"):
+    for mode in ("paper_repro", "stabilized", "paper_repro_stabilized"):
         monitor = monitor_for(model, attention__every=1)
         monitor.swap_attention(mode=mode)
         model()
@@ -149,3 +149,4 @@ def test_probe_sees_paper_kernel_bias_and_stabilized_kernel_without_it():
         monitor.detach()
     assert all(b < -0.9 for b in bias["paper_repro"]), bias
     assert all(abs(b) < 0.5 for b in bias["stabilized"]), bias
+    assert all(abs(b) < 0.5 for b in bias["paper_repro_stabilized"]), bias  # the paper's fix

@@ -24,12 +24,13 @@ class AttentionKernel:
 
     stabilize: bool = True
     beta: float = 2.0
-    mode: Literal["stabilized", "plain", "paper_repro"] = "stabilized"
+    mode: Literal["stabilized", "plain", "paper_repro", "paper_repro_stabilized"] = "stabilized"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("stabilized", "plain", "paper_repro"):
+        if self.mode not in ("stabilized", "plain", "paper_repro", "paper_repro_stabilized"):
             raise ValueError(
-                f"mode must be 'stabilized', 'plain' or 'paper_repro', got {self.mode!r}"
+                "mode must be 'stabilized', 'plain', 'paper_repro' or 'paper_repro_stabilized', "
+                f"got {self.mode!r}"
             )
         if not 1.0 < self.beta <= 64.0:
             raise ValueError(f"beta must be in (1, 64], got {self.beta}")
