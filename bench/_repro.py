@@ -7,8 +7,8 @@ non-finite or more than twice the median of the previous 50 losses. Lead time = 
 
 Regression: the first step at which the mean loss of the last 100 steps is 10 % above the lowest
 such mean reached before it. It catches the failure the 2x rule cannot see: a run whose loss climbs
-back and stays up without a jump or a non-finite value (the paper mechanism's at GPT-2-small
-scale on the H200: the loss rises from 5.4 to 6 and never recovers).
+back and stays up without a jump or a non-finite value (the BF16-accumulating kernel's at
+GPT-2-small scale on the H200: the loss rises from 5.3 to 6 and never recovers).
 """
 
 from __future__ import annotations
