@@ -17,6 +17,8 @@ monitor's host cost per step:
   reads two scalars from the device every step (the cost issue 6 asks to state);
 - ``attention_only``: only the attention probe, default cadence (issue 3's figure);
 - ``grads_spectral_every_step``: gradient statistics and spectral norms every step (issue 5);
+- ``grads_spectral_alternate_every_step``: the same with one power-iteration pass per step
+  (``weights.alternate``: each step reads the weights once instead of twice);
 - ``everything_every_step``: every probe at every step, flush every step;
 - ``detect_anomaly``: torch.autograd.set_detect_anomaly(True), what users run instead;
 - ``nan_check_hooks``: a per-parameter gradient hook checking isnan/isinf with a host read, the
@@ -92,6 +94,15 @@ CONFIGS: dict[str, dict | str | None] = {
         "weights__enabled": True,
         "gradients__every": 1,
         "weights__every": 1,
+    },
+    # the same with one power-iteration pass per step (weights.alternate): one read of the weights
+    "grads_spectral_alternate_every_step": {
+        **OFF,
+        "gradients__enabled": True,
+        "weights__enabled": True,
+        "gradients__every": 1,
+        "weights__every": 1,
+        "weights__alternate": True,
     },
     "everything_every_step": EVERY,
     "detect_anomaly": "detect_anomaly",

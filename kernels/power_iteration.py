@@ -15,6 +15,12 @@ One iteration on a matrix A (m, k) with unit vector u (m,):
 NaN) the estimate is NaN; in both cases u restarts from its initial random vector, so a weight
 that recovers is tracked again.
 
+Alternating mode (``PowerIteration(alternate=True)``): each call runs one of the two passes,
+in turn. A v-pass sets v <- A^T u / ||A^T u|| and estimates sigma by ||A^T u||; a u-pass sets
+u <- A v / ||A v|| and estimates it by ||A v||. Two calls are one iteration exactly, each reads
+every matrix once: an estimate every call at half the bytes, with the convergence per byte of
+one iteration every other call.
+
 ``PowerIteration`` is what probes call. ``power_iteration_reference`` is the pure-torch path (the
 CPU path and the oracle of the Triton kernels): it groups matrices of one shape and dtype into one
 batched matmul. The Triton path runs every matrix of a dtype in one launch per pass, reading
@@ -36,8 +42,15 @@ from .host_copy import to_device
 from .launch import Relauncher
 
 _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
+_TORCH_V = object()  # alternate mode: the unit v lives in the torch path's buffer
 
-__all__ = ["PowerIteration", "head_views", "power_iteration_reference", "qk_logit_bound"]
+__all__ = [
+    "PowerIteration",
+    "head_views",
+    "power_iteration_reference",
+    "power_pass_reference",
+    "qk_logit_bound",
+]
 
 
 def head_views(weight: torch.Tensor, n_heads: int, out_dim: int = 0) -> torch.Tensor:
@@ -134,6 +147,45 @@ def power_iteration_reference(
             sigma_parts[i] = sigma[start : start + n]
             start += n
     return torch.cat([sigma_parts[i] for i in range(len(views))])
+
+
+def power_pass_reference(
+    views: Sequence[torch.Tensor],
+    u: torch.Tensor,
+    v: torch.Tensor,
+    nv2: torch.Tensor,
+    u0: torch.Tensor,
+    to_v: bool,
+) -> torch.Tensor:
+    """One pass of the alternating iteration over oriented batches ``views[i]`` ``(n_i, m_i,
+    k_i)``; returns the ``(sum n_i,)`` float32 estimates.
+
+    ``to_v``: v <- A^T u / ||A^T u||, ``nv2`` <- ||A^T u||^2, estimate ||A^T u|| (NaN when not
+    finite). Otherwise w = A v, estimate ||w|| (0 when the last v-pass found A^T u = 0, NaN on a
+    breakdown) and u <- w / ||w||, or the restart ``u0`` on a breakdown. ``u``, ``u0`` (sum n*m),
+    ``v`` (sum n*k) and ``nv2`` (sum n) are flat float32 buffers in list order, updated in place.
+    """
+    out = []
+    iu = iv = row = 0
+    for a in views:
+        n, m, k = a.shape
+        af = a.float()
+        uu, vv = u[iu : iu + n * m].view(n, m), v[iv : iv + n * k].view(n, k)
+        n2 = nv2[row : row + n]
+        if to_v:
+            t = torch.bmm(af.transpose(1, 2), uu.unsqueeze(-1)).squeeze(-1)  # (n, k)
+            n2.copy_(t.square().sum(-1))
+            vv.copy_(t / n2.clamp_min(1.1754944e-38).sqrt().unsqueeze(-1))
+            out.append(torch.where(torch.isfinite(n2), n2.sqrt(), float("nan")))
+        else:
+            w = torch.bmm(af, vv.unsqueeze(-1)).squeeze(-1)  # (n, m)
+            s = w.norm(dim=-1)
+            ok = (n2 > 0) & torch.isfinite(n2) & (s > 0) & torch.isfinite(s)
+            out.append(torch.where(n2 == 0, 0.0, torch.where(ok, s, float("nan"))))
+            restart = u0[iu : iu + n * m].view(n, m)
+            uu.copy_(torch.where(ok.unsqueeze(-1), w / s.unsqueeze(-1), restart))
+        iu, iv, row = iu + n * m, iv + n * k, row + n
+    return torch.cat(out)
 
 
 # --- Triton kernels ------------------------------------------------------------------------------
@@ -330,6 +382,9 @@ class _Plan(NamedTuple):
     vp_size: int
     launches: tuple[tuple[torch.dtype, int, int, int, int, int], ...]
     # dtype, pass-1 tile base, pass-1 tiles, pass-2 tile base, pass-2 tiles, alignment (elements)
+    vp: torch.Tensor  # pass 1's partials; segment 0 holds the unit v (kept for alternate passes)
+    nv2: torch.Tensor  # ||A^T u||^2 per matrix, from the last pass 1
+    vp_layout: tuple[int, ...]  # vp_off and n_seg of every matrix: plans that agree share vp
 
 
 def _build_plan(entries: Sequence[_Entry], device: torch.device, cfg: _Config) -> _Plan:
@@ -386,7 +441,10 @@ def _build_plan(entries: Sequence[_Entry], device: torch.device, cfg: _Config) -
         torch.int64,
         device,
     )
-    return _Plan(table, n_mats, len(tiles1), len(tiles2), vp_size, tuple(launches))
+    vp = torch.empty(max(vp_size, 1), dtype=torch.float32, device=device)
+    nv2 = torch.empty(n_mats, dtype=torch.float32, device=device)
+    layout = (*vp_off, *n_seg)
+    return _Plan(table, n_mats, len(tiles1), len(tiles2), vp_size, tuple(launches), vp, nv2, layout)
 
 
 def _common_alignment(align: int, ptr: int, stride_m: int, k: int, elem: int) -> int:
@@ -399,37 +457,62 @@ def _common_alignment(align: int, ptr: int, stride_m: int, k: int, elem: int) ->
 def _run_triton(
     plan: _Plan, u: torch.Tensor, u0: torch.Tensor, iters: int, cfg: _Config
 ) -> torch.Tensor:
-    device = u.device
-    vp = torch.empty(max(plan.vp_size, 1), dtype=torch.float32, device=device)
-    sq = torch.empty(max(plan.n_tiles2, 1), dtype=torch.float32, device=device)
-    nv2 = torch.empty(plan.n_mats, dtype=torch.float32, device=device)
-    sigma = torch.empty(plan.n_mats, dtype=torch.float32, device=device)
-    switch = device.type == "cuda" and device.index != torch.cuda.current_device()
-    with torch.cuda.device(device) if switch else nullcontext():
+    sigma = torch.empty(plan.n_mats, dtype=torch.float32, device=u.device)
+    with _on_device(u.device):
         for _ in range(iters):
-            for dtype, base1, n1, _, _, align in plan.launches:
-                fmt = _FORMATS[dtype]
-                _launch_pass1(
-                    (fmt, align, cfg), (n1,), plan.table, u, vp, plan.n_mats, plan.n_tiles1, base1,
-                    FMT=fmt, ALIGN=align, BM=cfg.bm1, BK=cfg.bk1,
-                    num_warps=cfg.num_warps,
-                )  # fmt: skip
-            _launch_vnorm(
-                None, (plan.n_mats,), plan.table, vp, nv2, plan.n_mats, BLOCK=256, num_warps=4
-            )
-            for dtype, _, _, base2, n2, align in plan.launches:
-                fmt = _FORMATS[dtype]
-                _launch_pass2(
-                    (fmt, align, cfg), (n2,),
-                    plan.table, u, vp, sq, plan.n_mats, plan.n_tiles1, plan.n_tiles2, base2,
-                    FMT=fmt, ALIGN=align, BM=cfg.bm2, BK=cfg.bk2,
-                    num_warps=cfg.num_warps,
-                )  # fmt: skip
-            _launch_normalize(
-                None, (plan.n_mats,),
-                plan.table, u, u0, sq, nv2, sigma, plan.n_mats, BLOCK=256, num_warps=4,
-            )  # fmt: skip
+            _v_pass(plan, u, cfg)
+            _u_pass(plan, u, u0, sigma, cfg)
     return sigma
+
+
+def _run_triton_pass(
+    plan: _Plan, u: torch.Tensor, u0: torch.Tensor, to_v: bool, cfg: _Config
+) -> torch.Tensor:
+    """One pass of the alternating iteration (see ``power_pass_reference``)."""
+    with _on_device(u.device):
+        if to_v:
+            _v_pass(plan, u, cfg)
+            nv2 = plan.nv2
+            return torch.where(torch.isfinite(nv2), nv2.sqrt(), float("nan"))
+        sigma = torch.empty(plan.n_mats, dtype=torch.float32, device=u.device)
+        _u_pass(plan, u, u0, sigma, cfg)
+        return sigma
+
+
+def _on_device(device: torch.device):
+    switch = device.type == "cuda" and device.index != torch.cuda.current_device()
+    return torch.cuda.device(device) if switch else nullcontext()
+
+
+def _v_pass(plan: _Plan, u: torch.Tensor, cfg: _Config) -> None:
+    """v <- A^T u / ||A^T u|| into ``plan.vp``'s segment 0, ||A^T u||^2 into ``plan.nv2``."""
+    for dtype, base1, n1, _, _, align in plan.launches:
+        fmt = _FORMATS[dtype]
+        _launch_pass1(
+            (fmt, align, cfg), (n1,), plan.table, u, plan.vp, plan.n_mats, plan.n_tiles1, base1,
+            FMT=fmt, ALIGN=align, BM=cfg.bm1, BK=cfg.bk1,
+            num_warps=cfg.num_warps,
+        )  # fmt: skip
+    _launch_vnorm(
+        None, (plan.n_mats,), plan.table, plan.vp, plan.nv2, plan.n_mats, BLOCK=256, num_warps=4
+    )
+
+
+def _u_pass(plan: _Plan, u: torch.Tensor, u0: torch.Tensor, sigma: torch.Tensor, cfg) -> None:
+    """w = A v from ``plan.vp``; sigma = ||w||; u <- w / sigma, or the restart vector."""
+    sq = torch.empty(max(plan.n_tiles2, 1), dtype=torch.float32, device=u.device)
+    for dtype, _, _, base2, n2, align in plan.launches:
+        fmt = _FORMATS[dtype]
+        _launch_pass2(
+            (fmt, align, cfg), (n2,),
+            plan.table, u, plan.vp, sq, plan.n_mats, plan.n_tiles1, plan.n_tiles2, base2,
+            FMT=fmt, ALIGN=align, BM=cfg.bm2, BK=cfg.bk2,
+            num_warps=cfg.num_warps,
+        )  # fmt: skip
+    _launch_normalize(
+        None, (plan.n_mats,),
+        plan.table, u, u0, sq, plan.nv2, sigma, plan.n_mats, BLOCK=256, num_warps=4,
+    )  # fmt: skip
 
 
 class _State(NamedTuple):
@@ -448,7 +531,8 @@ class PowerIteration:
     ``(n, m, k)`` batches (any strides; e.g. ``head_views`` of a fused qkv weight) and returns the
     ``(sum of batch sizes,)`` float32 estimates in list order, on the matrices' device, without a
     host sync. Vectors persist between calls; an entry whose shape (or orientation) changes is
-    re-initialized, the others keep theirs. ``iters`` iterations run per call.
+    re-initialized, the others keep theirs. ``iters`` iterations run per call; with
+    ``alternate=True`` one pass runs per call instead (module docstring), a v-pass first.
 
     ``backend``: ``"triton"`` (one launch per pass and dtype over every matrix; on a CPU only
     under ``TRITON_INTERPRET=1``), ``"torch"`` (``power_iteration_reference``), ``"auto"``
@@ -456,14 +540,23 @@ class PowerIteration:
     (others go through torch). Arithmetic is float32.
     """
 
-    def __init__(self, iters: int = 1, backend: str = "auto", seed: int = 0) -> None:
+    def __init__(
+        self, iters: int = 1, backend: str = "auto", seed: int = 0, alternate: bool = False
+    ) -> None:
         if iters < 1:
             raise ValueError(f"PowerIteration iters must be >= 1, got {iters}")
+        if alternate and iters != 1:
+            raise ValueError("PowerIteration(alternate=True) runs one pass per call: iters=1")
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
         self.iters = iters
         self.backend = backend
         self.seed = seed
+        self.alternate = alternate
+        # alternate mode: where the unit v of the last v-pass lives (None: run a v-pass next)
+        self._v_home: object | None = None
+        self._v: torch.Tensor | None = None  # torch path: flat (sum n*k,) v, and ||A^T u||^2
+        self._nv2: torch.Tensor | None = None
         self._signature: tuple = ()
         self._u: torch.Tensor | None = None  # flat (sum n*m,) float32 unit vectors
         self._u0: torch.Tensor | None = None  # their initial values: the restart vectors
@@ -473,6 +566,7 @@ class PowerIteration:
     def reset(self) -> None:
         """Forget every vector; the next step starts from fresh random ones."""
         self._signature, self._u, self._u0 = (), None, None
+        self._v_home = None
 
     def step(self, matrices: Sequence[torch.Tensor], iters: int | None = None) -> torch.Tensor:
         """Run ``iters`` (default ``self.iters``) iterations; ``(N,)`` float32 estimates."""
@@ -493,10 +587,28 @@ class PowerIteration:
                 self._states[key] = state
                 if len(self._states) > 8:
                     self._states.popitem(last=False)
+        if self.alternate:
+            return self._pass(state)
         if state.plan is not None:
             return _run_triton(state.plan, self._u, self._u0, iters, self._cfg)
         with torch.no_grad():
             return power_iteration_reference(state.views, self._u, self._u0, iters)
+
+    def _pass(self, state: _State) -> torch.Tensor:
+        """One pass of the alternating iteration: a u-pass only where the last v-pass left its v
+        (the buffer of the tables of this layout, or the torch path's), a v-pass otherwise."""
+        home = state.plan.vp if state.plan is not None else _TORCH_V
+        to_v = self._v_home is not home
+        self._v_home = home if to_v else None
+        if state.plan is not None:
+            return _run_triton_pass(state.plan, self._u, self._u0, to_v, self._cfg)
+        if to_v:
+            n_k = sum(v.shape[0] * v.shape[2] for v in state.views)
+            n = sum(v.shape[0] for v in state.views)
+            self._v = torch.empty(n_k, dtype=torch.float32, device=self._u.device)
+            self._nv2 = torch.empty(n, dtype=torch.float32, device=self._u.device)
+        with torch.no_grad():
+            return power_pass_reference(state.views, self._u, self._v, self._nv2, self._u0, to_v)
 
     def _prepare(self, matrices: Sequence[torch.Tensor]) -> _State:
         """Orient and check the list, (re)build the vectors, choose the path, build the table."""
@@ -520,6 +632,11 @@ class PowerIteration:
                 )
             if all(e.view.dtype in _FORMATS for e in entries):
                 plan = _build_plan(entries, device, self._cfg)
+                # matrices that moved keep their v: a table of the same layout shares its buffers
+                for other in self._states.values():
+                    if other.plan is not None and other.plan.vp_layout == plan.vp_layout:
+                        plan = plan._replace(vp=other.plan.vp, nv2=other.plan.nv2)
+                        break
                 return _State(self._signature, plan, [e.view for e in entries], cacheable)
         return _State(self._signature, None, [e.view for e in entries], cacheable)
 
@@ -543,6 +660,7 @@ class PowerIteration:
         self._u0 = torch.cat(parts0)
         self._signature = signature
         self._states.clear()
+        self._v_home = None
 
     @staticmethod
     def _split(signature: tuple, flat: torch.Tensor) -> list[torch.Tensor]:

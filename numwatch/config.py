@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from numwatch.errors import NumwatchConfigError
 from numwatch.rules import RuleConfig
@@ -130,6 +130,21 @@ class WeightsConfig(_Section):
     iters: PositiveInt = Field(
         1, description="Power iterations per update (warm-started: 1 tracks trained weights)."
     )
+    alternate: bool = Field(
+        False,
+        description="One matrix pass per update instead of a whole iteration (A^T u, then A v, "
+        "in turn): every matrix read once per update, an estimate at every update, a whole "
+        "iteration every two. Needs iters=1; not with FSDP2-sharded weights.",
+    )
+
+    @model_validator(mode="after")
+    def _one_pass_per_update(self) -> WeightsConfig:
+        if self.alternate and self.iters != 1:
+            raise ValueError(
+                f"weights.alternate runs one pass per update: set iters=1, not {self.iters}"
+            )
+        return self
+
     params: list[str] = Field(
         default_factory=lambda: ["*"], description="Globs of 2-D parameters to include."
     )

@@ -138,3 +138,20 @@ def test_norms_follow_weights_that_move():
     assert monitor.snapshot().value("attn_q_spectral_norm", **labels) == pytest.approx(
         expected / 2, rel=1e-2
     )
+
+
+def test_alternate_passes_track_every_step_and_need_one_iteration():
+    """weights.alternate: an estimate every step from one pass over the weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32))
+    monitor = monitor_for(model, weights__alternate=True, weights__iters=1)
+    errors = []
+    for _ in range(60):
+        with torch.no_grad():
+            model[0].weight.mul_(1.02)
+        monitor.step()
+        got = monitor.snapshot().value("weight_spectral_norm", param="0.weight")
+        errors.append(abs(got - sigma(model[0].weight)) / sigma(model[0].weight))
+    assert max(errors[-10:]) < 0.02
+    with pytest.raises(numwatch.NumwatchConfigError, match="iters=1"):
+        monitor_for(nn.Linear(4, 4), weights__alternate=True, weights__iters=2)
