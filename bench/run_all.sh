@@ -15,7 +15,7 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_flash_attention.py --out $R/flash_attention.json
   $py bench/bench_overhead.py --out $R/overhead_gpt2_h200.json
   $py bench/bench_overhead.py --interleave --steps 400 \
-    --configs baseline,default,attention_only,grads_spectral_every_step,everything_every_step,detect_anomaly,nan_check_hooks \
+    --configs baseline,default,attention_only,grads_spectral_every_step,grads_spectral_alternate_every_step,everything_every_step,detect_anomaly,nan_check_hooks \
     --out $R/overhead_gpt2_h200_interleaved.json
   $py bench/profile_step.py --out $R/profile_step_h200.json
   $py bench/repro_logit_growth.py --device cuda --preset small --steps 3000 --batch 32 \
