@@ -198,6 +198,16 @@ class JsonlSinkConfig(_Section):
         "numwatch-runs/{run_name}.rank{rank}.jsonl",
         description="File path; {run_name} and {rank} are filled in. Parent folders are created.",
     )
+    every: PositiveInt = Field(
+        1,
+        description="Flushes between written records; a flush with events is always written "
+        "(a long run's log shrinks by this factor).",
+    )
+    exclude: list[str] = Field(
+        default_factory=list,
+        description="Globs of metric names left out of the log (e.g. 'grad_min', 'activation_*'); "
+        "events are always written.",
+    )
 
 
 class ConsoleSinkConfig(_Section):

@@ -225,7 +225,9 @@ class Monitor:
         cfg = self.config.sinks
         if cfg.jsonl.enabled and (self.rank == 0 or self.config.distributed.jsonl == "per_rank"):
             self._jsonl_path = cfg.jsonl.path.format(run_name=self.run_name, rank=self.rank)
-            self._sinks.append(JsonlSink(self._jsonl_path, self.run_name))
+            self._sinks.append(
+                JsonlSink(self._jsonl_path, self.run_name, cfg.jsonl.every, cfg.jsonl.exclude)
+            )
         if cfg.console.enabled and self.rank == 0:
             self._sinks.append(ConsoleSink(every=cfg.console.every))
         # --- sinks.prometheus: a taken port raises NumwatchError; attach() is undone first

@@ -736,3 +736,48 @@ def test_jsonl_finite_values_whose_sum_overflows_stay_numbers(tmp_path):
     assert '"value": "' not in (tmp_path / "log.jsonl").read_text()
     (record,) = read_jsonl(tmp_path / "log.jsonl")
     assert [m["value"] for m in record["metrics"]] == [big, big, -1.5]
+
+
+def test_jsonl_every_and_exclude_trim_the_log_but_keep_events_and_the_end(tmp_path):
+    """every=3: flushes 3 and 6 are written, flush 2 for its event, and flush 7 (the last) at
+    close; exclude drops exactly the matching metric names."""
+    from numwatch.events import Event
+    from numwatch.sinks.jsonl import JsonlSink
+    from numwatch.snapshot import MetricRecord, Snapshot
+
+    sink = JsonlSink(tmp_path / "log.jsonl", "run", every=3, exclude=["grad_m*", "loss"])
+    names = ["grad_min", "grad_max", "grad_rms", "loss", "attn_rows"]
+    for step in range(1, 8):
+        records = [MetricRecord(n, {"p": "w"}, float(step)) for n in names]
+        events = [Event("precursor", step, "planted")] if step == 2 else []
+        sink.emit(Snapshot(step, records, time=float(step)), events)
+    sink.close()
+    log = read_jsonl(tmp_path / "log.jsonl")
+    assert [r["step"] for r in log] == [2, 3, 6, 7]
+    assert [len(r["events"]) for r in log] == [1, 0, 0, 0]
+    for r in log:
+        assert [m["name"] for m in r["metrics"]] == ["grad_rms", "attn_rows"]
+        assert [m["value"] for m in r["metrics"]] == [float(r["step"])] * 2
+    with pytest.raises(ValueError, match="every"):
+        JsonlSink(tmp_path / "x.jsonl", "run", every=0)
+
+
+def test_jsonl_options_reach_the_sink_from_the_config(tmp_path):
+    model = nn.Linear(4, 4)
+    path = tmp_path / "run.jsonl"
+    monitor = numwatch.Monitor(
+        model,
+        flush_every=1,
+        sinks__console__enabled=False,
+        sinks__jsonl__path=str(path),
+        sinks__jsonl__every=2,
+        sinks__jsonl__exclude=["grad_*"],
+    ).attach()
+    for _ in range(3):
+        model(torch.ones(2, 4)).sum().backward()
+        monitor.step()
+    monitor.detach()
+    log = read_jsonl(path)
+    assert [r["step"] for r in log] == [1, 2]  # flush 2, then the last (flush 3) at detach
+    assert all(not m["name"].startswith("grad_") for r in log for m in r["metrics"])
+    assert {m["name"] for m in log[0]["metrics"]} >= {"weight_spectral_norm", "step_seconds"}

@@ -7,6 +7,7 @@ are written as the strings "nan", "inf" and "-inf".
 
 from __future__ import annotations
 
+import fnmatch
 import gzip
 import json
 import math
@@ -48,10 +49,19 @@ def _numbers(values: list[float]) -> list[str]:  # floats: json.dumps would writ
 class JsonlSink:
     name = "jsonl"
 
-    def __init__(self, path: str | Path, run_name: str) -> None:
+    def __init__(
+        self, path: str | Path, run_name: str, every: int = 1, exclude: Sequence[str] = ()
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"JsonlSink every must be >= 1, got {every}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_name = run_name
+        self.every = every
+        self.exclude = tuple(exclude)
+        self._flushes = 0
+        self._held: Snapshot | None = None  # the last skipped flush: written at close
+        self._kept: dict[str, bool] = {}  # metric name -> written (the globs tested once)
         self._file = self.path.open("a", encoding="utf-8")
         # '{"name": ..., "labels": {...}, "value": ' per series: the same every flush, so a flush
         # encodes only its numbers (thousands of series per flush on a large model).
@@ -67,7 +77,23 @@ class JsonlSink:
                 self._prefixes.clear()
         return text
 
+    def _keeps(self, name: str) -> bool:
+        kept = self._kept.get(name)
+        if kept is None:
+            kept = self._kept[name] = not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
+        return kept
+
     def emit(self, snapshot: Snapshot, events: Sequence[Event]) -> None:
+        """Write the flush's record: every ``every``-th flush, any flush with events, and (at
+        close) the last one, so the log always ends with the run's final state."""
+        self._flushes += 1
+        if self._flushes % self.every and not events:
+            self._held = snapshot
+            return
+        self._held = None
+        self._write(snapshot, events)
+
+    def _write(self, snapshot: Snapshot, events: Sequence[Event]) -> None:
         head = {
             "schema": SCHEMA_VERSION,
             "run": self.run_name,
@@ -76,7 +102,14 @@ class JsonlSink:
             "rank": snapshot.rank,
         }
         names, labels, values = snapshot.columns()
-        pairs = zip(map(self._prefix, names, labels), _numbers(values.tolist()), strict=True)
+        values = values.tolist()
+        if self.exclude:
+            keep = list(map(self._keeps, names))
+            if not all(keep):
+                names = [n for n, k in zip(names, keep, strict=True) if k]
+                labels = [x for x, k in zip(labels, keep, strict=True) if k]
+                values = [v for v, k in zip(values, keep, strict=True) if k]
+        pairs = zip(map(self._prefix, names, labels), _numbers(values), strict=True)
         metrics = ", ".join([p + n + "}" for p, n in pairs])
         tail = json.dumps(_finite_or_str([e.to_dict() for e in events]), allow_nan=False)
         line = f'{json.dumps(head)[:-1]}, "metrics": [{metrics}], "events": {tail}}}\n'
@@ -84,6 +117,9 @@ class JsonlSink:
         self._file.flush()
 
     def close(self) -> None:
+        if self._held is not None:
+            self._write(self._held, [])
+            self._held = None
         self._file.close()
 
 
