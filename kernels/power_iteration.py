@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -43,6 +43,7 @@ from .launch import Relauncher
 
 _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 _TORCH_V = object()  # alternate mode: the unit v lives in the torch path's buffer
+_TINY = 1.1754944e-38  # smallest normal fp32: ||v||^2 floor, so v == 0 stays 0 (no 0/0)
 
 __all__ = [
     "PowerIteration",
@@ -133,13 +134,8 @@ def power_iteration_reference(
         restart = torch.cat([u0[offsets[i] : offsets[i] + views[i].shape[0] * m] for i in members])
         restart = restart.view(-1, m)
         for _ in range(iters):
-            v = torch.bmm(a.transpose(1, 2), uu.unsqueeze(-1)).squeeze(-1)  # (B, k)
-            nv2 = v.square().sum(-1)  # (B,)
-            w = torch.bmm(a, v.unsqueeze(-1)).squeeze(-1) / nv2.sqrt().unsqueeze(-1)  # (B, m)
-            s = w.norm(dim=-1)
-            ok = (nv2 > 0) & torch.isfinite(nv2) & (s > 0) & torch.isfinite(s)
-            sigma = torch.where(nv2 == 0, 0.0, torch.where(ok, s, float("nan")))
-            uu = torch.where(ok.unsqueeze(-1), w / s.unsqueeze(-1), restart)
+            v, nv2 = _v_half(a, uu)
+            uu, sigma = _u_half(a, v, nv2, restart)
         start = 0
         for i in members:
             n = views[i].shape[0]
@@ -147,6 +143,25 @@ def power_iteration_reference(
             sigma_parts[i] = sigma[start : start + n]
             start += n
     return torch.cat([sigma_parts[i] for i in range(len(views))])
+
+
+def _v_half(a: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v = A^T u / ||A^T u|| (0 where A^T u = 0) and ||A^T u||^2 for a float32 batch a (B, m, k)."""
+    t = torch.bmm(a.transpose(1, 2), u.unsqueeze(-1)).squeeze(-1)  # (B, k)
+    nv2 = t.square().sum(-1)
+    return t / nv2.clamp_min(_TINY).sqrt().unsqueeze(-1), nv2
+
+
+def _u_half(
+    a: torch.Tensor, v: torch.Tensor, nv2: torch.Tensor, restart: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u, sigma) from the unit v: w = A v, sigma = ||w|| (0 where the v-half found A^T u = 0,
+    NaN on a breakdown), u = w / sigma, or ``restart`` on a breakdown."""
+    w = torch.bmm(a, v.unsqueeze(-1)).squeeze(-1)  # (B, m)
+    s = w.norm(dim=-1)
+    ok = (nv2 > 0) & torch.isfinite(nv2) & (s > 0) & torch.isfinite(s)
+    sigma = torch.where(nv2 == 0, 0.0, torch.where(ok, s, float("nan")))
+    return torch.where(ok.unsqueeze(-1), w / s.unsqueeze(-1), restart), sigma
 
 
 def power_pass_reference(
@@ -161,9 +176,9 @@ def power_pass_reference(
     k_i)``; returns the ``(sum n_i,)`` float32 estimates.
 
     ``to_v``: v <- A^T u / ||A^T u||, ``nv2`` <- ||A^T u||^2, estimate ||A^T u|| (NaN when not
-    finite). Otherwise w = A v, estimate ||w|| (0 when the last v-pass found A^T u = 0, NaN on a
-    breakdown) and u <- w / ||w||, or the restart ``u0`` on a breakdown. ``u``, ``u0`` (sum n*m),
-    ``v`` (sum n*k) and ``nv2`` (sum n) are flat float32 buffers in list order, updated in place.
+    finite). Otherwise the u-half of ``power_iteration_reference``'s iteration from this v.
+    ``u``, ``u0`` (sum n*m), ``v`` (sum n*k) and ``nv2`` (sum n) are flat float32 buffers in
+    list order, updated in place.
     """
     out = []
     iu = iv = row = 0
@@ -173,17 +188,14 @@ def power_pass_reference(
         uu, vv = u[iu : iu + n * m].view(n, m), v[iv : iv + n * k].view(n, k)
         n2 = nv2[row : row + n]
         if to_v:
-            t = torch.bmm(af.transpose(1, 2), uu.unsqueeze(-1)).squeeze(-1)  # (n, k)
-            n2.copy_(t.square().sum(-1))
-            vv.copy_(t / n2.clamp_min(1.1754944e-38).sqrt().unsqueeze(-1))
+            new_v, new_n2 = _v_half(af, uu)
+            vv.copy_(new_v)
+            n2.copy_(new_n2)
             out.append(torch.where(torch.isfinite(n2), n2.sqrt(), float("nan")))
         else:
-            w = torch.bmm(af, vv.unsqueeze(-1)).squeeze(-1)  # (n, m)
-            s = w.norm(dim=-1)
-            ok = (n2 > 0) & torch.isfinite(n2) & (s > 0) & torch.isfinite(s)
-            out.append(torch.where(n2 == 0, 0.0, torch.where(ok, s, float("nan"))))
-            restart = u0[iu : iu + n * m].view(n, m)
-            uu.copy_(torch.where(ok.unsqueeze(-1), w / s.unsqueeze(-1), restart))
+            new_u, sigma = _u_half(af, vv, n2, u0[iu : iu + n * m].view(n, m))
+            uu.copy_(new_u)
+            out.append(sigma)
         iu, iv, row = iu + n * m, iv + n * k, row + n
     return torch.cat(out)
 
@@ -278,9 +290,10 @@ if triton is not None:
         return v
 
     @triton.jit(do_not_specialize=["n_mats"])
-    def _pi_vnorm_kernel(table_ptr, vp_ptr, nv2_ptr, n_mats, BLOCK: tl.constexpr):
+    def _pi_vnorm_kernel(table_ptr, vp_ptr, nv2_ptr, sigma_ptr, n_mats, BLOCK: tl.constexpr):
         """v = the sum of pass 1's row-segment partials, scaled to unit length and written over
-        segment 0 (all pass 2 reads, so that its row blocks never re-add segments); ||v||^2."""
+        segment 0 (all pass 2 reads, so that its row blocks never re-add segments); ||v||^2, and
+        ||v|| as the v-pass estimate (NaN when not finite; a u-pass overwrites it)."""
         i = tl.program_id(0)
         k = tl.load(table_ptr + 2 * n_mats + i)
         vp_off = tl.load(table_ptr + 5 * n_mats + i)
@@ -299,6 +312,7 @@ if triton is not None:
             v = _load_v(vp_ptr, vp_off, n_seg, k, cols, cmask)
             tl.store(vp_ptr + vp_off + cols, v * inv, mask=cmask)
         tl.store(nv2_ptr + i, nv2)
+        tl.store(sigma_ptr + i, tl.where(nv2 < float("inf"), tl.sqrt(nv2), float("nan")))
 
     @triton.jit(do_not_specialize=["n_mats", "n_tiles1", "n_tiles2", "tile_base"])
     def _pi_pass2_kernel(
@@ -460,7 +474,7 @@ def _run_triton(
     sigma = torch.empty(plan.n_mats, dtype=torch.float32, device=u.device)
     with _on_device(u.device):
         for _ in range(iters):
-            _v_pass(plan, u, cfg)
+            _v_pass(plan, u, sigma, cfg)
             _u_pass(plan, u, u0, sigma, cfg)
     return sigma
 
@@ -469,23 +483,23 @@ def _run_triton_pass(
     plan: _Plan, u: torch.Tensor, u0: torch.Tensor, to_v: bool, cfg: _Config
 ) -> torch.Tensor:
     """One pass of the alternating iteration (see ``power_pass_reference``)."""
+    sigma = torch.empty(plan.n_mats, dtype=torch.float32, device=u.device)
     with _on_device(u.device):
         if to_v:
-            _v_pass(plan, u, cfg)
-            nv2 = plan.nv2
-            return torch.where(torch.isfinite(nv2), nv2.sqrt(), float("nan"))
-        sigma = torch.empty(plan.n_mats, dtype=torch.float32, device=u.device)
-        _u_pass(plan, u, u0, sigma, cfg)
-        return sigma
+            _v_pass(plan, u, sigma, cfg)
+        else:
+            _u_pass(plan, u, u0, sigma, cfg)
+    return sigma
 
 
-def _on_device(device: torch.device):
+def _on_device(device: torch.device) -> AbstractContextManager:
     switch = device.type == "cuda" and device.index != torch.cuda.current_device()
     return torch.cuda.device(device) if switch else nullcontext()
 
 
-def _v_pass(plan: _Plan, u: torch.Tensor, cfg: _Config) -> None:
-    """v <- A^T u / ||A^T u|| into ``plan.vp``'s segment 0, ||A^T u||^2 into ``plan.nv2``."""
+def _v_pass(plan: _Plan, u: torch.Tensor, sigma: torch.Tensor, cfg: _Config) -> None:
+    """v <- A^T u / ||A^T u|| into ``plan.vp``'s segment 0, ||A^T u||^2 into ``plan.nv2``, the
+    estimate ||A^T u|| into ``sigma``."""
     for dtype, base1, n1, _, _, align in plan.launches:
         fmt = _FORMATS[dtype]
         _launch_pass1(
@@ -494,11 +508,14 @@ def _v_pass(plan: _Plan, u: torch.Tensor, cfg: _Config) -> None:
             num_warps=cfg.num_warps,
         )  # fmt: skip
     _launch_vnorm(
-        None, (plan.n_mats,), plan.table, plan.vp, plan.nv2, plan.n_mats, BLOCK=256, num_warps=4
-    )
+        None, (plan.n_mats,),
+        plan.table, plan.vp, plan.nv2, sigma, plan.n_mats, BLOCK=256, num_warps=4,
+    )  # fmt: skip
 
 
-def _u_pass(plan: _Plan, u: torch.Tensor, u0: torch.Tensor, sigma: torch.Tensor, cfg) -> None:
+def _u_pass(
+    plan: _Plan, u: torch.Tensor, u0: torch.Tensor, sigma: torch.Tensor, cfg: _Config
+) -> None:
     """w = A v from ``plan.vp``; sigma = ||w||; u <- w / sigma, or the restart vector."""
     sq = torch.empty(max(plan.n_tiles2, 1), dtype=torch.float32, device=u.device)
     for dtype, _, _, base2, n2, align in plan.launches:

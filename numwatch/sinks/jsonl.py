@@ -7,15 +7,16 @@ are written as the strings "nan", "inf" and "-inf".
 
 from __future__ import annotations
 
-import fnmatch
 import gzip
 import json
 import math
 from collections.abc import Mapping, Sequence
+from itertools import compress
 from pathlib import Path
 from typing import Any
 
 from numwatch.events import Event
+from numwatch.selection import matches
 from numwatch.snapshot import Snapshot
 
 __all__ = ["SCHEMA_VERSION", "JsonlSink", "read_jsonl"]
@@ -80,7 +81,7 @@ class JsonlSink:
     def _keeps(self, name: str) -> bool:
         kept = self._kept.get(name)
         if kept is None:
-            kept = self._kept[name] = not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
+            kept = self._kept[name] = matches(name, ("*",), self.exclude)
         return kept
 
     def emit(self, snapshot: Snapshot, events: Sequence[Event]) -> None:
@@ -106,9 +107,8 @@ class JsonlSink:
         if self.exclude:
             keep = list(map(self._keeps, names))
             if not all(keep):
-                names = [n for n, k in zip(names, keep, strict=True) if k]
-                labels = [x for x, k in zip(labels, keep, strict=True) if k]
-                values = [v for v, k in zip(values, keep, strict=True) if k]
+                names, labels = list(compress(names, keep)), list(compress(labels, keep))
+                values = list(compress(values, keep))
         pairs = zip(map(self._prefix, names, labels), _numbers(values), strict=True)
         metrics = ", ".join([p + n + "}" for p, n in pairs])
         tail = json.dumps(_finite_or_str([e.to_dict() for e in events]), allow_nan=False)
