@@ -29,7 +29,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from gpt2 import GPT, PRESETS, GPTConfig, batches, lr_at, train_step
+from gpt2 import (
+    BURST_EVERY,
+    BURST_LEN,
+    GPT,
+    PRESETS,
+    GPTConfig,
+    batches,
+    is_burst,
+    lr_at,
+    train_step,
+)
 
 import numwatch
 
@@ -138,8 +148,12 @@ def run(
     events = monitor.events
     warn = [e for e in events if e.kind in WARN_KINDS]
     max_logits = [r.value for snap in monitor.history for r in snap.series("attn_max_logit")]
-    div = divergence_step(losses, s.settle)
-    regressed = regression_step(losses)
+    # with --data bursts the loss of a repeated-n-gram batch is another language's: divergence and
+    # regression are read on the ordinary batches alone (a spike is damage that outlasts a burst)
+    normal = [t for t in range(len(losses)) if not (s.data == "bursts" and is_burst(t))]
+    normal_losses = [losses[t] for t in normal]
+    div = _at(normal, divergence_step(normal_losses, s.settle))
+    regressed = _at(normal, regression_step(normal_losses))
     first = warn[0] if warn else None
     first_of = {}
     for e in warn:
@@ -179,8 +193,36 @@ def run(
             round(statistics.fmean(losses[i : i + 10]), 4) for i in range(0, len(losses), 10)
         ],
     }
+    if s.data == "bursts":
+        summary["bursts"] = burst_effects(losses)
     print(name, summary, flush=True)
     return summary
+
+
+def _at(steps: list[int], index: int | None) -> int | None:
+    return None if index is None else steps[index]
+
+
+def burst_effects(losses: list[float]) -> list[dict[str, Any]]:
+    """Per burst: its own losses, and the worst ordinary-batch loss in the 50 steps after it
+    against the median of the 50 ordinary steps before it (the spike the burst caused)."""
+    out = []
+    for b in range(BURST_EVERY, len(losses) - BURST_LEN, BURST_EVERY):
+        before = [v for v in losses[b - 50 : b] if math.isfinite(v)]
+        after = losses[b + BURST_LEN : b + BURST_LEN + 50]
+        worst = max(after, key=lambda v: v if math.isfinite(v) else math.inf)
+        base = statistics.median(before) if before else math.nan
+        out.append(
+            {
+                "step": b,
+                "burst_losses": [round(v, 4) for v in losses[b : b + BURST_LEN]],
+                "median_before": round(base, 4),
+                "max_after": round(worst, 4),
+                "max_after_step": b + BURST_LEN + after.index(worst),
+                "spike_ratio": round(worst / base, 3) if base else None,
+            }
+        )
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser, *, lr: float, warmup: int, runs: str) -> None:
@@ -193,7 +235,7 @@ def add_arguments(p: argparse.ArgumentParser, *, lr: float, warmup: int, runs: s
     p.add_argument("--warmup", type=int, default=warmup)
     p.add_argument("--settle", type=int, default=20)
     p.add_argument("--flush-every", type=int, default=10)
-    p.add_argument("--data", choices=("bigram", "sinks"), default="bigram")
+    p.add_argument("--data", choices=("bigram", "sinks", "bursts"), default="bigram")
     p.add_argument("--no-pos-emb", action="store_true", help="NoPE model")
     p.add_argument("--qk-norm", action="store_true", help="LayerNorm on each head's q and k")
     p.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2")

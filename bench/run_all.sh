@@ -35,7 +35,6 @@ if [[ $what == gpu || $what == all ]]; then
   $py $pm --lr 0.02 --seed 1 --max-seconds 90 --out $R/repro_paper_mechanism_sinks_h200_lr2e-2_seed1.json
   $py $pm --lr 0.003 --runs sdpa,paper_repro --max-seconds 45 \
     --out $R/repro_paper_mechanism_sinks_h200_lr3e-3_control.json
-  for log in $R/repro_*_h200/*.jsonl.gz; do $py -m numwatch report "$log" -o "${log%.jsonl.gz}.html"; done
 fi
 if [[ $what == cpu || $what == all ]]; then
   $py bench/bench_overhead.py --preset demo --device cpu --batch 16 \
@@ -48,3 +47,9 @@ if [[ $what == cpu || $what == all ]]; then
   $py bench/repro_logit_growth.py --device cpu --preset tiny --steps 400 --lr 0.05 \
     --out $R/repro_logit_growth_cpu.json
 fi
+# the harness writes gzip (fast on the GPU machine); the committed logs are xz, about half the size
+for log in $R/repro_*/*.jsonl.gz; do
+  [[ -e $log ]] || continue
+  $py -m numwatch report "$log" -o "${log%.jsonl.gz}.html"
+  gzip -dc "$log" | xz -9 >"${log%.gz}.xz" && rm "$log"
+done

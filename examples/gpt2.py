@@ -8,8 +8,9 @@ Attention is selectable: ``sdpa`` (native F.scaled_dot_product_attention, cuDNN/
 the failing BF16-accumulating kernel of arXiv 2510.04212: for reproductions only) or ``eager``
 (scores materialized and passed to softmax). Data is generated locally: a random sparse bigram
 language with a BOS token (``--data bigram``), the same language after a run of identical BOS
-tokens (``--data sinks``), or uniform random tokens (``--data random``, for timing), so nothing
-is downloaded. ``--no-pos-emb`` drops the learned position embedding (NoPE: causal masking alone
+tokens (``--data sinks``), the bigram language interrupted by batches of repeated n-grams
+(``--data bursts``), or uniform random tokens (``--data random``, for timing), so nothing is
+downloaded. ``--no-pos-emb`` drops the learned position embedding (NoPE: causal masking alone
 tells positions apart); with ``--data sinks`` the leading BOS tokens then have identical keys in
 every layer, so rows that attend to the sink have a repeated maximum, the setting in which
 arXiv 2510.04212's failure starts.
@@ -134,6 +135,14 @@ class GPT(nn.Module):
 
 
 SINK_TOKENS = 4  # leading BOS tokens of --data sinks
+# --data bursts: every BURST_EVERY steps, BURST_LEN batches in a row of one random n-gram
+# repeated over the whole sequence (OLMo 2 traced loss spikes to such repeated n-grams)
+BURST_EVERY, BURST_LEN, BURST_NGRAM = 250, 2, 8
+
+
+def is_burst(step: int) -> bool:
+    """Whether ``--data bursts`` feeds a repeated-n-gram batch at ``step`` (0-based)."""
+    return step >= BURST_EVERY and step % BURST_EVERY < BURST_LEN
 
 
 def batches(cfg: GPTConfig, batch: int, kind: str, seed: int, device: str):
@@ -144,6 +153,19 @@ def batches(cfg: GPTConfig, batch: int, kind: str, seed: int, device: str):
         while True:
             seq = torch.randint(0, V, (batch, T + 1), generator=g).to(device)
             yield seq[:, :-1], seq[:, 1:]
+    if kind == "bursts":
+        normal = batches(cfg, batch, "bigram", seed, device)
+        vocab = min(V, 512)
+        step = 0
+        while True:
+            if is_burst(step):
+                gram = torch.randint(1, vocab, (batch, BURST_NGRAM), generator=g)
+                seq = gram.repeat(1, T // BURST_NGRAM + 1)[:, : T + 1].to(device)
+                seq[:, 0] = 0
+                yield seq[:, :-1], seq[:, 1:]
+            else:
+                yield next(normal)
+            step += 1
     vocab = min(V, 512)  # a bigram table over at most 512 tokens; token 0 is BOS
     logits = torch.randn(vocab, vocab, generator=g) * 3.0
     logits[:, 0] = -math.inf
@@ -199,7 +221,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--data", choices=("bigram", "sinks", "random"), default="bigram")
+    p.add_argument("--data", choices=("bigram", "sinks", "bursts", "random"), default="bigram")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-monitor", action="store_true")

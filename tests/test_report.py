@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import gzip
+import lzma
 import re
 import shutil
 import subprocess
@@ -144,13 +145,17 @@ def test_last_run_of_a_reused_log(log):
     assert "the last of 2 runs" in render_html(run)
 
 
-def test_gzip_compressed_log_reads_the_same(log, tmp_path):
-    """Archived logs (bench/results) are gzipped; the report reads them as they are."""
-    packed = tmp_path / "run.jsonl.gz"
-    with log.open("rb") as f, gzip.open(packed, "wb") as g:
+@pytest.mark.parametrize("suffix, opener", [(".gz", gzip.open), (".xz", lzma.open)])
+def test_compressed_log_reads_the_same(log, tmp_path, suffix, opener):
+    """Archived logs are compressed (the harness writes gzip, bench/results keeps xz); the
+    report reads them as they are and names its page after the log, not the compression."""
+    packed = tmp_path / f"run.jsonl{suffix}"
+    with log.open("rb") as f, opener(packed, "wb") as g:
         shutil.copyfileobj(f, g)
     plain, archived = load_run(log), load_run(packed)
     assert archived.steps == plain.steps and archived.series == plain.series
+    assert cli(["report", str(packed)]) == 0
+    assert (tmp_path / "run.html").is_file()
 
 
 def test_cli(log, tmp_path, capsys):

@@ -8,6 +8,7 @@ are written as the strings "nan", "inf" and "-inf".
 from __future__ import annotations
 
 import gzip
+import lzma
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -124,11 +125,11 @@ class JsonlSink:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a run log (gzip-compressed when its name ends in ``.gz``, as archived logs
-    are), with the non-finite strings turned back into floats."""
+    """Records of a run log (gzip- or xz-compressed when its name ends in ``.gz`` or ``.xz``,
+    as archived logs are), with the non-finite strings turned back into floats."""
     out = []
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
+    opener = {".gz": gzip.open, ".xz": lzma.open}.get(path.suffix, open)
     with opener(path, "rt", encoding="utf-8") as f:
         for line in f:
             if line.strip():

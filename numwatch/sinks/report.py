@@ -570,10 +570,13 @@ def render_html(run: Run, *, top: int = 8, max_events: int = 300) -> str:
 
 
 def write_report(path: str | Path, out: str | Path | None = None, *, top: int = 8) -> Path:
-    """Write the HTML report of the run log ``path`` (default: next to it, .html)."""
+    """Write the HTML report of the run log ``path`` (default: next to it, .html in place of
+    .jsonl, .jsonl.gz or .jsonl.xz)."""
     run = load_run(path)
     _matplotlib()
-    target = Path(out) if out is not None else Path(path).with_suffix(".html")
+    log = Path(path)
+    stem = log.with_suffix("") if log.suffix in (".gz", ".xz") else log
+    target = Path(out) if out is not None else stem.with_suffix(".html")
     target.write_text(render_html(run, top=top), encoding="utf-8")
     return target
 
