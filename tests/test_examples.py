@@ -151,3 +151,37 @@ def test_divergence_definition_and_repro_harness(tmp_path):
         assert must | {"mitigated"} == set(runs)
         assert runs["mitigated"]["actions"] is True and runs[min(must)]["actions"] is False
         assert (tmp_path / f"{script}" / "mitigated.jsonl.gz").exists()
+
+
+def test_gpt2_example_bursts_data_and_their_aftermath():
+    """--data bursts: BURST_LEN repeated-n-gram batches every BURST_EVERY steps, ordinary
+    bigram batches (those of --data bigram, in order) between them; the harness reads a burst's
+    aftermath on the ordinary steps around it."""
+    sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "bench")]
+    try:
+        import _repro as repro
+        import gpt2
+    finally:
+        del sys.path[:2]
+    cfg, every, n = gpt2.PRESETS["tiny"], gpt2.BURST_EVERY, gpt2.BURST_NGRAM
+    assert [t for t in range(2 * every + 5) if gpt2.is_burst(t)] == [
+        *range(every, every + gpt2.BURST_LEN),
+        *range(2 * every, 2 * every + gpt2.BURST_LEN),
+    ]
+    bursts = gpt2.batches(cfg, 3, "bursts", 0, "cpu")
+    bigram = gpt2.batches(cfg, 3, "bigram", 0, "cpu")
+    for step in range(every + gpt2.BURST_LEN + 2):
+        x, y = next(bursts)
+        if gpt2.is_burst(step):
+            assert (x[:, 0] == 0).all() and (x[:, 1 + n :] == x[:, 1:-n]).all()
+            assert torch.equal(x[:, 1:], y[:, :-1])
+        else:
+            x_ref, y_ref = next(bigram)
+            assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+    losses = [2.0] * (every + 100)
+    losses[every : every + gpt2.BURST_LEN] = [9.0] * gpt2.BURST_LEN
+    losses[every + gpt2.BURST_LEN + 3] = 5.0  # the damage: 2.5x the median before the burst
+    (effect,) = repro.burst_effects(losses)
+    assert effect["step"] == every and effect["burst_losses"] == [9.0] * gpt2.BURST_LEN
+    assert effect["max_after_step"] == every + gpt2.BURST_LEN + 3
+    assert effect["spike_ratio"] == 2.5

@@ -8,8 +8,8 @@ are written as the strings "nan", "inf" and "-inf".
 from __future__ import annotations
 
 import gzip
-import lzma
 import json
+import lzma
 import math
 from collections.abc import Mapping, Sequence
 from itertools import compress

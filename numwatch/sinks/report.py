@@ -151,9 +151,15 @@ def _matplotlib() -> Any:
 
 
 def _png(fig: Any) -> str:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
-    return base64.b64encode(buffer.getvalue()).decode()
+    """The figure as a base64 PNG of at most 256 colours (line plots lose nothing visible, and
+    the page, archived next to every run log, shrinks about fourfold)."""
+    from PIL import Image  # matplotlib's own dependency
+
+    rendered, packed = io.BytesIO(), io.BytesIO()
+    fig.savefig(rendered, format="png", dpi=90, bbox_inches="tight")
+    rendered.seek(0)
+    Image.open(rendered).convert("RGB").quantize(256).save(packed, format="png", optimize=True)
+    return base64.b64encode(packed.getvalue()).decode()
 
 
 def _markers(ax: Any, run: Run) -> None:
