@@ -35,6 +35,19 @@ if [[ $what == gpu || $what == all ]]; then
   $py $pm --lr 0.02 --seed 1 --max-seconds 90 --out $R/repro_paper_mechanism_sinks_h200_lr2e-2_seed1.json
   $py $pm --lr 0.003 --runs sdpa,paper_repro --max-seconds 45 \
     --out $R/repro_paper_mechanism_sinks_h200_lr3e-3_control.json
+  # the paper's own fix (the shift) on its BF16-accumulating kernel, and intermediate LRs
+  $py $pm --lr 0.02 --runs paper_stabilized --max-seconds 90 \
+    --out $R/repro_paper_mechanism_sinks_h200_lr2e-2_paper_stabilized.json
+  $py $pm --lr 0.02 --runs paper_stabilized --seed 1 --max-seconds 90 \
+    --out $R/repro_paper_mechanism_sinks_h200_lr2e-2_paper_stabilized_seed1.json
+  $py $pm --lr 0.01 --runs paper_repro,paper_stabilized,stabilized --max-seconds 62 \
+    --out $R/repro_paper_mechanism_sinks_h200_lr1e-2.json
+  $py $pm --lr 0.014 --runs paper_repro,paper_stabilized --max-seconds 62 \
+    --out $R/repro_paper_mechanism_sinks_h200_lr1.4e-2.json
+  # repeated-n-gram bursts with a lagging second moment (a spike trigger per OLMo 2)
+  $py bench/repro_logit_growth.py --device cuda --preset small --steps 3000 --batch 32 \
+    --data bursts --lr 0.01 --warmup 20 --beta2 0.999 --mitigation spike \
+    --runs unstable,mitigated --max-seconds 45 --out $R/repro_spike_bursts_h200.json
 fi
 if [[ $what == cpu || $what == all ]]; then
   $py bench/bench_overhead.py --preset demo --device cpu --batch 16 \
