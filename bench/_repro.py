@@ -42,6 +42,7 @@ from gpt2 import (
 )
 
 import numwatch
+from numwatch.events import Event
 
 WARN_KINDS = ("precursor", "spike", "nonfinite")
 REGRESSION = (
@@ -182,6 +183,7 @@ def run(
             {e.evidence.get("action", "") for e in events if e.kind == "action"}
         ),
         "first_action_step": next((e.step for e in events if e.kind == "action"), None),
+        "skipped_steps": skipped_steps(events),
         "min_loss": min(finite, default=None),
         "final_loss_mean_last_50": statistics.fmean(
             [v for v in losses[-50:] if math.isfinite(v)] or [math.nan]
@@ -197,6 +199,13 @@ def run(
         summary["bursts"] = burst_effects(losses)
     print(name, summary, flush=True)
     return summary
+
+
+def skipped_steps(events: list[Event]) -> list[int]:
+    """Steps whose optimizer update a skip_step action dropped."""
+    return sorted(
+        {e.step for e in events if e.kind == "action" and e.evidence["action"] == "skip_step"}
+    )
 
 
 def _at(steps: list[int], index: int | None) -> int | None:

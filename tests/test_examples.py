@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from numwatch.events import Event
 from numwatch.sinks.jsonl import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,6 +139,14 @@ def test_divergence_definition_and_repro_harness(tmp_path):
     assert repro.regression_step([*descent, *[3.7] * 60]) == 199 + 43
     assert repro.regression_step([*descent, float("inf")]) == 200
     assert repro.regression_step([*descent, *[3.2] * 300]) is None  # 6.7 % up: not a regression
+    acted = [
+        Event(kind=kind, step=step, message="", evidence={"action": action})
+        for kind, step, action in [
+            ("action", 40, "skip_step"), ("action", 30, "lr_backoff"), ("action", 20, "skip_step"),
+            ("spike", 10, "skip_step"), ("action", 40, "skip_step"),
+        ]
+    ]  # fmt: skip
+    assert repro.skipped_steps(acted) == [20, 40]
     common = "--device cpu --preset tiny --steps 12 --batch 2 --flush-every 4"
     scripts = {
         "repro_logit_growth.py": ("--lr 0.05 --mitigation spike", {"control", "unstable"}),
