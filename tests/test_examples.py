@@ -84,10 +84,14 @@ def test_overhead_harness_interleaved(tmp_path):
     args += " --configs baseline,default,detect_anomaly"
     cmd = [sys.executable, str(ROOT / "bench" / "bench_overhead.py"), *args.split()]
     subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True, timeout=600)
-    results = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    results = report["results"]
     assert set(results) == {"baseline", "default", "detect_anomaly"}
     assert results["baseline"]["paired_overhead_median"] == 0.0
     assert results["default"]["steps"] == 3
+    # issuing a step is part of it (step by step, so the medians keep the order)
+    assert all(0 < r["issue_median_ms"] <= r["median_ms"] for r in results.values())
+    assert 0 < report["baseline_issue_fraction"] <= 1
 
 
 def test_step_profile_harness(tmp_path):
