@@ -95,6 +95,7 @@ class Setting:
     qk_norm: bool = False  # LayerNorm on q and k per head (no attention-logit growth)
     beta2: float = 0.95  # AdamW's second-moment decay (0.999: slow to follow a gradient burst)
     eps: float = 1e-8  # AdamW's epsilon
+    clip: float = 1.0  # gradient-norm clipping (0: none)
     max_seconds: float = 300.0  # a run stops here (recorded), so a whole batch fits a GPU call
     logdir: Path = field(default_factory=lambda: Path("."))
 
@@ -140,7 +141,7 @@ def run(
     for step in range(s.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, lr=lr, warmup=s.warmup, total=s.steps)
-        loss = train_step(model, opt, *next(data), monitor)
+        loss = train_step(model, opt, *next(data), monitor, clip=s.clip)
         losses.append(loss.item())  # the benchmark's own per-step record, not numwatch's
         if time.perf_counter() - start > s.max_seconds:
             break
@@ -249,6 +250,7 @@ def add_arguments(p: argparse.ArgumentParser, *, lr: float, warmup: int, runs: s
     p.add_argument("--qk-norm", action="store_true", help="LayerNorm on each head's q and k")
     p.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2")
     p.add_argument("--eps", type=float, default=1e-8, help="AdamW epsilon")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: none)")
     p.add_argument("--max-seconds", type=float, default=300.0, help="per run")
     p.add_argument("--runs", default=runs)
     p.add_argument("--seed", type=int, default=0)
@@ -275,6 +277,7 @@ def run_all(args: argparse.Namespace, plans: dict[str, dict[str, Any]], benchmar
         qk_norm=args.qk_norm,
         beta2=args.beta2,
         eps=args.eps,
+        clip=args.clip,
         max_seconds=args.max_seconds,
         logdir=logdir,
     )

@@ -198,14 +198,16 @@ def train_step(
     monitor: numwatch.Monitor | None = None,
     clip: float = 1.0,
 ) -> torch.Tensor:
-    """One bf16-autocast step: forward, backward, monitor.step (before clipping), update."""
+    """One bf16-autocast step: forward, backward, monitor.step (before clipping), update.
+    ``clip``: the gradient-norm limit (0: no clipping)."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
         logits = model(x)
     loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
     loss.backward()
     if monitor is not None:
         monitor.step(loss)  # before clipping: clip_grad_norm_ would spread a NaN everywhere
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
