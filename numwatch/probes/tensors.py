@@ -223,10 +223,12 @@ class GradientProbe:
         grads = list(map(_GRAD, self._tensors))
         if self._sharded:
             grads = [local_tensor(g) for g in grads]  # FSDP2 (DTensor): the local shard
-        try:  # C-level reads of the layout; the plan build checks each gradient
-            key = (self._order, tuple(map(_DEVICE, grads)), tuple(map(_DTYPE, grads)))
+        # The plan groups the gradients by device; dtypes, sizes and addresses are the kernel
+        # wrapper's to check (a gradient's dtype follows its parameter's: torch enforces it)
+        try:  # a C-level read of the layout
+            key = (self._order, tuple(map(_DEVICE, grads)))
         except AttributeError:  # a parameter got no gradient this step
-            key = (self._order, tuple(None if g is None else (g.device, g.dtype) for g in grads))
+            key = (self._order, tuple(None if g is None else g.device for g in grads))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(grads, tuple(_usable(g) for g in grads))
@@ -236,7 +238,8 @@ class GradientProbe:
         measured = []
         for entry in plan:
             _, indices, rows, _, names = entry
-            tensors = [grads[i] for i in indices]  # table order
+            # table order: every gradient in order when they all are on this device
+            tensors = grads if len(indices) == len(grads) else [grads[i] for i in indices]
             stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend)
             first = self.ctx.tracker.reserve("backward", "param", names, self.ctx.step)
             measured.append((entry, stats, first))
