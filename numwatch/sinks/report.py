@@ -152,7 +152,7 @@ def _matplotlib() -> Any:
 
 def _png(fig: Any) -> str:
     """The figure as a base64 PNG of at most 256 colours (line plots lose nothing visible, and
-    the page, archived next to every run log, shrinks about fourfold)."""
+    the page, archived next to every run log, shrinks about 2.5-fold)."""
     from PIL import Image  # matplotlib's own dependency
 
     rendered, packed = io.BytesIO(), io.BytesIO()
