@@ -15,7 +15,7 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from torch import nn
 from numwatch.actions.base import Action
 from numwatch.actions.library import LrBackoff, QKClip, SkipStep, build_action
 from numwatch.actions.optimizer_control import OptimizerControl
-from numwatch.actions.swap_kernel import AttentionKernel
+from numwatch.actions.swap_kernel import AttentionKernel, AttentionMode
 from numwatch.buffers import (
     SETTLE_STEPS,
     NonfiniteOrigin,
@@ -361,9 +361,7 @@ class Monitor:
         *,
         stabilize: bool = True,
         beta: float = 2.0,
-        mode: Literal[
-            "stabilized", "plain", "paper_repro", "paper_repro_stabilized"
-        ] = "stabilized",
+        mode: AttentionMode = "stabilized",
     ) -> None:
         """Route the SDPA calls of ``layers`` (globs over module paths; None = all) to numwatch's
         flash-attention kernel, from the next step boundary on (now, if between steps)."""

@@ -8,14 +8,16 @@ semantics (and falls back to SDPA, counted, for calls it does not support).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from numwatch.kernels.flash_attention import flash_attention
 from numwatch.probes.attention import SdpaCall
 
-__all__ = ["AttentionKernel"]
+__all__ = ["AttentionKernel", "AttentionMode"]
+
+AttentionMode = Literal["stabilized", "plain", "paper_repro", "paper_repro_stabilized"]
 
 
 @dataclass(frozen=True)
@@ -24,14 +26,11 @@ class AttentionKernel:
 
     stabilize: bool = True
     beta: float = 2.0
-    mode: Literal["stabilized", "plain", "paper_repro", "paper_repro_stabilized"] = "stabilized"
+    mode: AttentionMode = "stabilized"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("stabilized", "plain", "paper_repro", "paper_repro_stabilized"):
-            raise ValueError(
-                "mode must be 'stabilized', 'plain', 'paper_repro' or 'paper_repro_stabilized', "
-                f"got {self.mode!r}"
-            )
+        if self.mode not in get_args(AttentionMode):
+            raise ValueError(f"mode must be one of {get_args(AttentionMode)}, got {self.mode!r}")
         if not 1.0 < self.beta <= 64.0:
             raise ValueError(f"beta must be in (1, 64], got {self.beta}")
 

@@ -127,7 +127,6 @@ def _norm_sq(stats: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
 
 _GRAD = attrgetter("grad")
 _DEVICE = attrgetter("device")
-_DTYPE = attrgetter("dtype")
 
 
 def _usable(g: torch.Tensor | None) -> torch.device | None:
