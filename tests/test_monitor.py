@@ -722,6 +722,35 @@ def test_jsonl_writes_every_float_exactly_and_non_finite_as_strings(tmp_path):
     assert empty["step"] == 8 and empty["metrics"] == []
 
 
+def test_jsonl_reuses_a_flushs_layout_only_while_the_series_are_the_same(tmp_path):
+    """Finite flushes format their numbers into the last flush's text: the values must read
+    back bitwise, a '%' in a label must survive, and changed series (one more, or a label dict
+    changed in place) must be written as they are now."""
+    from numwatch.sinks.jsonl import JsonlSink
+    from numwatch.snapshot import MetricRecord, Snapshot
+
+    labels = [{"p": "a%sb"}, {"p": "100%"}, {"p": "c"}]
+    sink = JsonlSink(tmp_path / "log.jsonl", "run")
+    flushes = [[0.1, -0.0, 5e-324], [1e300, 3.0, -2.5], [7.0, 8.0, 9.0], [1.0, 2.0, 3.0, 4.0]]
+    for step, values in enumerate(flushes):
+        if step == 2:
+            labels[2]["p"] = "changed"  # in place: the cached layout must not be reused
+        if step == 3:
+            labels.append({"p": "new"})
+        records = [MetricRecord("m", lab, v) for lab, v in zip(labels, values, strict=True)]
+        sink.emit(Snapshot(step, records, time=1.0), [])
+    sink.close()
+    log = read_jsonl(tmp_path / "log.jsonl")
+    for record, values in zip(log, flushes, strict=True):
+        got = [m["value"] for m in record["metrics"]]
+        assert got == values and [math.copysign(1.0, g) for g in got] == [
+            math.copysign(1.0, v) for v in values
+        ]
+    assert [m["labels"]["p"] for m in log[1]["metrics"]] == ["a%sb", "100%", "c"]
+    assert [m["labels"]["p"] for m in log[2]["metrics"]] == ["a%sb", "100%", "changed"]
+    assert [m["labels"]["p"] for m in log[3]["metrics"]] == ["a%sb", "100%", "changed", "new"]
+
+
 def test_jsonl_finite_values_whose_sum_overflows_stay_numbers(tmp_path):
     """The non-finite check sums the flush's values: an overflowing sum of finite values must
     still write numbers."""

@@ -68,6 +68,9 @@ class JsonlSink:
         # '{"name": ..., "labels": {...}, "value": ' per series: the same every flush, so a flush
         # encodes only its numbers (thousands of series per flush on a large model).
         self._prefixes: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+        # The series of the last written flush and its metrics text with a %r per value: while
+        # the series stay the same (most flushes), one C-level format writes all the numbers.
+        self._layout: tuple[list[str], list[dict[str, str]], str] | None = None
 
     def _prefix(self, name: str, labels: Mapping[str, str]) -> str:
         key = (name, tuple(labels.items()))
@@ -110,12 +113,26 @@ class JsonlSink:
             if not all(keep):
                 names, labels = list(compress(names, keep)), list(compress(labels, keep))
                 values = list(compress(values, keep))
-        pairs = zip(map(self._prefix, names, labels), _numbers(values), strict=True)
-        metrics = ", ".join([p + n + "}" for p, n in pairs])
+        metrics = self._metrics(names, labels, values)
         tail = json.dumps(_finite_or_str([e.to_dict() for e in events]), allow_nan=False)
         line = f'{json.dumps(head)[:-1]}, "metrics": [{metrics}], "events": {tail}}}\n'
         self._file.write(line)
         self._file.flush()
+
+    def _metrics(
+        self, names: list[str], labels: list[Mapping[str, str]], values: list[float]
+    ) -> str:
+        """The metrics array's text (without brackets)."""
+        if not math.isfinite(sum(values)):  # NaN/Inf (or an overflowing sum): the string path
+            pairs = zip(map(self._prefix, names, labels), _numbers(values), strict=True)
+            return ", ".join([p + n + "}" for p, n in pairs])
+        layout = self._layout
+        if layout is None or layout[0] != names or layout[1] != labels:
+            prefixes = map(self._prefix, names, labels)
+            template = ", ".join([p.replace("%", "%%") + "%r}" for p in prefixes])
+            # copies: a label dict changed in place later must not pass for the old series
+            layout = self._layout = (list(names), [dict(x) for x in labels], template)
+        return layout[2] % tuple(values)  # repr(float) is json's spelling of a finite float
 
     def close(self) -> None:
         if self._held is not None:
