@@ -6,7 +6,9 @@ device syncs, and each configuration reports the median and the mean over all it
 overhead of each round's median against the baseline block of the same round (their median and
 spread: the machine's drift cancels, and the spread says how far a figure can be trusted), and
 the host time to issue a step (before the closing sync), whose difference to the baseline is the
-monitor's host cost per step:
+monitor's host cost per step, and ``by_phase``: the mean excess over the paired baseline step of
+the steps that flushed, of those that sampled an every-N probe, and of the others, with each
+kind's share of the mean overhead (the mean is what a run pays; the median sees ordinary steps):
 
 - ``baseline``: no numwatch;
 - ``default``: numwatch with its default configuration;
@@ -255,6 +257,45 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(report, indent=2))
 
 
+def _count_flushes(monitor: numwatch.Monitor | None) -> list[int]:
+    """A counter of the monitor's flushes (its first item), kept up by wrapping its flush."""
+    count = [0]
+    if monitor is not None:
+        flush = monitor.flush
+
+        def counted():
+            count[0] += 1
+            return flush()
+
+        monitor.flush = counted
+    return count
+
+
+def _sampled_now(monitor: numwatch.Monitor | None) -> bool:
+    """Whether the coming step samples a probe that is off on most steps (the attention,
+    activation, weight and optimizer probes at their ``every``; the gradient probe is left out:
+    by default it runs every step)."""
+    if monitor is None:
+        return False
+    cfg, step = monitor.config, monitor.steps
+    probes = (cfg.attention, cfg.activations, cfg.weights, cfg.optimizer)
+    return any(p.enabled and p.every > 1 and step % p.every == 0 for p in probes)
+
+
+def _by_phase(times: list[float], base: list[float], phases: list[str]) -> dict:
+    total = sum(base)
+    out = {}
+    for phase in ("other", "sampled", "flush"):
+        excess = [t - b for t, b, p in zip(times, base, phases, strict=True) if p == phase]
+        if excess:
+            out[phase] = {
+                "steps": len(excess),
+                "mean_excess_ms": statistics.fmean(excess) * 1e3,
+                "share_of_mean_overhead_pct": 100 * sum(excess) / total,
+            }
+    return out
+
+
 def _monitor(model: torch.nn.Module, name: str, spec: dict, logdir: str) -> numwatch.Monitor:
     return numwatch.Monitor(
         model, sinks__console__enabled=False, sinks__jsonl__path=f"{logdir}/{name}.jsonl", **spec
@@ -325,9 +366,12 @@ def run_interleaved(args: argparse.Namespace) -> None:
             runs[name] = (model, opt, x, y, monitor)
         times: dict[str, list[float]] = {n: [] for n in names}
         issue: dict[str, list[float]] = {n: [] for n in names}  # host time to issue the step
+        phases: dict[str, list[str]] = {n: [] for n in names}
+        flushed = {n: _count_flushes(runs[n][4]) for n in names}
         for i in range(args.warmup + args.steps):
             for name in names:
                 model, opt, x, y, monitor = runs[name]
+                sampled, before = _sampled_now(monitor), flushed[name][0]
                 with torch.autograd.set_detect_anomaly(CONFIGS[name] == "detect_anomaly"):
                     sync()
                     t0 = time.perf_counter()
@@ -337,6 +381,8 @@ def run_interleaved(args: argparse.Namespace) -> None:
                     if i >= args.warmup:
                         times[name].append(time.perf_counter() - t0)
                         issue[name].append(t1 - t0)
+                        flush = flushed[name][0] > before
+                        phases[name].append("flush" if flush else "sampled" if sampled else "other")
     base = times["baseline"]
     results = {}
     for name in names:
@@ -352,7 +398,11 @@ def run_interleaved(args: argparse.Namespace) -> None:
             "mean_overhead": statistics.fmean(times[name]) / statistics.fmean(base) - 1,
             # near median_ms: the host, not the device, sets the pace (its work counts in full)
             "issue_median_ms": statistics.median(issue[name]) * 1e3,
-            # every timed step, in order: where the mean's excess over the median comes from
+            # where the mean's excess over the median comes from: per kind of step, how many
+            # there were, their mean excess over the paired baseline step, and their share of
+            # the mean overhead (percent of the baseline's total time)
+            "by_phase": _by_phase(times[name], base, phases[name]),
+            # every timed step, in order
             "step_ms_each": [round(t * 1e3, 3) for t in times[name]],
         }
         r = results[name]

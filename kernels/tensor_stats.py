@@ -16,7 +16,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -536,10 +536,22 @@ class _Plan:
     kernel_rows: int  # tensors handled by the kernel (the others go through the reference)
     order: tuple[int, ...]  # input index of each table row
     ptrs: tuple[int, ...] = ()  # addresses the table holds now, in input order
+    launched: int = 0  # calls that launched the kernels one by one
+    graphs: dict[torch.dtype | None, _Graph | None] = field(default_factory=dict)  # by uf dtype
+
+
+class _Graph(NamedTuple):
+    """A plan's launches captured once, replayed by later calls (see ``_capture``)."""
+
+    graph: torch.cuda.CUDAGraph
+    out: torch.Tensor  # written by every replay: callers get a copy
+    partials: torch.Tensor
 
 
 _PLAN_CACHE: OrderedDict[tuple, _Plan] = OrderedDict()
 _PLAN_CACHE_SIZE = 64
+_GRAPH_AFTER = 2  # launches of a plan before it is captured: its kernels are compiled by then
+_CUDA_GRAPHS = True  # tests switch it off to compare replays with plain launches
 
 
 def _is_dense(t: torch.Tensor) -> bool:
@@ -621,6 +633,71 @@ def _check_inputs(tensors: Sequence[torch.Tensor], device: torch.device) -> None
     _check_tensors(tensors)
 
 
+def _launch(
+    plan: _Plan,
+    out: torch.Tensor,
+    partials: torch.Tensor,
+    underflow_dtype: torch.dtype | None,
+    cfg: _Config,
+) -> None:
+    """The plan's launches: one partials launch per storage format, then the finalize."""
+    # torch allocations and plan tables start at multiples of 16 bytes, as the relaunch keys
+    # assume (triton specializes pointers on it)
+    for dtype, chunk_base, n_chunks, aligned in plan.launches:
+        t_own = _threshold(dtype)
+        t_uf = t_own if underflow_dtype is None else _threshold(underflow_dtype)
+        fmt, same_uf = _FORMATS[dtype], t_own == t_uf
+        _launch_partials(
+            (fmt, same_uf, aligned, cfg), (n_chunks,),
+            plan.table, partials, plan.kernel_rows, plan.n_chunks, chunk_base, t_own, t_uf,
+            FMT=fmt, SAME_UF=same_uf, ALIGNED=aligned, BLOCK=cfg.block,
+            UNROLL=2 if fmt == _FMT_FP32 else 4, num_warps=cfg.num_warps,
+        )  # fmt: skip
+    _launch_finalize(
+        cfg, (plan.kernel_rows,),
+        plan.table, partials, out, plan.kernel_rows, max(plan.n_chunks, 1),
+        FINAL_BLOCK=cfg.final_block, num_warps=4,
+    )  # fmt: skip
+
+
+def _replayable() -> bool:
+    """A graph may be captured or replayed now: not while the caller's stream is itself being
+    captured (a user's CUDA graph of the whole step records the plain launches instead)."""
+    return _CUDA_GRAPHS and not torch.cuda.is_current_stream_capturing()
+
+
+def _capture(
+    plan: _Plan, n_rows: int, underflow_dtype: torch.dtype | None, cfg: _Config
+) -> _Graph | None:
+    """The plan's launches as a CUDA graph writing to buffers of its own; None (the plan keeps
+    launching) where capture fails.
+
+    Why: an eager training loop is often bound by the host, and each Triton launch costs tens of
+    microseconds of it; a replay is one call. The graph reads the addresses from the plan's
+    table, which ``_point`` rewrites in stream order before each replay, so gradients that
+    move every step replay the same graph. Captured on a side stream in thread-local mode:
+    other threads' CUDA calls (data loaders) cannot invalidate it, and nothing syncs.
+    """
+    device = plan.table.device
+    out = torch.empty(n_rows, N_STATS, dtype=torch.float64, device=device)
+    partials = torch.empty(_N_PARTIALS, max(plan.n_chunks, 1), device=device)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                _launch(plan, out, partials, underflow_dtype, cfg)
+            finally:
+                graph.capture_end()
+    except RuntimeError:
+        return None
+    finally:
+        torch.cuda.current_stream(device).wait_stream(side)
+    return _Graph(graph, out, partials)
+
+
 def _tensor_stats_triton(
     tensors: Sequence[torch.Tensor],
     underflow_dtype: torch.dtype | None = None,
@@ -632,7 +709,9 @@ def _tensor_stats_triton(
     Non-dense views (slices with gaps, overlapping strides) are copied with ``.contiguous()``.
     Tables are cached by layout (numel, dtype and alignment of every tensor); the addresses in
     a table are rewritten (one small pinned copy, no sync) when the tensors moved, as gradients
-    reallocated by ``zero_grad(set_to_none=True)`` do.
+    reallocated by ``zero_grad(set_to_none=True)`` do. On CUDA, from a layout's third call on,
+    its launches replay as one CUDA graph (``_capture``), and the caller gets a copy of the
+    graph's output.
     """
     if triton is None:
         raise RuntimeError("tensor_stats backend='triton' needs triton installed; use 'torch'")
@@ -661,28 +740,26 @@ def _tensor_stats_triton(
         if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
             _PLAN_CACHE.popitem(last=False)
     _point(plan, ptrs)
-    out = torch.empty(len(views), N_STATS, dtype=torch.float64, device=device)
     switch = device.type == "cuda" and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if switch else nullcontext():
-        if plan.kernel_rows:
+        if not plan.kernel_rows:
+            out = torch.empty(len(views), N_STATS, dtype=torch.float64, device=device)
+        elif (graph := plan.graphs.get(underflow_dtype)) and _replayable():
+            graph.graph.replay()  # the table now holds this call's addresses (stream order)
+            out = graph.out.clone()
+        else:
+            out = torch.empty(len(views), N_STATS, dtype=torch.float64, device=device)
             partials = torch.empty(_N_PARTIALS, max(plan.n_chunks, 1), device=device)
-            # torch allocations and plan tables start at multiples of 16 bytes, as the
-            # relaunch keys assume (triton specializes pointers on it)
-            for dtype, chunk_base, n_chunks, aligned in plan.launches:
-                t_own = _threshold(dtype)
-                t_uf = t_own if underflow_dtype is None else _threshold(underflow_dtype)
-                fmt, same_uf = _FORMATS[dtype], t_own == t_uf
-                _launch_partials(
-                    (fmt, same_uf, aligned, cfg), (n_chunks,),
-                    plan.table, partials, plan.kernel_rows, plan.n_chunks, chunk_base, t_own, t_uf,
-                    FMT=fmt, SAME_UF=same_uf, ALIGNED=aligned, BLOCK=cfg.block,
-                    UNROLL=2 if fmt == _FMT_FP32 else 4, num_warps=cfg.num_warps,
-                )  # fmt: skip
-            _launch_finalize(
-                cfg, (plan.kernel_rows,),
-                plan.table, partials, out, plan.kernel_rows, max(plan.n_chunks, 1),
-                FINAL_BLOCK=cfg.final_block, num_warps=4,
-            )  # fmt: skip
+            _launch(plan, out, partials, underflow_dtype, cfg)
+            plan.launched += 1
+            tried = underflow_dtype in plan.graphs  # None there: its capture failed
+            if (
+                plan.launched >= _GRAPH_AFTER
+                and not tried
+                and device.type == "cuda"
+                and _replayable()
+            ):
+                plan.graphs[underflow_dtype] = _capture(plan, len(views), underflow_dtype, cfg)
     if plan.kernel_rows < len(views):
         for i, t in enumerate(views):
             if t.dtype not in _FORMATS:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 
@@ -51,6 +53,56 @@ def test_relaunched_tensor_stats_are_bitwise_the_first_launch() -> None:
     ref = ts.tensor_stats_reference(ys)
     assert torch.equal(got[:, ts.NAN], ref[:, ts.NAN])
     assert torch.equal(got[:, ts.ZERO], ref[:, ts.ZERO])
+
+
+@requires_gpu
+def test_graph_replays_are_bitwise_the_plain_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After two plain launches a plan's launches are captured once per underflow dtype; the
+    replays read the re-pointed table (new tensors, new values) and write what plain launches
+    write, bit for bit, without launching anything one by one."""
+    monkeypatch.setattr(ts, "_PLAN_CACHE", OrderedDict())
+    for uf in (None, torch.float16):
+        for seed in range(3):
+            ts.tensor_stats(_tensors("cuda", seed), uf)
+    (plan,) = ts._PLAN_CACHE.values()
+    assert set(plan.graphs) == {None, torch.float16} and all(plan.graphs.values())
+    launches = []
+    launch = ts._launch
+    monkeypatch.setattr(ts, "_launch", lambda *a: launches.append(1) or launch(*a))
+    inputs = [(_tensors("cuda", seed), uf) for seed in (10, 11) for uf in (None, torch.float16)]
+    replayed = [ts.tensor_stats(xs, uf) for xs, uf in inputs]
+    assert not launches
+    monkeypatch.setattr(ts, "_CUDA_GRAPHS", False)
+    for (xs, uf), got in zip(inputs, replayed, strict=True):
+        plain = ts.tensor_stats(xs, uf)
+        assert torch.equal(got.isnan(), plain.isnan())
+        assert torch.equal(got.nan_to_num(), plain.nan_to_num())
+        assert torch.equal(got[:, ts.NAN], ts.tensor_stats_reference(xs, uf)[:, ts.NAN])
+    assert len(launches) == len(inputs)
+
+
+@requires_gpu
+def test_a_users_graph_capture_records_plain_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Called while the caller's stream is being captured (a CUDA graph of a whole training
+    step), tensor_stats records its plain launches into that graph, which then measures the
+    values its tensors hold at each replay."""
+    monkeypatch.setattr(ts, "_PLAN_CACHE", OrderedDict())
+    xs = _tensors("cuda", 0)
+    for _ in range(3):
+        ts.tensor_stats(xs)  # this plan has its own graph now
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    users = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(users, stream=side):
+        out = ts.tensor_stats(xs)
+    torch.cuda.current_stream().wait_stream(side)
+    for scale in (2.0, -3.0):
+        for x in xs:
+            x.mul_(scale)
+        users.replay()
+        ref = ts.tensor_stats_reference(xs)
+        assert torch.equal(out[:, ts.MAX], ref[:, ts.MAX])
+        assert torch.equal(out[:, ts.NAN], ref[:, ts.NAN])
 
 
 @requires_gpu
