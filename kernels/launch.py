@@ -12,12 +12,18 @@ specializes) and then calls the compiled kernel's launcher directly, the way tri
 It uses triton's runtime objects (``CompiledKernel.run``, ``function``, ``packed_metadata``):
 when they are missing (the interpreter, another triton version), every call takes the normal
 path, so results never depend on it.
+
+``capture`` goes one step further for launch sequences that repeat every step over the same
+buffers (the statistics of a gradient list, a power-iteration step): it records them once as a
+CUDA graph, and a replay costs one call instead of one launch per kernel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+import torch
 
 try:
     from triton import knobs
@@ -25,7 +31,45 @@ try:
 except ImportError:  # triton missing or older than 3.4 (no knobs): the normal path only
     knobs = driver = None
 
-__all__ = ["Relauncher"]
+__all__ = ["CUDA_GRAPHS", "GRAPH_AFTER", "Relauncher", "capture", "graphs_allowed"]
+
+T = TypeVar("T")
+CUDA_GRAPHS = True  # tests switch it off to compare replays with plain launches
+GRAPH_AFTER = 2  # plain runs of a launch sequence before it is captured (compiled by then)
+
+
+def graphs_allowed() -> bool:
+    """A graph may be captured or replayed now: not while the caller's stream is itself being
+    captured (a user's CUDA graph of the whole step then records the plain launches)."""
+    return CUDA_GRAPHS and not torch.cuda.is_current_stream_capturing()
+
+
+def capture(
+    device: torch.device, launches: Callable[[], T]
+) -> tuple[torch.cuda.CUDAGraph, T] | None:
+    """``launches()`` recorded as a CUDA graph, with what it returned: tensors it allocated
+    come from the graph's own memory pool and are rewritten by every replay (callers hand out
+    copies). None where capture fails; the caller keeps launching.
+
+    Captured on a side stream in thread-local mode (other threads' CUDA calls, such as a data
+    loader's, cannot invalidate it) and without a sync. The kernels must be compiled already:
+    capture records launches, it runs nothing.
+    """
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                result = launches()
+            finally:
+                graph.capture_end()
+    except RuntimeError:
+        return None
+    finally:
+        torch.cuda.current_stream(device).wait_stream(side)
+    return graph, result
 
 
 def _direct_launch_supported(compiled: Any) -> bool:

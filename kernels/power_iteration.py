@@ -29,9 +29,10 @@ strided views in place (pointer table), four launches per iteration in all.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from operator import attrgetter
 from typing import NamedTuple
@@ -39,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from .host_copy import to_device
-from .launch import Relauncher
+from .launch import GRAPH_AFTER, Relauncher, capture, graphs_allowed
 
 _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 _TORCH_V = object()  # alternate mode: the unit v lives in the torch path's buffer
@@ -539,6 +540,9 @@ class _State(NamedTuple):
     plan: _Plan | None  # Triton path (None: torch path)
     views: list[torch.Tensor]  # the oriented batches (they also keep copies alive to the launch)
     cacheable: bool  # False when an entry had to be copied (its address changes every call)
+    # Triton path, CUDA: launch sequences by kind ("v"/"u" pass, or iterations) -> plain runs
+    # so far, or the captured (graph, sigma) (None: capture failed); see PowerIteration._run
+    graphs: dict[Hashable, int | tuple[torch.cuda.CUDAGraph, torch.Tensor] | None]
 
 
 class PowerIteration:
@@ -607,7 +611,8 @@ class PowerIteration:
         if self.alternate:
             return self._pass(state)
         if state.plan is not None:
-            return _run_triton(state.plan, self._u, self._u0, iters, self._cfg)
+            run = functools.partial(_run_triton, state.plan, self._u, self._u0, iters, self._cfg)
+            return self._run(state, iters, run)
         with torch.no_grad():
             return power_iteration_reference(state.views, self._u, self._u0, iters)
 
@@ -618,7 +623,10 @@ class PowerIteration:
         to_v = self._v_home is not home
         self._v_home = home if to_v else None
         if state.plan is not None:
-            return _run_triton_pass(state.plan, self._u, self._u0, to_v, self._cfg)
+            run = functools.partial(
+                _run_triton_pass, state.plan, self._u, self._u0, to_v, self._cfg
+            )
+            return self._run(state, "v" if to_v else "u", run)
         if to_v:
             n_k = sum(v.shape[0] * v.shape[2] for v in state.views)
             n = sum(v.shape[0] for v in state.views)
@@ -626,6 +634,24 @@ class PowerIteration:
             self._nv2 = torch.empty(n, dtype=torch.float32, device=self._u.device)
         with torch.no_grad():
             return power_pass_reference(state.views, self._u, self._v, self._nv2, self._u0, to_v)
+
+    @staticmethod
+    def _run(state: _State, kind: Hashable, launches: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``launches()``, replayed as a CUDA graph from the third run of this kind on (the
+        weights, vectors and tables stay where they are; an eager loop is often bound by the
+        host, and a replay is one call where the launches were four or more)."""
+        seen = state.graphs.get(kind, 0)
+        if isinstance(seen, tuple) and graphs_allowed():
+            seen[0].replay()
+            return seen[1].clone()
+        sigma = launches()
+        if isinstance(seen, int):
+            device = sigma.device
+            if seen + 1 >= GRAPH_AFTER and device.type == "cuda" and graphs_allowed():
+                state.graphs[kind] = capture(device, launches)
+            else:
+                state.graphs[kind] = seen + 1
+        return sigma
 
     def _prepare(self, matrices: Sequence[torch.Tensor]) -> _State:
         """Orient and check the list, (re)build the vectors, choose the path, build the table."""
@@ -654,8 +680,8 @@ class PowerIteration:
                     if other.plan is not None and other.plan.vp_layout == plan.vp_layout:
                         plan = plan._replace(vp=other.plan.vp, nv2=other.plan.nv2)
                         break
-                return _State(self._signature, plan, [e.view for e in entries], cacheable)
-        return _State(self._signature, None, [e.view for e in entries], cacheable)
+                return _State(self._signature, plan, [e.view for e in entries], cacheable, {})
+        return _State(self._signature, None, [e.view for e in entries], cacheable, {})
 
     def _ensure_vectors(self, entries: Sequence[_Entry], device: torch.device) -> None:
         """(Re)build the vector buffers when the list's shapes changed, keeping what still fits."""

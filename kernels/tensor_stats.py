@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from .host_copy import to_device
-from .launch import Relauncher
+from .launch import GRAPH_AFTER, Relauncher, capture, graphs_allowed
 
 __all__ = [
     "ABSMAX",
@@ -537,21 +537,14 @@ class _Plan:
     order: tuple[int, ...]  # input index of each table row
     ptrs: tuple[int, ...] = ()  # addresses the table holds now, in input order
     launched: int = 0  # calls that launched the kernels one by one
-    graphs: dict[torch.dtype | None, _Graph | None] = field(default_factory=dict)  # by uf dtype
-
-
-class _Graph(NamedTuple):
-    """A plan's launches captured once, replayed by later calls (see ``_capture``)."""
-
-    graph: torch.cuda.CUDAGraph
-    out: torch.Tensor  # written by every replay: callers get a copy
-    partials: torch.Tensor
+    # by underflow dtype: the launches as a CUDA graph and the output it writes (launch.capture)
+    graphs: dict[torch.dtype | None, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = field(
+        default_factory=dict
+    )
 
 
 _PLAN_CACHE: OrderedDict[tuple, _Plan] = OrderedDict()
 _PLAN_CACHE_SIZE = 64
-_GRAPH_AFTER = 2  # launches of a plan before it is captured: its kernels are compiled by then
-_CUDA_GRAPHS = True  # tests switch it off to compare replays with plain launches
 
 
 def _is_dense(t: torch.Tensor) -> bool:
@@ -634,13 +627,13 @@ def _check_inputs(tensors: Sequence[torch.Tensor], device: torch.device) -> None
 
 
 def _launch(
-    plan: _Plan,
-    out: torch.Tensor,
-    partials: torch.Tensor,
-    underflow_dtype: torch.dtype | None,
-    cfg: _Config,
-) -> None:
-    """The plan's launches: one partials launch per storage format, then the finalize."""
+    plan: _Plan, n_rows: int, underflow_dtype: torch.dtype | None, cfg: _Config
+) -> torch.Tensor:
+    """The plan's launches: one partials launch per storage format, then the finalize; returns
+    the (n_rows, N_STATS) output."""
+    device = plan.table.device
+    out = torch.empty(n_rows, N_STATS, dtype=torch.float64, device=device)
+    partials = torch.empty(_N_PARTIALS, max(plan.n_chunks, 1), device=device)
     # torch allocations and plan tables start at multiples of 16 bytes, as the relaunch keys
     # assume (triton specializes pointers on it)
     for dtype, chunk_base, n_chunks, aligned in plan.launches:
@@ -658,44 +651,7 @@ def _launch(
         plan.table, partials, out, plan.kernel_rows, max(plan.n_chunks, 1),
         FINAL_BLOCK=cfg.final_block, num_warps=4,
     )  # fmt: skip
-
-
-def _replayable() -> bool:
-    """A graph may be captured or replayed now: not while the caller's stream is itself being
-    captured (a user's CUDA graph of the whole step records the plain launches instead)."""
-    return _CUDA_GRAPHS and not torch.cuda.is_current_stream_capturing()
-
-
-def _capture(
-    plan: _Plan, n_rows: int, underflow_dtype: torch.dtype | None, cfg: _Config
-) -> _Graph | None:
-    """The plan's launches as a CUDA graph writing to buffers of its own; None (the plan keeps
-    launching) where capture fails.
-
-    Why: an eager training loop is often bound by the host, and each Triton launch costs tens of
-    microseconds of it; a replay is one call. The graph reads the addresses from the plan's
-    table, which ``_point`` rewrites in stream order before each replay, so gradients that
-    move every step replay the same graph. Captured on a side stream in thread-local mode:
-    other threads' CUDA calls (data loaders) cannot invalidate it, and nothing syncs.
-    """
-    device = plan.table.device
-    out = torch.empty(n_rows, N_STATS, dtype=torch.float64, device=device)
-    partials = torch.empty(_N_PARTIALS, max(plan.n_chunks, 1), device=device)
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    try:
-        with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                _launch(plan, out, partials, underflow_dtype, cfg)
-            finally:
-                graph.capture_end()
-    except RuntimeError:
-        return None
-    finally:
-        torch.cuda.current_stream(device).wait_stream(side)
-    return _Graph(graph, out, partials)
+    return out
 
 
 def _tensor_stats_triton(
@@ -710,8 +666,9 @@ def _tensor_stats_triton(
     Tables are cached by layout (numel, dtype and alignment of every tensor); the addresses in
     a table are rewritten (one small pinned copy, no sync) when the tensors moved, as gradients
     reallocated by ``zero_grad(set_to_none=True)`` do. On CUDA, from a layout's third call on,
-    its launches replay as one CUDA graph (``_capture``), and the caller gets a copy of the
-    graph's output.
+    its launches replay as one CUDA graph (``launch.capture``; an eager training loop is often
+    bound by the host, and a replay is one call where the launches were several), reading the
+    addresses from the table; the caller gets a copy of the graph's output.
     """
     if triton is None:
         raise RuntimeError("tensor_stats backend='triton' needs triton installed; use 'torch'")
@@ -744,22 +701,17 @@ def _tensor_stats_triton(
     with torch.cuda.device(device) if switch else nullcontext():
         if not plan.kernel_rows:
             out = torch.empty(len(views), N_STATS, dtype=torch.float64, device=device)
-        elif (graph := plan.graphs.get(underflow_dtype)) and _replayable():
-            graph.graph.replay()  # the table now holds this call's addresses (stream order)
-            out = graph.out.clone()
+        elif (graph := plan.graphs.get(underflow_dtype)) and graphs_allowed():
+            graph[0].replay()  # the table now holds this call's addresses (stream order)
+            out = graph[1].clone()
         else:
-            out = torch.empty(len(views), N_STATS, dtype=torch.float64, device=device)
-            partials = torch.empty(_N_PARTIALS, max(plan.n_chunks, 1), device=device)
-            _launch(plan, out, partials, underflow_dtype, cfg)
+            out = _launch(plan, len(views), underflow_dtype, cfg)
             plan.launched += 1
             tried = underflow_dtype in plan.graphs  # None there: its capture failed
-            if (
-                plan.launched >= _GRAPH_AFTER
-                and not tried
-                and device.type == "cuda"
-                and _replayable()
-            ):
-                plan.graphs[underflow_dtype] = _capture(plan, len(views), underflow_dtype, cfg)
+            due = plan.launched >= GRAPH_AFTER and not tried and device.type == "cuda"
+            if due and graphs_allowed():
+                launches = functools.partial(_launch, plan, len(views), underflow_dtype, cfg)
+                plan.graphs[underflow_dtype] = capture(device, launches)
     if plan.kernel_rows < len(views):
         for i, t in enumerate(views):
             if t.dtype not in _FORMATS:

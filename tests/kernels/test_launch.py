@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import pytest
 import torch
 
+from numwatch.kernels import launch
 from numwatch.kernels import power_iteration as pi
 from numwatch.kernels import tensor_stats as ts
 from numwatch.testing import kernel_devices, requires_gpu
@@ -67,12 +69,12 @@ def test_graph_replays_are_bitwise_the_plain_launches(monkeypatch: pytest.Monkey
     (plan,) = ts._PLAN_CACHE.values()
     assert set(plan.graphs) == {None, torch.float16} and all(plan.graphs.values())
     launches = []
-    launch = ts._launch
-    monkeypatch.setattr(ts, "_launch", lambda *a: launches.append(1) or launch(*a))
+    plain_launch = ts._launch
+    monkeypatch.setattr(ts, "_launch", lambda *a: launches.append(1) or plain_launch(*a))
     inputs = [(_tensors("cuda", seed), uf) for seed in (10, 11) for uf in (None, torch.float16)]
     replayed = [ts.tensor_stats(xs, uf) for xs, uf in inputs]
     assert not launches
-    monkeypatch.setattr(ts, "_CUDA_GRAPHS", False)
+    monkeypatch.setattr(launch, "CUDA_GRAPHS", False)
     for (xs, uf), got in zip(inputs, replayed, strict=True):
         plain = ts.tensor_stats(xs, uf)
         assert torch.equal(got.isnan(), plain.isnan())
@@ -122,3 +124,37 @@ def test_relaunched_power_iteration_matches_the_first_launch() -> None:
         fresh = b.step(mats)
     assert torch.equal(relaunched, fresh)
     assert torch.equal(a._u, b._u)
+
+
+@requires_gpu
+@pytest.mark.parametrize("alternate", [False, True], ids=["iterations", "alternate"])
+def test_power_iteration_graph_replays_match_plain_launches(
+    monkeypatch: pytest.MonkeyPatch, alternate: bool
+) -> None:
+    """Steps replayed as CUDA graphs (from the third of each kind on) give the estimates and
+    vectors of plain launches bit for bit, while the weights change in place between steps;
+    a replay launches nothing one by one."""
+    torch.manual_seed(0)
+    mats = [torch.randn(64, 48, device="cuda"), torch.randn(3, 16, 32, device="cuda").bfloat16()]
+    twins = [m.clone() for m in mats]
+    iters = 1 if alternate else 2
+    graphed = pi.PowerIteration(iters=iters, alternate=alternate)
+    plain = pi.PowerIteration(iters=iters, alternate=alternate)
+    calls = []
+    for name in ("_launch_vnorm", "_launch_normalize"):  # every pass ends with one of them
+        launcher = getattr(pi, name)
+        counted = functools.partial(lambda f, *a, **k: calls.append(1) or f(*a, **k), launcher)
+        monkeypatch.setattr(pi, name, counted)
+    for step in range(8):
+        for m, t in zip(mats, twins, strict=True):
+            m.mul_(1.01)
+            t.mul_(1.01)
+        n_calls = len(calls)
+        got = graphed.step(mats)
+        replayed = len(calls) == n_calls
+        assert replayed == (step >= (4 if alternate else 2))  # two plain runs of each kind first
+        monkeypatch.setattr(launch, "CUDA_GRAPHS", False)
+        want = plain.step(twins)
+        monkeypatch.setattr(launch, "CUDA_GRAPHS", True)
+        assert torch.equal(got, want)
+        assert torch.equal(graphed._u, plain._u)
