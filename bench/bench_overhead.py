@@ -22,6 +22,8 @@ kind's share of the mean overhead (the mean is what a run pays; the median sees 
 - ``grads_spectral_alternate_every_step``: the same with one power-iteration pass per step
   (``weights.alternate``: each step reads the weights once instead of twice);
 - ``everything_every_step``: every probe at every step, flush every step;
+- ``<config>_plain_launches`` (for gradients_only, grads_spectral_every_step, default): the same
+  with the monitor's kernels launched one by one instead of replayed as CUDA graphs;
 - ``detect_anomaly``: torch.autograd.set_detect_anomaly(True), what users run instead;
 - ``nan_check_hooks``: a per-parameter gradient hook checking isnan/isinf with a host read, the
   common NaN-check recipe.
@@ -58,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt2 import GPT, PRESETS, train_step
 
 import numwatch
+from numwatch.kernels import launch
 
 EVERY = {
     "flush_every": 1,
@@ -110,6 +113,14 @@ CONFIGS: dict[str, dict | str | None] = {
     "detect_anomaly": "detect_anomaly",
     "nan_check_hooks": "nan_check_hooks",
 }
+# The same configurations with the monitor's kernels launched one by one instead of replayed as
+# CUDA graphs (numwatch.kernels.launch.CUDA_GRAPHS off around their steps): what the graphs save,
+# measured in the same process, so the host's speed (which varies widely between machines) cancels.
+PLAIN_LAUNCHES = {
+    f"{name}_plain_launches": name
+    for name in ("gradients_only", "grads_spectral_every_step", "default")
+}
+CONFIGS.update({plain: CONFIGS[name] for plain, name in PLAIN_LAUNCHES.items()})
 
 
 @contextmanager
@@ -371,6 +382,7 @@ def run_interleaved(args: argparse.Namespace) -> None:
         for i in range(args.warmup + args.steps):
             for name in names:
                 model, opt, x, y, monitor = runs[name]
+                launch.CUDA_GRAPHS = name not in PLAIN_LAUNCHES
                 sampled, before = _sampled_now(monitor), flushed[name][0]
                 with torch.autograd.set_detect_anomaly(CONFIGS[name] == "detect_anomaly"):
                     sync()
