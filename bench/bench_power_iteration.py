@@ -34,6 +34,7 @@ if not torch.cuda.is_available():
 import triton
 from bench_tensor_stats import measure  # bench/ is this script's directory
 
+from numwatch.kernels import launch
 from numwatch.kernels.power_iteration import _CONFIG, PowerIteration, head_views
 
 
@@ -124,7 +125,11 @@ def main() -> None:
     mats_50 = [wte, wpe, *mats]
     n_mats = len(weights) + 2 * n_head * n_layer
     pi = PowerIteration(iters=1, backend="triton")
-    step = measure(lambda: pi.step(mats), reps, device)
+    step = measure(lambda: pi.step(mats), reps, device)  # replayed as a CUDA graph on CUDA
+    launch.CUDA_GRAPHS = False  # the same step with its kernels launched one by one
+    plain = PowerIteration(iters=1, backend="triton")
+    step_plain = measure(lambda: plain.step(mats), reps, device)
+    launch.CUDA_GRAPHS = True
     alt = PowerIteration(backend="triton", alternate=True)
     alt_pass = measure(lambda: alt.step(mats), reps, device)  # v- and u-passes in turn
     pi50 = PowerIteration(iters=1, backend="triton")
@@ -142,6 +147,7 @@ def main() -> None:
         "weights": len(weights),
         "qk_heads": 2 * n_head * n_layer,
         "pi_step": step,
+        "pi_step_plain_launches": step_plain,
         "pi_alternate_pass_mean_of_both": alt_pass,
         "pi_step_with_wte_wpe": step50,
         "torch_grouped_reference_step": ref_step,

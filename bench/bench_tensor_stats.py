@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
 
 import triton
 
+from numwatch.kernels import launch
 from numwatch.kernels import tensor_stats as ts
 
 
@@ -240,7 +241,12 @@ def main() -> None:
     t0 = time.perf_counter()
     ts.tensor_stats(grads, backend="triton")  # table build (cache miss): host time, no sync
     result["plan_build_host_ms"] = (time.perf_counter() - t0) * 1e3
+    # host time per call with the launches replayed as a CUDA graph (the default on CUDA) and
+    # launched one by one, in turn in this process
     result["gpt2_fp32_host_us"] = host_with_moving_addresses(grads, reps, device)
+    launch.CUDA_GRAPHS = False
+    result["gpt2_fp32_host_us_plain_launches"] = host_with_moving_addresses(grads, reps, device)
+    launch.CUDA_GRAPHS = True
     result["gpt2_grads"] = [bench_list("gpt2 dense grads", grads, copy_bw, device, reps)]
     save()
     grads_bf16 = [g.to(torch.bfloat16) for g in grads]
