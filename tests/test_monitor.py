@@ -220,6 +220,46 @@ def test_backward_order_is_learned_on_few_steps_and_names_the_first_nonfinite(ma
     assert [(e.step, e.labels) for e in seen] == [(7, {"param": "last.weight"})]
 
 
+class Reorderable(nn.Module):
+    """Two layers whose order in the forward (and so in the backward) can be swapped."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.swapped = False
+
+    def forward(self, x):
+        first, second = (self.b, self.a) if self.swapped else (self.a, self.b)
+        return second(torch.relu(first(x)))
+
+
+def test_a_backward_order_that_changes_is_relearned_and_names_the_first_nonfinite(make_monitor):
+    """The order is relearned on the first step after a flush: once the layers swap, the first
+    non-finite gradient is the one closest to the loss in the new order."""
+    torch.manual_seed(0)
+    model = Reorderable()
+    seen = []
+    monitor = make_monitor(model, flush_every=5).attach()
+    monitor.on("nonfinite", seen.append)
+
+    def plant(step):
+        if step in (2, 7):  # once in each order
+            model.a.weight.grad[0, 0] = float("nan")
+            model.b.weight.grad[0, 0] = float("nan")
+
+    def forward_hook(module, args):
+        module.swapped = monitor.steps >= 5
+
+    model.register_forward_pre_hook(forward_hook)
+    train_steps(model, monitor, 9, plant=plant)
+    monitor.detach()
+    assert [(e.step, e.labels) for e in seen] == [
+        (2, {"param": "b.weight"}),  # b runs last: its gradient is computed first
+        (7, {"param": "a.weight"}),
+    ]
+
+
 def test_gradient_norms_over_a_window_longer_than_the_settle_batch(make_monitor):
     torch.manual_seed(0)
     model = Net()

@@ -126,7 +126,6 @@ def _norm_sq(stats: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
 
 
 _GRAD = attrgetter("grad")
-_DEVICE = attrgetter("device")
 
 
 def _usable(g: torch.Tensor | None) -> torch.device | None:
@@ -212,8 +211,9 @@ class GradientProbe:
     def on_step(self) -> None:
         """Read every gradient of the closing step (called by Monitor.step, guarded)."""
         if self._handles:
-            if self._fired:
+            if self._fired and tuple(self._fired) != self._order:
                 self._order = tuple(self._fired)
+                self._plans.clear()  # plans follow the backward order
             self._fired, self._fired_set = [], set()
             self._disarm()
         self.step_stats = []
@@ -223,11 +223,13 @@ class GradientProbe:
         if self._sharded:
             grads = [local_tensor(g) for g in grads]  # FSDP2 (DTensor): the local shard
         # The plan groups the gradients by device; dtypes, sizes and addresses are the kernel
-        # wrapper's to check (a gradient's dtype follows its parameter's: torch enforces it)
-        try:  # a C-level read of the layout
-            key = (self._order, tuple(map(_DEVICE, grads)))
-        except AttributeError:  # a parameter got no gradient this step
-            key = (self._order, tuple(None if g is None else g.device for g in grads))
+        # wrapper's to check (a gradient's dtype follows its parameter's: torch enforces it).
+        # Device indices, not devices: a C-level read that builds no objects (-1 is the CPU and
+        # also the meta device, whose gradients never come out of a training step).
+        try:
+            key = tuple(map(torch.Tensor.get_device, grads))
+        except TypeError:  # a parameter got no gradient this step
+            key = tuple(None if g is None else g.get_device() for g in grads)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(grads, tuple(_usable(g) for g in grads))
