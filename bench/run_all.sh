@@ -17,6 +17,10 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_overhead.py --interleave --steps 400 \
     --configs baseline,default,attention_only,grads_spectral_every_step,grads_spectral_alternate_every_step,everything_every_step,detect_anomaly,nan_check_hooks \
     --out $R/overhead_gpt2_h200_interleaved.json
+  # CUDA graphs against plain launches, in the same process
+  $py bench/bench_overhead.py --interleave --steps 500 \
+    --configs baseline,gradients_only,gradients_only_plain_launches,grads_spectral_every_step,grads_spectral_every_step_plain_launches,default,default_plain_launches \
+    --out $R/overhead_gpt2_h200_interleaved_graphs.json
   $py bench/profile_step.py --out $R/profile_step_h200.json
   $py bench/repro_logit_growth.py --device cuda --preset small --steps 3000 --batch 32 \
     --lr 0.1 --warmup 20 --max-seconds 40 --out $R/repro_logit_growth_h200.json
@@ -56,6 +60,7 @@ if [[ $what == cpu || $what == all ]]; then
     --configs baseline,default,grads_spectral_every_step,detect_anomaly,nan_check_hooks \
     --out $R/overhead_cpu_demo_interleaved.json
   $py bench/bench_scrape.py --out $R/scrape.json
+  $py bench/profile_host_path.py --out $R/host_path_cpu.json
   $py bench/bench_flush_collectives.py --out $R/flush_collectives_cpu.json
   $py bench/repro_logit_growth.py --device cpu --preset tiny --steps 400 --lr 0.05 \
     --out $R/repro_logit_growth_cpu.json
