@@ -41,7 +41,8 @@ def main() -> None:
     args = p.parse_args()
     ts._launch = lambda plan, n, uf, cfg: torch.zeros(n, ts.N_STATS, dtype=torch.float64)
     torch.manual_seed(0)
-    model = GPT(PRESETS[args.preset])
+    cfg = PRESETS[args.preset]
+    model = GPT(cfg)
     off = ("activations", "attention", "optimizer", "weights")
     monitor = numwatch.Monitor(
         model,
@@ -51,7 +52,7 @@ def main() -> None:
         sinks__jsonl__enabled=False,
         **{f"{name}__enabled": False for name in off},
     ).attach()
-    loss = model(torch.randint(0, 1000, (1, 16))).float().mean()
+    loss = model(torch.randint(0, cfg.vocab_size, (1, min(16, cfg.block_size)))).float().mean()
     loss.backward()
     loss = loss.detach()
     grads = [p.grad for p in model.parameters()]

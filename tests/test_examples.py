@@ -81,12 +81,17 @@ def test_overhead_benchmark_harness(tmp_path):
 def test_overhead_harness_interleaved(tmp_path):
     out = tmp_path / "overhead_interleaved.json"
     args = "--interleave --preset demo --device cpu --batch 2 --steps 3 --warmup 1"
-    args += " --configs baseline,default,detect_anomaly"
+    args += " --configs baseline,default,detect_anomaly,default_plain_launches"
     cmd = [sys.executable, str(ROOT / "bench" / "bench_overhead.py"), *args.split()]
     subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True, timeout=600)
     report = json.loads(out.read_text())
     results = report["results"]
-    assert set(results) == {"baseline", "default", "detect_anomaly"}
+    assert set(results) == {"baseline", "default", "detect_anomaly", "default_plain_launches"}
+    # the mean overhead splits by kind of step: the warm-up step 0 sampled, 1-3 did neither
+    phases = results["default"]["by_phase"]
+    assert {k: v["steps"] for k, v in phases.items()} == {"other": 3}
+    shares = sum(v["share_of_mean_overhead_pct"] for v in phases.values())
+    assert shares == pytest.approx(100 * results["default"]["mean_overhead"])
     assert results["baseline"]["paired_overhead_median"] == 0.0
     assert results["default"]["steps"] == 3
     # issuing a step is part of it (step by step, so the medians keep the order)
@@ -107,6 +112,17 @@ def test_step_profile_harness(tmp_path):
     assert results["default"]["table_builds"] == 0  # the CPU path builds no tables
     text = (tmp_path / "profile.profiles.txt").read_text()
     assert text.startswith("===== attention_every_step") and "monitor.step, cProfile" in text
+
+
+def test_host_path_profile_harness(tmp_path):
+    out = tmp_path / "host_path.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "profile_host_path.py"), "--preset", "tiny"]
+    subprocess.run([*cmd, "--calls", "5", "--out", str(out)], check=True, timeout=600)
+    report = json.loads(out.read_text())
+    host = report["host_us"]
+    assert report["gradients"] > 0 and set(host) >= {"monitor_step_with_loss", "record_loss"}
+    assert all(us > 0 for us in host.values())
+    assert host["gradient_probe_on_step"] > host["tensor_stats_same_addresses"]
 
 
 @pytest.mark.parametrize("script", ["hf_trainer", "lightning_train"])
