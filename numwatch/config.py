@@ -316,6 +316,12 @@ class MonitorConfig(_Section):
         "on CUDA tensors, torch elsewhere (tensor statistics of CPU tensors: a short path for "
         "tensors without NaN/Inf).",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="Replay the monitor's per-step kernel launches (gradient statistics, power "
+        "iteration) as CUDA graphs once their layout has run twice: less host time per step. "
+        "Process-wide: the last monitor attached sets it.",
+    )
     underflow_dtype: Literal["float16", "bfloat16", "float32"] | None = Field(
         None,
         description="Dtype whose smallest normal defines *_underflow_fraction; default: each "

@@ -36,6 +36,7 @@ from numwatch.errors import NumwatchError
 from numwatch.events import Event, EventBus
 from numwatch.gc_pause import gc_paused
 from numwatch.guard import Guard
+from numwatch.kernels import launch
 from numwatch.kernels.flash_attention import flash_attention_fallbacks
 from numwatch.kernels.host_copy import to_device
 from numwatch.probes.attention import AttentionProbe
@@ -150,6 +151,7 @@ class Monitor:
             self._attached = True
             self._window_start = time.perf_counter()
             if self.config.enabled:
+                launch.CUDA_GRAPHS = self.config.cuda_graphs
                 self._build_probes()
                 self._build_sinks()
                 # A step is under way once the model runs (step()/optimizer-hook logic needs it).

@@ -58,3 +58,20 @@ def test_bad_sources():
         MonitorConfig.load("/nonexistent/nw.yaml", env={})
     with pytest.raises(NumwatchConfigError, match="MonitorConfig, a dict or a path"):
         MonitorConfig.load(42, env={})
+
+
+def test_cuda_graphs_switch_from_env_reaches_the_kernels(monkeypatch):
+    """NUMWATCH_CUDA_GRAPHS=false turns the graph replays off process-wide when attached."""
+    import torch
+
+    import numwatch
+    from numwatch.kernels import launch
+
+    monkeypatch.setattr(launch, "CUDA_GRAPHS", True)
+    monkeypatch.setenv("NUMWATCH_CUDA_GRAPHS", "false")
+    monitor = numwatch.Monitor(torch.nn.Linear(2, 2), sinks__jsonl__enabled=False)
+    assert monitor.config.cuda_graphs is False
+    assert launch.CUDA_GRAPHS is True  # nothing changes before attach
+    monitor.attach()
+    assert launch.CUDA_GRAPHS is False
+    monitor.detach()
