@@ -145,7 +145,9 @@ def bench_list(name: str, grads: list, copy_bw: float, device: str, reps: int) -
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     lower_ms = nbytes / copy_bw / 1e6
     few = max(2, reps // 25)
-    kern = measure(lambda: ts.tensor_stats(grads, torch.float16, backend="triton"), reps, device)
+    kern = measure(
+        lambda: ts.tensor_stats(grads, torch.float16, backend="triton", graph=True), reps, device
+    )  # as the gradient probe calls it
     loop = measure(lambda: torch_loop(grads), few, device)
     foreach = measure(lambda: torch._foreach_norm(grads), reps, device)
     ref = measure(lambda: ts.tensor_stats_reference(grads, torch.float16), few, device)
@@ -186,8 +188,10 @@ def host_with_moving_addresses(grads: list, reps: int, device: str) -> dict:
     may: each such call rewrites the table's addresses."""
     twins = (grads, [g.clone() for g in grads])
     turn = iter(range(1 << 62))
-    moved = measure(lambda: ts.tensor_stats(twins[next(turn) % 2], backend="triton"), reps, device)
-    still = measure(lambda: ts.tensor_stats(grads, backend="triton"), reps, device)
+    moved = measure(
+        lambda: ts.tensor_stats(twins[next(turn) % 2], backend="triton", graph=True), reps, device
+    )
+    still = measure(lambda: ts.tensor_stats(grads, backend="triton", graph=True), reps, device)
     return {"same_addresses": still["host_us"], "moved": moved["host_us"]}
 
 

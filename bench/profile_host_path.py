@@ -62,8 +62,10 @@ def main() -> None:
     parts = {
         "monitor_step_with_loss": lambda: monitor.step(loss),
         "gradient_probe_on_step": probe.on_step,
-        "tensor_stats_same_addresses": lambda: ts.tensor_stats(grads, None, "triton"),
-        "tensor_stats_moved": lambda: ts.tensor_stats(twins[next(turn) % 2], None, "triton"),
+        "tensor_stats_same_addresses": lambda: ts.tensor_stats(grads, None, "triton", graph=True),
+        "tensor_stats_moved": lambda: ts.tensor_stats(
+            twins[next(turn) % 2], None, "triton", graph=True
+        ),
         "record_loss": lambda: monitor._record_loss(loss),
     }
     for f in parts.values():

@@ -660,6 +660,7 @@ def _tensor_stats_triton(
     tensors: Sequence[torch.Tensor],
     underflow_dtype: torch.dtype | None = None,
     cfg: _Config = _CONFIG,
+    graph: bool = False,
 ) -> torch.Tensor:
     """Fused path of ``tensor_stats``: one launch per storage format plus one finalize launch.
 
@@ -667,10 +668,10 @@ def _tensor_stats_triton(
     Non-dense views (slices with gaps, overlapping strides) are copied with ``.contiguous()``.
     Tables are cached by layout (numel, dtype and alignment of every tensor); the addresses in
     a table are rewritten (one small pinned copy, no sync) when the tensors moved, as gradients
-    reallocated by ``zero_grad(set_to_none=True)`` do. On CUDA, from a layout's third call on,
-    its launches replay as one CUDA graph (``launch.capture``; an eager training loop is often
-    bound by the host, and a replay is one call where the launches were several), reading the
-    addresses from the table; the caller gets a copy of the graph's output.
+    reallocated by ``zero_grad(set_to_none=True)`` do. With ``graph`` on CUDA, from a layout's
+    third call on, its launches replay as one CUDA graph (``launch.capture``; an eager training
+    loop is often bound by the host, and a replay is one call where the launches were several),
+    reading the addresses from the table; the caller gets a copy of the graph's output.
     """
     if triton is None:
         raise RuntimeError("tensor_stats backend='triton' needs triton installed; use 'torch'")
@@ -702,15 +703,15 @@ def _tensor_stats_triton(
     with torch.cuda.device(device) if switch else nullcontext():
         if not plan.kernel_rows:
             out = torch.empty(len(views), N_STATS, dtype=torch.float64, device=device)
-        elif (graph := plan.graphs.get(underflow_dtype)) and graphs_allowed():
-            graph[0].replay()  # the table now holds this call's addresses (stream order)
-            out = graph[1].clone()
+        elif graph and (captured := plan.graphs.get(underflow_dtype)) and graphs_allowed():
+            captured[0].replay()  # the table now holds this call's addresses (stream order)
+            out = captured[1].clone()
         else:
             out = _launch(plan, len(views), underflow_dtype, cfg)
             plan.launched += 1
             tried = underflow_dtype in plan.graphs  # None there: its capture failed
             due = plan.launched >= GRAPH_AFTER and not tried and device.type == "cuda"
-            if due and graphs_allowed():
+            if graph and due and graphs_allowed():
                 launches = functools.partial(_launch, plan, len(views), underflow_dtype, cfg)
                 plan.graphs[underflow_dtype] = capture(device, launches)
     if plan.kernel_rows < len(views):
@@ -724,6 +725,8 @@ def tensor_stats(
     tensors: Sequence[torch.Tensor],
     underflow_dtype: torch.dtype | None = None,
     backend: str = "auto",
+    *,
+    graph: bool = False,
 ) -> torch.Tensor:
     """Statistics of each tensor (see ``tensor_stats_reference``) with the chosen backend.
 
@@ -734,16 +737,21 @@ def tensor_stats(
     value waits for nothing). The kernel's sums accumulate in fp32 within a program (at most 2**24
     elements) and in float64 across programs, so a SUM (SUMSQ) whose fp32 partial passes 3.4e38
     reads +inf where the reference's float64 does not; its counts, extremes and numel are exact.
+
+    ``graph``: the caller makes this call with the same layout every step (the gradient probe),
+    so on CUDA its launches become a CUDA graph from the layout's third call on. Off by default:
+    each graph keeps a memory segment of its own (2 MB in PyTorch's allocator), which layouts
+    met once per sampled step (activations) would not pay back.
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     if backend == "auto":
         device_type = tensors[0].device.type if tensors else "cpu"
         if device_type == "cuda" and triton is not None:
-            return _tensor_stats_triton(tensors, underflow_dtype)
+            return _tensor_stats_triton(tensors, underflow_dtype, graph=graph)
         if device_type == "cpu":
             return tensor_stats_cpu(tensors, underflow_dtype)
         return tensor_stats_reference(tensors, underflow_dtype)
     if backend == "triton":
-        return _tensor_stats_triton(tensors, underflow_dtype)
+        return _tensor_stats_triton(tensors, underflow_dtype, graph=graph)
     return tensor_stats_reference(tensors, underflow_dtype)
