@@ -35,13 +35,15 @@ __all__ = ["CUDA_GRAPHS", "GRAPH_AFTER", "Relauncher", "capture", "graphs_allowe
 
 T = TypeVar("T")
 CUDA_GRAPHS = True  # tests switch it off to compare replays with plain launches
+_CUDA_BUILT = torch.backends.cuda.is_built()
 GRAPH_AFTER = 2  # plain runs of a launch sequence before it is captured (compiled by then)
 
 
 def graphs_allowed() -> bool:
     """A graph may be captured or replayed now: not while the caller's stream is itself being
-    captured (a user's CUDA graph of the whole step then records the plain launches)."""
-    return CUDA_GRAPHS and not torch.cuda.is_current_stream_capturing()
+    captured (a user's CUDA graph of the whole step then records the plain launches), and never
+    with a torch built without CUDA (whose capture query raises)."""
+    return CUDA_GRAPHS and _CUDA_BUILT and not torch.cuda.is_current_stream_capturing()
 
 
 def capture(

@@ -24,6 +24,13 @@ def _tensors(device: str, seed: int) -> list[torch.Tensor]:
     return [x.to(device) for x in xs]
 
 
+def test_graphs_are_allowed_only_where_cuda_can_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No error on a torch built without CUDA; off with the switch."""
+    assert launch.graphs_allowed() == (torch.backends.cuda.is_built() and torch.cuda.is_available())
+    monkeypatch.setattr(launch, "CUDA_GRAPHS", False)
+    assert not launch.graphs_allowed()
+
+
 def test_interpreter_takes_the_normal_path() -> None:
     """The interpreter returns no compiled kernel: nothing is cached, every call is correct."""
     if torch.cuda.is_available():
