@@ -20,6 +20,7 @@ CUDA graph, and a replay costs one call instead of one launch per kernel.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
@@ -34,6 +35,8 @@ except ImportError:  # triton missing or older than 3.4 (no knobs): the normal p
 __all__ = ["CUDA_GRAPHS", "GRAPH_AFTER", "Relauncher", "capture", "graphs_allowed"]
 
 T = TypeVar("T")
+log = logging.getLogger("numwatch")
+_capture_failed = False  # warned once per process
 CUDA_GRAPHS = True  # tests switch it off to compare replays with plain launches
 _CUDA_BUILT = torch.backends.cuda.is_built()
 GRAPH_AFTER = 2  # plain runs of a launch sequence before it is captured (compiled by then)
@@ -51,7 +54,8 @@ def capture(
 ) -> tuple[torch.cuda.CUDAGraph, T] | None:
     """``launches()`` recorded as a CUDA graph, with what it returned: tensors it allocated
     come from the graph's own memory pool and are rewritten by every replay (callers hand out
-    copies). None where capture fails; the caller keeps launching.
+    copies). None where capture fails (for whatever reason: a warning is logged once per
+    process); the caller keeps launching.
 
     Captured on a side stream in thread-local mode (other threads' CUDA calls, such as a data
     loader's, cannot invalidate it) and without a sync. The kernels must be compiled already:
@@ -67,7 +71,15 @@ def capture(
                 result = launches()
             finally:
                 graph.capture_end()
-    except RuntimeError:
+    except Exception as err:  # an optimization only: whatever fails, the launches still work
+        global _capture_failed
+        if not _capture_failed:
+            _capture_failed = True
+            log.warning(
+                "numwatch: CUDA graph capture failed (%s: %s); the kernels launch one by one",
+                type(err).__name__,
+                err,
+            )
         return None
     finally:
         torch.cuda.current_stream(device).wait_stream(side)

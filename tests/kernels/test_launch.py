@@ -91,6 +91,22 @@ def test_graph_replays_are_bitwise_the_plain_launches(monkeypatch: pytest.Monkey
 
 
 @requires_gpu
+def test_a_failed_capture_returns_none_and_warns_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(launch, "_capture_failed", False)
+
+    def failing() -> None:
+        raise ValueError("planted")
+
+    with caplog.at_level("WARNING", logger="numwatch"):
+        assert launch.capture(torch.device("cuda"), failing) is None
+        assert launch.capture(torch.device("cuda"), failing) is None
+    assert sum("capture failed" in r.getMessage() for r in caplog.records) == 1
+    assert torch.ones(3, device="cuda").sum().item() == 3.0  # the stream still runs work
+
+
+@requires_gpu
 def test_calls_without_graph_never_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     """Layouts met once per sampled step (activations) call without ``graph``: they launch
     one by one and keep no graph (each would hold a memory segment of its own)."""
