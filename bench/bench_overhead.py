@@ -29,10 +29,12 @@ kind's share of the mean overhead (the mean is what a run pays; the median sees 
   common NaN-check recipe.
 
 ``--interleave``: one model (same seed, same data) and optimizer per configuration, all in one
-process, stepping in turn (baseline, config A, config B, baseline, ...): each step's overhead is
-taken against the baseline step just before it, so drifts slower than one step (host speed,
-clocks) cancel, and the median over the steps is the per-step overhead; sampled steps and
-flushes fall into the window as in training.
+process, stepping in turn (baseline, then the others in an order that rotates every round, from
+session 9 on): each step's overhead is taken against the baseline step of its round, so drifts
+slower than one round (host speed, clocks) cancel, and the median over the steps is the
+per-step overhead (with a bootstrap 95 % interval); sampled steps and flushes fall into the
+window as in training. ``--reanalyze FILE`` recomputes those statistics from a report's
+per-step times.
 
     python bench/bench_overhead.py --out bench/results/overhead.json            # GPU
     python bench/bench_overhead.py --interleave --steps 200 \
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -165,7 +168,15 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--interleave", action="store_true", help="a model per config, steps in turn")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--reanalyze",
+        metavar="JSON",
+        help="recompute an interleaved report's paired statistics from its per-step times",
+    )
     args = p.parse_args()
+    if args.reanalyze:
+        reanalyze(args.reanalyze)
+        return
     if args.interleave:
         run_interleaved(args)
         return
@@ -379,8 +390,12 @@ def run_interleaved(args: argparse.Namespace) -> None:
         issue: dict[str, list[float]] = {n: [] for n in names}  # host time to issue the step
         phases: dict[str, list[str]] = {n: [] for n in names}
         flushed = {n: _count_flushes(runs[n][4]) for n in names}
+        others = names[1:]
         for i in range(args.warmup + args.steps):
-            for name in names:
+            # baseline first (each step pairs with it), the others in an order that rotates
+            # every round, so that no configuration always runs right after the baseline
+            k = i % len(others) if others else 0
+            for name in ["baseline", *others[k:], *others[:k]]:
                 model, opt, x, y, monitor = runs[name]
                 launch.CUDA_GRAPHS = name not in PLAIN_LAUNCHES
                 sampled, before = _sampled_now(monitor), flushed[name][0]
@@ -398,16 +413,10 @@ def run_interleaved(args: argparse.Namespace) -> None:
     base = times["baseline"]
     results = {}
     for name in names:
-        paired = sorted(t / b - 1 for t, b in zip(times[name], base, strict=True))
-        q = len(paired)
         results[name] = {
             "median_ms": statistics.median(times[name]) * 1e3,
             "mean_ms": statistics.fmean(times[name]) * 1e3,
-            "steps": q,
-            "paired_overhead_median": statistics.median(paired),
-            "paired_overhead_p25": paired[q // 4],
-            "paired_overhead_p75": paired[(3 * q) // 4],
-            "mean_overhead": statistics.fmean(times[name]) / statistics.fmean(base) - 1,
+            **_paired_stats(times[name], base),
             # near median_ms: the host, not the device, sets the pace (its work counts in full)
             "issue_median_ms": statistics.median(issue[name]) * 1e3,
             # where the mean's excess over the median comes from: per kind of step, how many
@@ -419,11 +428,12 @@ def run_interleaved(args: argparse.Namespace) -> None:
         }
         r = results[name]
         pct = {k: 100 * v for k, v in r.items() if k.endswith(("_p25", "_p75", "_median"))}
+        lo, hi = (100 * v for v in r["paired_overhead_median_ci95"])
         print(
             f"{name:28s} median {r['median_ms']:8.2f} ms  paired median "
-            f"{pct['paired_overhead_median']:+6.2f} % (IQR {pct['paired_overhead_p25']:+.2f} .. "
-            f"{pct['paired_overhead_p75']:+.2f} %)  mean {100 * r['mean_overhead']:+6.2f} %  "
-            f"issued in {r['issue_median_ms']:.2f} ms",
+            f"{pct['paired_overhead_median']:+6.2f} % (95 % CI {lo:+.2f} .. {hi:+.2f}, IQR "
+            f"{pct['paired_overhead_p25']:+.2f} .. {pct['paired_overhead_p75']:+.2f} %)  mean "
+            f"{100 * r['mean_overhead']:+6.2f} %  issued in {r['issue_median_ms']:.2f} ms",
             flush=True,
         )
     report = {
@@ -436,9 +446,58 @@ def run_interleaved(args: argparse.Namespace) -> None:
         "baseline_issue_fraction": results["baseline"]["issue_median_ms"]
         / results["baseline"]["median_ms"],
         "results": results,
+        "graphs_vs_plain_launches": _graphs_vs_plain(times),
     }
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+def _median_ci95(values: list[float], resamples: int = 2000) -> list[float]:
+    """Percentile-bootstrap 95 % interval of the median of ``values`` (fixed seed): how far a
+    paired median can be trusted on this machine, whose noise varies widely between leases."""
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return [meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]]
+
+
+def _paired_stats(times: list[float], base: list[float]) -> dict:
+    """Each step against the baseline step just before it: median (with its 95 % interval),
+    quartiles, and the ratio of the means."""
+    paired = sorted(t / b - 1 for t, b in zip(times, base, strict=True))
+    q = len(paired)
+    return {
+        "steps": q,
+        "paired_overhead_median": statistics.median(paired),
+        "paired_overhead_median_ci95": _median_ci95(paired),
+        "paired_overhead_p25": paired[q // 4],
+        "paired_overhead_p75": paired[(3 * q) // 4],
+        "mean_overhead": statistics.fmean(times) / statistics.fmean(base) - 1,
+    }
+
+
+def _graphs_vs_plain(times: dict[str, list[float]]) -> dict:
+    """For each configuration run both with CUDA graphs and with plain launches: the median of
+    step-by-step ratios (graphs / plain - 1, same round) with its 95 % interval."""
+    out = {}
+    for plain, name in PLAIN_LAUNCHES.items():
+        if plain in times and name in times:
+            ratios = [g / p - 1 for g, p in zip(times[name], times[plain], strict=True)]
+            out[name] = {
+                "median": statistics.median(ratios),
+                "median_ci95": _median_ci95(ratios),
+            }
+    return out
+
+
+def reanalyze(path: str) -> None:
+    """Recompute the paired statistics of an interleaved report from its per-step times."""
+    report = json.loads(Path(path).read_text())
+    results = report["results"]
+    times = {name: [t / 1e3 for t in r["step_ms_each"]] for name, r in results.items()}
+    for name, r in results.items():
+        r.update(_paired_stats(times[name], times["baseline"]))
+    report["graphs_vs_plain_launches"] = _graphs_vs_plain(times)
+    Path(path).write_text(json.dumps(report, indent=2))
 
 
 def _triton_version() -> str | None:

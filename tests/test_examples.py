@@ -92,6 +92,20 @@ def test_overhead_harness_interleaved(tmp_path):
     assert {k: v["steps"] for k, v in phases.items()} == {"other": 3}
     shares = sum(v["share_of_mean_overhead_pct"] for v in phases.values())
     assert shares == pytest.approx(100 * results["default"]["mean_overhead"])
+    lo, hi = results["default"]["paired_overhead_median_ci95"]
+    assert lo <= results["default"]["paired_overhead_median"] <= hi
+    graphs = report["graphs_vs_plain_launches"]["default"]
+    assert graphs["median_ci95"][0] <= graphs["median"] <= graphs["median_ci95"][1]
+    # the statistics can be recomputed from the per-step times alone (kept to the microsecond)
+    subprocess.run([*cmd[:2], "--reanalyze", str(out)], check=True, timeout=600)
+    again = json.loads(out.read_text())
+    for name, r in results.items():
+        got = again["results"][name]
+        for key in ("paired_overhead_median", "mean_overhead"):
+            assert got[key] == pytest.approx(r[key], rel=1e-3, abs=1e-4)
+    assert again["graphs_vs_plain_launches"]["default"]["median"] == pytest.approx(
+        graphs["median"], rel=1e-3, abs=1e-4
+    )
     assert results["baseline"]["paired_overhead_median"] == 0.0
     assert results["default"]["steps"] == 3
     # issuing a step is part of it (step by step, so the medians keep the order)
