@@ -642,7 +642,8 @@ class PowerIteration:
         host, and a replay is one call where the launches were four or more)."""
         seen = state.graphs.get(kind, 0)
         if isinstance(seen, tuple) and graphs_allowed():
-            seen[0].replay()
+            with _on_device(seen[1].device):  # a replay runs on the current device's stream
+                seen[0].replay()
             return seen[1].clone()
         sigma = launches()
         if isinstance(seen, int):
