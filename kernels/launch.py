@@ -32,7 +32,15 @@ try:
 except ImportError:  # triton missing or older than 3.4 (no knobs): the normal path only
     knobs = driver = None
 
-__all__ = ["CUDA_GRAPHS", "GRAPH_AFTER", "Relauncher", "capture", "graphs_allowed"]
+__all__ = [
+    "CUDA_GRAPHS",
+    "GRAPH_AFTER",
+    "Relauncher",
+    "capture",
+    "capture_when_due",
+    "graphs_allowed",
+    "replay",
+]
 
 T = TypeVar("T")
 log = logging.getLogger("numwatch")
@@ -84,6 +92,33 @@ def capture(
     finally:
         torch.cuda.current_stream(device).wait_stream(side)
     return graph, result
+
+
+def replay(graphs: dict[Hashable, Any], key: Hashable) -> torch.Tensor | None:
+    """A copy of the output of ``graphs[key]`` (a ``capture`` result) after replaying it on its
+    device; None where there is none to replay now (not captured yet, capture failed, or graphs
+    not allowed)."""
+    captured = graphs.get(key)
+    if captured is None or not graphs_allowed():
+        return None
+    graph, out = captured
+    with torch.cuda.device(out.device):  # a replay runs on the current device's stream
+        graph.replay()
+    return out.clone()
+
+
+def capture_when_due(
+    graphs: dict[Hashable, Any],
+    key: Hashable,
+    runs: int,
+    device: torch.device,
+    launches: Callable[[], torch.Tensor],
+) -> None:
+    """After the ``runs``-th plain run of ``launches``: record it into ``graphs[key]`` once
+    ``GRAPH_AFTER`` runs have compiled its kernels, a single time (a failed capture stays None)."""
+    due = runs >= GRAPH_AFTER and key not in graphs and device.type == "cuda"
+    if due and graphs_allowed():
+        graphs[key] = capture(device, launches)
 
 
 def _direct_launch_supported(compiled: Any) -> bool:

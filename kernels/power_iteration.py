@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from operator import attrgetter
@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from .host_copy import to_device
-from .launch import GRAPH_AFTER, Relauncher, capture, graphs_allowed
+from .launch import Relauncher, capture_when_due, replay
 
 _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 _TORCH_V = object()  # alternate mode: the unit v lives in the torch path's buffer
@@ -540,9 +540,10 @@ class _State(NamedTuple):
     plan: _Plan | None  # Triton path (None: torch path)
     views: list[torch.Tensor]  # the oriented batches (they also keep copies alive to the launch)
     cacheable: bool  # False when an entry had to be copied (its address changes every call)
-    # Triton path, CUDA: launch sequences by kind ("v"/"u" pass, or iterations) -> plain runs
-    # so far, or the captured (graph, sigma) (None: capture failed); see PowerIteration._run
-    graphs: dict[Hashable, int | tuple[torch.cuda.CUDAGraph, torch.Tensor] | None]
+    # Triton path, CUDA: by kind of launch sequence ("v"/"u" pass, or a number of iterations),
+    # its plain runs so far and its captured (graph, sigma) (None: capture failed)
+    runs: Counter[Hashable]
+    graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None]
 
 
 class PowerIteration:
@@ -640,18 +641,11 @@ class PowerIteration:
         """``launches()``, replayed as a CUDA graph from the third run of this kind on (the
         weights, vectors and tables stay where they are; an eager loop is often bound by the
         host, and a replay is one call where the launches were four or more)."""
-        seen = state.graphs.get(kind, 0)
-        if isinstance(seen, tuple) and graphs_allowed():
-            with _on_device(seen[1].device):  # a replay runs on the current device's stream
-                seen[0].replay()
-            return seen[1].clone()
-        sigma = launches()
-        if isinstance(seen, int):
-            device = sigma.device
-            if seen + 1 >= GRAPH_AFTER and device.type == "cuda" and graphs_allowed():
-                state.graphs[kind] = capture(device, launches)
-            else:
-                state.graphs[kind] = seen + 1
+        sigma = replay(state.graphs, kind)
+        if sigma is None:
+            sigma = launches()
+            state.runs[kind] += 1
+            capture_when_due(state.graphs, kind, state.runs[kind], sigma.device, launches)
         return sigma
 
     def _prepare(self, matrices: Sequence[torch.Tensor]) -> _State:
@@ -666,6 +660,7 @@ class PowerIteration:
         use_triton = self.backend == "triton" or (
             self.backend == "auto" and device.type == "cuda" and triton is not None
         )
+        plan = None
         if use_triton:
             if triton is None:
                 raise RuntimeError("PowerIteration backend='triton' needs triton installed")
@@ -681,8 +676,8 @@ class PowerIteration:
                     if other.plan is not None and other.plan.vp_layout == plan.vp_layout:
                         plan = plan._replace(vp=other.plan.vp, nv2=other.plan.nv2)
                         break
-                return _State(self._signature, plan, [e.view for e in entries], cacheable, {})
-        return _State(self._signature, None, [e.view for e in entries], cacheable, {})
+        views = [e.view for e in entries]
+        return _State(self._signature, plan, views, cacheable, Counter(), {})
 
     def _ensure_vectors(self, entries: Sequence[_Entry], device: torch.device) -> None:
         """(Re)build the vector buffers when the list's shapes changed, keeping what still fits."""

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from .host_copy import to_device
-from .launch import GRAPH_AFTER, Relauncher, capture, graphs_allowed
+from .launch import Relauncher, capture_when_due, replay
 
 __all__ = [
     "ABSMAX",
@@ -703,17 +703,15 @@ def _tensor_stats_triton(
     with torch.cuda.device(device) if switch else nullcontext():
         if not plan.kernel_rows:
             out = torch.empty(len(views), N_STATS, dtype=torch.float64, device=device)
-        elif graph and (captured := plan.graphs.get(underflow_dtype)) and graphs_allowed():
-            captured[0].replay()  # the table now holds this call's addresses (stream order)
-            out = captured[1].clone()
         else:
-            out = _launch(plan, len(views), underflow_dtype, cfg)
-            plan.launched += 1
-            tried = underflow_dtype in plan.graphs  # None there: its capture failed
-            due = plan.launched >= GRAPH_AFTER and not tried and device.type == "cuda"
-            if graph and due and graphs_allowed():
+            # a replay reads the addresses _point has just written (stream order)
+            out = replay(plan.graphs, underflow_dtype) if graph else None
+            if out is None:
                 launches = functools.partial(_launch, plan, len(views), underflow_dtype, cfg)
-                plan.graphs[underflow_dtype] = capture(device, launches)
+                out = launches()
+                plan.launched += 1
+                if graph:
+                    capture_when_due(plan.graphs, underflow_dtype, plan.launched, device, launches)
     if plan.kernel_rows < len(views):
         for i, t in enumerate(views):
             if t.dtype not in _FORMATS:
