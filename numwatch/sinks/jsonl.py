@@ -40,12 +40,10 @@ _NONFINITE = {"NaN": '"nan"', "Infinity": '"inf"', "-Infinity": '"-inf"'}
 
 
 def _numbers(values: list[float]) -> list[str]:  # floats: json.dumps would write ints bare
-    """JSON texts of many floats at once: the C encoder writes each as repr(float) does."""
+    """JSON texts of many floats at once, NaN/Inf as the log's strings: the C encoder writes
+    each finite value as repr(float) does."""
     texts = json.dumps(values).strip("[]").split(", ") if values else []
-    # NaN and Inf make the sum non-finite (an overflow only costs the slow path, never a value)
-    if not math.isfinite(sum(values)):
-        texts = [_NONFINITE.get(t, t) for t in texts]
-    return texts
+    return [_NONFINITE.get(t, t) for t in texts]
 
 
 class JsonlSink:
@@ -123,7 +121,8 @@ class JsonlSink:
         self, names: list[str], labels: list[Mapping[str, str]], values: list[float]
     ) -> str:
         """The metrics array's text (without brackets)."""
-        if not math.isfinite(sum(values)):  # NaN/Inf (or an overflowing sum): the string path
+        # NaN and Inf make the sum non-finite (an overflow only costs this slower path)
+        if not math.isfinite(sum(values)):
             pairs = zip(map(self._prefix, names, labels), _numbers(values), strict=True)
             return ", ".join([p + n + "}" for p, n in pairs])
         layout = self._layout
