@@ -30,7 +30,6 @@ if not torch.cuda.is_available():
 
 import triton
 
-from numwatch.kernels import launch
 from numwatch.kernels import tensor_stats as ts
 
 
@@ -145,9 +144,7 @@ def bench_list(name: str, grads: list, copy_bw: float, device: str, reps: int) -
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     lower_ms = nbytes / copy_bw / 1e6
     few = max(2, reps // 25)
-    kern = measure(
-        lambda: ts.tensor_stats(grads, torch.float16, backend="triton", graph=True), reps, device
-    )  # as the gradient probe calls it
+    kern = measure(lambda: ts.tensor_stats(grads, torch.float16, backend="triton"), reps, device)
     loop = measure(lambda: torch_loop(grads), few, device)
     foreach = measure(lambda: torch._foreach_norm(grads), reps, device)
     ref = measure(lambda: ts.tensor_stats_reference(grads, torch.float16), few, device)
@@ -188,10 +185,8 @@ def host_with_moving_addresses(grads: list, reps: int, device: str) -> dict:
     may: each such call rewrites the table's addresses."""
     twins = (grads, [g.clone() for g in grads])
     turn = iter(range(1 << 62))
-    moved = measure(
-        lambda: ts.tensor_stats(twins[next(turn) % 2], backend="triton", graph=True), reps, device
-    )
-    still = measure(lambda: ts.tensor_stats(grads, backend="triton", graph=True), reps, device)
+    moved = measure(lambda: ts.tensor_stats(twins[next(turn) % 2], backend="triton"), reps, device)
+    still = measure(lambda: ts.tensor_stats(grads, backend="triton"), reps, device)
     return {"same_addresses": still["host_us"], "moved": moved["host_us"]}
 
 
@@ -245,12 +240,7 @@ def main() -> None:
     t0 = time.perf_counter()
     ts.tensor_stats(grads, backend="triton")  # table build (cache miss): host time, no sync
     result["plan_build_host_ms"] = (time.perf_counter() - t0) * 1e3
-    # host time per call with the launches replayed as a CUDA graph (the default on CUDA) and
-    # launched one by one, in turn in this process
     result["gpt2_fp32_host_us"] = host_with_moving_addresses(grads, reps, device)
-    launch.CUDA_GRAPHS = False
-    result["gpt2_fp32_host_us_plain_launches"] = host_with_moving_addresses(grads, reps, device)
-    launch.CUDA_GRAPHS = True
     result["gpt2_grads"] = [bench_list("gpt2 dense grads", grads, copy_bw, device, reps)]
     save()
     grads_bf16 = [g.to(torch.bfloat16) for g in grads]

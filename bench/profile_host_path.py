@@ -5,7 +5,7 @@ those microseconds are Python bookkeeping that any machine can measure: this run
 148 gradients (a CPU model, one backward) through the gradient probe with the Triton path of
 ``tensor_stats`` in the interpreter's mode but its launches replaced by an output of zeros, and
 times ``monitor.step`` and its parts with ``timeit`` (best of 5 repeats). The launches
-themselves (one CUDA graph replay, or a few Triton launches) come on top on a GPU
+themselves (a few Triton launches) come on top on a GPU
 (``bench_tensor_stats.py`` measures them there).
 
     python bench/profile_host_path.py --out /tmp/host_path.json
@@ -62,10 +62,8 @@ def main() -> None:
     parts = {
         "monitor_step_with_loss": lambda: monitor.step(loss),
         "gradient_probe_on_step": probe.on_step,
-        "tensor_stats_same_addresses": lambda: ts.tensor_stats(grads, None, "triton", graph=True),
-        "tensor_stats_moved": lambda: ts.tensor_stats(
-            twins[next(turn) % 2], None, "triton", graph=True
-        ),
+        "tensor_stats_same_addresses": lambda: ts.tensor_stats(grads, None, "triton"),
+        "tensor_stats_moved": lambda: ts.tensor_stats(twins[next(turn) % 2], None, "triton"),
         "record_loss": lambda: monitor._record_loss(loss),
     }
     for f in parts.values():

@@ -2,9 +2,10 @@
 
 The algorithm, its stabilization and the ``paper_repro`` emulation are defined (and documented)
 by the pure-torch ``flash_attention_torch``; these kernels compute the same thing tile by tile.
-Every tile moves through tensor descriptors made per (batch, head) inside the kernel, so any
-strides with a unit last stride work, and rows past T (odd lengths) and columns past the head
-dim (32/80/96 padded to a power of two) are zero-filled on load and clipped on store.
+Every tile moves through TMA tensor descriptors (4-D, made once per launch on the host; see
+``_head_desc``), so any strides with a unit last stride work, and rows past T (odd lengths) and
+columns past the head dim (32/80/96 padded to a power of two) are zero-filled on load and
+clipped on store.
 
 Two worlds (DESIGN.md §3): compiled on a GPU, and the interpreter on CPU (``TRITON_INTERPRET=1``),
 where ``INTERPRET`` upcasts dot operands to fp32 and rounds fp32 -> bf16 to nearest even by
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .flash_attention_torch import (
     LOG2E,
@@ -88,13 +90,52 @@ def _mm_acc(a, b, acc, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _head_desc(
-    X, b, h, stride_b, stride_h, stride_t, T, HEAD_DIM, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr
+    X,
+    b,
+    h,
+    stride_b,
+    stride_h,
+    stride_t,
+    T,
+    HEAD_DIM,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """2-D descriptor over one (batch, head) slice (T, HEAD_DIM) of a 4-D tensor."""
-    base = X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
-    return tl.make_tensor_descriptor(
-        base, shape=[T, HEAD_DIM], strides=[stride_t, 1], block_shape=[BLOCK_T, BLOCK_D]
-    )
+    """The tiles of one (batch, head) slice (T, HEAD_DIM) of a 4-D tensor.
+
+    On a GPU, X already is a descriptor over the whole tensor, made once on the host: making one
+    per program costs every program a tensor-map write and fence (10-20 % of the forward at
+    T 1024, flash_attention_h200.json). The interpreter reads bf16 wrongly through host
+    descriptors (triton 3.9), so there each program makes a 2-D one over its slice.
+    """
+    if INTERPRET:
+        base = X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+        return tl.make_tensor_descriptor(
+            base, shape=[T, HEAD_DIM], strides=[stride_t, 1], block_shape=[BLOCK_T, BLOCK_D]
+        )
+    else:
+        return X
+
+
+@triton.jit
+def _load_rows(desc, b, h, t0, INTERPRET: tl.constexpr):
+    """The (BLOCK_T, BLOCK_D) tile at row t0 of head (b, h): zeros past T and HEAD_DIM."""
+    if INTERPRET:
+        return desc.load([t0, 0])
+    else:
+        x = desc.load([b, h, t0, 0])
+        return x.reshape(x.shape[2], x.shape[3])
+
+
+@triton.jit
+def _store_rows(desc, b, h, t0, x, INTERPRET: tl.constexpr):
+    """x (fp32) rounded to the tensor's dtype into rows t0.. of head (b, h), clipped at T."""
+    x = _to_lo(x, desc.dtype, INTERPRET)
+    if INTERPRET:
+        desc.store([t0, 0], x)
+    else:
+        desc.store([b, h, t0, 0], x.reshape(1, 1, x.shape[0], x.shape[1]))
 
 
 @triton.jit
@@ -170,6 +211,8 @@ def _fwd_block(
     q,
     k_desc,
     v_desc,
+    b,
+    hk,
     n0,
     offs_m,
     arange_n,
@@ -198,8 +241,8 @@ def _fwd_block(
     off the ALU pipes (SASS at D 64, 64x64 tiles: -28 % plain, -22 % stabilized instructions per
     key block) for 4 KB more shared memory (too much for the 3-stage D 128 tiles).
     """
-    k = k_desc.load([n0, 0])  # (BLOCK_N, BLOCK_D)
-    v = v_desc.load([n0, 0])
+    k = _load_rows(k_desc, b, hk, n0, INTERPRET)  # (BLOCK_N, BLOCK_D)
+    v = _load_rows(v_desc, b, hk, n0, INTERPRET)
     qk = _mm(q, tl.trans(k), INTERPRET)  # (BLOCK_M, BLOCK_N) fp32
     x, xs = _logits(
         qk,
@@ -307,7 +350,7 @@ def _fwd_kernel(
     ROWSUM_MMA: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    DTYPE: tl.constexpr = Q.dtype.element_ty
+    DTYPE: tl.constexpr = Q.dtype.element_ty if INTERPRET else Q.dtype
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first: fewer idle SMs at the tail
         pid_m = tl.cdiv(T_Q, BLOCK_M) - 1 - pid_m
@@ -315,16 +358,24 @@ def _fwd_kernel(
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
-    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
-    k_desc = _head_desc(K, b, hk, stride_kb, stride_kh, stride_kt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D)
-    v_desc = _head_desc(V, b, hk, stride_vb, stride_vh, stride_vt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D)
-    o_desc = _head_desc(Out, b, h, stride_ob, stride_oh, stride_ot, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    q_desc = _head_desc(
+        Q, b, h, stride_qb, stride_qh, stride_qt, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D, INTERPRET
+    )
+    k_desc = _head_desc(
+        K, b, hk, stride_kb, stride_kh, stride_kt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D, INTERPRET
+    )
+    v_desc = _head_desc(
+        V, b, hk, stride_vb, stride_vh, stride_vt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D, INTERPRET
+    )
+    o_desc = _head_desc(
+        Out, b, h, stride_ob, stride_oh, stride_ot, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D, INTERPRET
+    )
     mask_base = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     arange_n = tl.arange(0, BLOCK_N)
-    q = q_desc.load([m0, 0])  # (BLOCK_M, BLOCK_D), stays on chip
+    q = _load_rows(q_desc, b, h, m0, INTERPRET)  # (BLOCK_M, BLOCK_D), stays on chip
     m_raw = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m_sh = tl.full([BLOCK_M], float("-inf"), tl.float32)
     cnt = tl.zeros([BLOCK_M], tl.float32)
@@ -352,6 +403,8 @@ def _fwd_kernel(
             q,
             k_desc,
             v_desc,
+            b,
+            hk,
             n0,
             offs_m,
             arange_n,
@@ -385,6 +438,8 @@ def _fwd_kernel(
             q,
             k_desc,
             v_desc,
+            b,
+            hk,
             n0,
             offs_m,
             arange_n,
@@ -413,12 +468,14 @@ def _fwd_kernel(
     # backward's P = exp2(S - LSE) is 0 there.
     if MODE < 2 and ROWSUM_MMA:
         l_r = tl.max(l_r, 1)
-    o = tl.math.div_rn(acc, tl.where(l_r > 0, l_r, 1.0)[:, None])  # IEEE division
+    # One IEEE reciprocal per row and a multiply per element: the per-element division took ~500
+    # instructions a program (SASS), and differs from it by at most one bf16 ulp, rarely.
+    o = acc * tl.math.div_rn(1.0, tl.where(l_r > 0, l_r, 1.0))[:, None]
     # The LSE comes from the same row sum that normalizes O (an add per score fewer), so the
     # backward's P = exp2(S - LSE) sums to what the forward weighted V with.
     l_lse = l_e if MODE >= 2 else l_r
     lse = tl.where(l_lse > 0, m_fin + tl.math.log2(tl.where(l_lse > 0, l_lse, 1.0)), float("inf"))
-    o_desc.store([m0, 0], _to_lo(o, DTYPE, INTERPRET))
+    _store_rows(o_desc, b, h, m0, o, INTERPRET)
     tl.store(LSE + pid_bh.to(tl.int64) * T_Q + offs_m, lse, mask=offs_m < T_Q)
 
 
@@ -472,6 +529,8 @@ def _dkdv_block(
     v,
     q_desc,
     do_desc,
+    b,
+    h,
     m0,
     offs_n,
     arange_m,
@@ -498,8 +557,8 @@ def _dkdv_block(
     delta loads need no per-element masks (about a third of the loop's ALU instructions at
     D 128 in the sm_90 SASS)."""
     offs_m = m0 + arange_m
-    q = q_desc.load([m0, 0])  # (BLOCK_M, BLOCK_D)
-    do = do_desc.load([m0, 0])
+    q = _load_rows(q_desc, b, h, m0, INTERPRET)  # (BLOCK_M, BLOCK_D)
+    do = _load_rows(do_desc, b, h, m0, INTERPRET)
     # Rows past T_Q: LSE = +inf makes P = 0 there.
     if EVEN_Q:
         lse = tl.load(LSE_row + offs_m)
@@ -584,23 +643,29 @@ def _bwd_dkdv_kernel(
     INTERPRET: tl.constexpr,
 ):
     """dK, dV of one key block for one query head (GQA: the host sums the group's heads)."""
-    DTYPE: tl.constexpr = Q.dtype.element_ty
+    DTYPE: tl.constexpr = Q.dtype.element_ty if INTERPRET else Q.dtype
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
-    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
-    do_desc = _head_desc(
-        DO, b, h, stride_dob, stride_doh, stride_dot, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D
+    q_desc = _head_desc(
+        Q, b, h, stride_qb, stride_qh, stride_qt, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D, INTERPRET
     )
-    k_desc = _head_desc(K, b, hk, stride_kb, stride_kh, stride_kt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D)
-    v_desc = _head_desc(V, b, hk, stride_vb, stride_vh, stride_vt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    do_desc = _head_desc(
+        DO, b, h, stride_dob, stride_doh, stride_dot, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D, INTERPRET
+    )
+    k_desc = _head_desc(
+        K, b, hk, stride_kb, stride_kh, stride_kt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D, INTERPRET
+    )
+    v_desc = _head_desc(
+        V, b, hk, stride_vb, stride_vh, stride_vt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D, INTERPRET
+    )
     dk_desc = _head_desc(
-        DK, b, h, stride_dkb, stride_dkh, stride_dkt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D
+        DK, b, h, stride_dkb, stride_dkh, stride_dkt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D, INTERPRET
     )
     dv_desc = _head_desc(
-        DV, b, h, stride_dvb, stride_dvh, stride_dvt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D
+        DV, b, h, stride_dvb, stride_dvh, stride_dvt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D, INTERPRET
     )
     mask_base = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
     LSE_row = LSE + pid_bh.to(tl.int64) * T_Q
@@ -609,8 +674,10 @@ def _bwd_dkdv_kernel(
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     arange_m = tl.arange(0, BLOCK_M)
-    k = k_desc.load([n0, 0])  # (BLOCK_N, BLOCK_D), stays on chip; rows past T_K are zeros and
-    v = v_desc.load([n0, 0])  # only feed dK/dV rows that the store clips
+    # (BLOCK_N, BLOCK_D), stays on chip; rows past T_K are zeros and only feed dK/dV rows that
+    # the store clips
+    k = _load_rows(k_desc, b, hk, n0, INTERPRET)
+    v = _load_rows(v_desc, b, hk, n0, INTERPRET)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     lo = 0
@@ -625,6 +692,8 @@ def _bwd_dkdv_kernel(
                 v,
                 q_desc,
                 do_desc,
+                b,
+                h,
                 m0,
                 offs_n,
                 arange_m,
@@ -653,6 +722,8 @@ def _bwd_dkdv_kernel(
             v,
             q_desc,
             do_desc,
+            b,
+            h,
             m0,
             offs_n,
             arange_m,
@@ -673,8 +744,8 @@ def _bwd_dkdv_kernel(
             EVEN_Q,
             INTERPRET,
         )
-    dk_desc.store([n0, 0], _to_lo(dk * sm_scale, DK.dtype.element_ty, INTERPRET))
-    dv_desc.store([n0, 0], _to_lo(dv, DV.dtype.element_ty, INTERPRET))
+    _store_rows(dk_desc, b, h, n0, dk * sm_scale, INTERPRET)
+    _store_rows(dv_desc, b, h, n0, dv, INTERPRET)
 
 
 @triton.jit
@@ -686,6 +757,8 @@ def _dq_block(
     dlt,
     k_desc,
     v_desc,
+    b,
+    hk,
     n0,
     offs_m,
     arange_n,
@@ -704,8 +777,8 @@ def _dq_block(
     INTERPRET: tl.constexpr,
 ):
     """Contribution of one key block to dQ of one query block."""
-    k = k_desc.load([n0, 0])  # (BLOCK_N, BLOCK_D)
-    v = v_desc.load([n0, 0])
+    k = _load_rows(k_desc, b, hk, n0, INTERPRET)  # (BLOCK_N, BLOCK_D)
+    v = _load_rows(v_desc, b, hk, n0, INTERPRET)
     qk = _mm(q, tl.trans(k), INTERPRET)  # (BLOCK_M, BLOCK_N)
     x, xs = _logits(
         qk,
@@ -776,7 +849,7 @@ def _bwd_dq_kernel(
     INTERPRET: tl.constexpr,
 ):
     """dQ of one query block, looping over the key blocks it sees."""
-    DTYPE: tl.constexpr = Q.dtype.element_ty
+    DTYPE: tl.constexpr = Q.dtype.element_ty if INTERPRET else Q.dtype
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.cdiv(T_Q, BLOCK_M) - 1 - pid_m
@@ -784,22 +857,28 @@ def _bwd_dq_kernel(
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
-    q_desc = _head_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D)
-    do_desc = _head_desc(
-        DO, b, h, stride_dob, stride_doh, stride_dot, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D
+    q_desc = _head_desc(
+        Q, b, h, stride_qb, stride_qh, stride_qt, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D, INTERPRET
     )
-    k_desc = _head_desc(K, b, hk, stride_kb, stride_kh, stride_kt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D)
-    v_desc = _head_desc(V, b, hk, stride_vb, stride_vh, stride_vt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D)
+    do_desc = _head_desc(
+        DO, b, h, stride_dob, stride_doh, stride_dot, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D, INTERPRET
+    )
+    k_desc = _head_desc(
+        K, b, hk, stride_kb, stride_kh, stride_kt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D, INTERPRET
+    )
+    v_desc = _head_desc(
+        V, b, hk, stride_vb, stride_vh, stride_vt, T_K, HEAD_DIM, BLOCK_N, BLOCK_D, INTERPRET
+    )
     dq_desc = _head_desc(
-        DQ, b, h, stride_dqb, stride_dqh, stride_dqt, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D
+        DQ, b, h, stride_dqb, stride_dqh, stride_dqt, T_Q, HEAD_DIM, BLOCK_M, BLOCK_D, INTERPRET
     )
     mask_base = b.to(tl.int64) * stride_mb + h.to(tl.int64) * stride_mh
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     arange_n = tl.arange(0, BLOCK_N)
-    q = q_desc.load([m0, 0])
-    do = do_desc.load([m0, 0])
+    q = _load_rows(q_desc, b, h, m0, INTERPRET)
+    do = _load_rows(do_desc, b, h, m0, INTERPRET)
     lse = tl.load(LSE + pid_bh.to(tl.int64) * T_Q + offs_m, mask=offs_m < T_Q, other=float("inf"))
     dlt = tl.load(DELTA + pid_bh.to(tl.int64) * T_Q + offs_m, mask=offs_m < T_Q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -817,6 +896,8 @@ def _bwd_dq_kernel(
             dlt,
             k_desc,
             v_desc,
+            b,
+            hk,
             n0,
             offs_m,
             arange_n,
@@ -843,6 +924,8 @@ def _bwd_dq_kernel(
             dlt,
             k_desc,
             v_desc,
+            b,
+            hk,
             n0,
             offs_m,
             arange_n,
@@ -860,7 +943,7 @@ def _bwd_dq_kernel(
             DTYPE,
             INTERPRET,
         )
-    dq_desc.store([m0, 0], _to_lo(dq * sm_scale, DQ.dtype.element_ty, INTERPRET))
+    _store_rows(dq_desc, b, h, m0, dq * sm_scale, INTERPRET)
 
 
 # ----------------------------------------------------------------------------- launch configs
@@ -923,13 +1006,13 @@ _INTERPRET_CONFIGS = {
 # the rounded row sum on the tensor cores (rowsum_mma) at D 64 and 128, where it frees the ALU
 # pipe that bounds it (flash_attention_h200_sweep4.json: 10-17 % faster). The stabilized
 # forward ("fwd_stab") is tuned on its own: its saturation count costs registers and issue slots
-# the plain kernel does not spend, and 64-row tiles suit it at D 64.
+# the plain kernel does not spend (at D 64 it keeps 2 stages).
 _T, _F = True, False
 _FWD_TILES = {
     (32, _F): TileConfig(128, 128, 4, 3),
     (32, _T): TileConfig(128, 128, 4, 3),
-    (64, _F): TileConfig(128, 64, 4, 3, rowsum_mma=True),
-    (64, _T): TileConfig(128, 64, 4, 3, rowsum_mma=True),
+    (64, _F): TileConfig(64, 64, 4, 3, rowsum_mma=True),
+    (64, _T): TileConfig(64, 64, 4, 3, rowsum_mma=True),
     (128, _F): TileConfig(128, 64, 8, 3, rowsum_mma=True),
     (128, _T): TileConfig(128, 64, 8, 3, rowsum_mma=True),
     (256, _F): TileConfig(64, 64, 4, 2),
@@ -997,25 +1080,12 @@ def tile_config(kernel: str, block_d: int, causal: bool) -> TileConfig:
 # ----------------------------------------------------------------------------- host wrappers
 
 
-def _alloc_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
-    """Global scratch for the device-side tensor descriptors."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator() -> None:
-    """Device descriptors need a Triton allocator; set ours unless the user set one.
-
-    The allocator lives in a ContextVar, which autograd's backward thread does not inherit,
-    so this runs before every launch.
-    """
+def _tiles(x: Tensor, block_t: int, block_d: int) -> Tensor | TensorDescriptor:
+    """A (B, H, T, D) tensor as the kernels take it (see _head_desc): a TMA descriptor of
+    (1, 1, block_t, block_d) tiles on a GPU, the tensor itself in the interpreter."""
     if INTERPRET:
-        return
-    from triton.runtime import _allocation
-
-    current = getattr(_allocation, "_allocator", None)
-    current = current.get() if current is not None else None
-    if current is None or isinstance(current, getattr(_allocation, "NullAllocator", ())):
-        triton.set_allocator(_alloc_scratch)
+        return x
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block_t, block_d])
 
 
 def descriptor_ready(x: Tensor) -> bool:
@@ -1058,7 +1128,6 @@ def triton_forward(
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. q (B,H,Tq,D), k/v (B,Hk,Tk,D) descriptor-ready; mask None or
     expanded to (B,H,Tq,Tk). Returns O like q and the row log2-sum-exp (B,H,Tq) fp32."""
-    _ensure_allocator()
     b, h, tq, d = q.shape
     hk, tk = k.shape[1], k.shape[2]
     block_d = padded_head_dim(d)
@@ -1067,8 +1136,10 @@ def triton_forward(
     lse = torch.empty((b, h, tq), device=q.device, dtype=torch.float32)
     mask_t, mask_kind, ms = _mask_args(mask, q)
     grid = (triton.cdiv(tq, cfg.block_m), b * h)
+    bm, bn = cfg.block_m, cfg.block_n
     _fwd_kernel[grid](
-        q, k, v, o, lse, mask_t,
+        _tiles(q, bm, block_d), _tiles(k, bn, block_d), _tiles(v, bn, block_d),
+        _tiles(o, bm, block_d), lse, mask_t,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *ms,
         h, h // hk, tq, tk, d, sm_scale,
         **_stab_args(q.dtype, beta),
@@ -1093,7 +1164,6 @@ def triton_backward(
     mode: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch delta, dK/dV and dQ kernels; returns (dq, dk, dv) in the input dtype."""
-    _ensure_allocator()
     b, h, tq, d = q.shape
     hk, tk = k.shape[1], k.shape[2]
     group = h // hk
@@ -1116,8 +1186,11 @@ def triton_backward(
         dk = torch.empty((b, h, tk, d), device=q.device, dtype=torch.float32)
         dv = torch.empty_like(dk)
     cfg = tile_config("dkdv", block_d, causal)
+    bm, bn = cfg.block_m, cfg.block_n
     _bwd_dkdv_kernel[(triton.cdiv(tk, cfg.block_n), b * h)](
-        q, k, v, do, dk, dv, lse, delta, mask_t,
+        _tiles(q, bm, block_d), _tiles(k, bn, block_d), _tiles(v, bn, block_d),
+        _tiles(do, bm, block_d), _tiles(dk, bn, block_d), _tiles(dv, bn, block_d),
+        lse, delta, mask_t,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
         *dk.stride()[:3], *dv.stride()[:3], *ms,
         h, group, tq, tk, d, sm_scale,
@@ -1127,8 +1200,10 @@ def triton_backward(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     cfg = tile_config("dq", block_d, causal)
+    bm, bn = cfg.block_m, cfg.block_n
     _bwd_dq_kernel[(triton.cdiv(tq, cfg.block_m), b * h)](
-        q, k, v, do, dq, lse, delta, mask_t,
+        _tiles(q, bm, block_d), _tiles(k, bn, block_d), _tiles(v, bn, block_d),
+        _tiles(do, bm, block_d), _tiles(dq, bm, block_d), lse, delta, mask_t,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
         *dq.stride()[:3], *ms,
         h, group, tq, tk, d, sm_scale,

@@ -17,13 +17,13 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from .host_copy import to_device
-from .launch import Relauncher, capture_when_due, replay
+from .launch import Relauncher
 
 __all__ = [
     "ABSMAX",
@@ -537,11 +537,6 @@ class _Plan:
     kernel_rows: int  # tensors handled by the kernel (the others go through the reference)
     order: tuple[int, ...]  # input index of each table row
     ptrs: tuple[int, ...] = ()  # addresses the table holds now, in input order
-    launched: int = 0  # calls that launched the kernels one by one
-    # by underflow dtype: the launches as a CUDA graph and the output it writes (launch.capture)
-    graphs: dict[torch.dtype | None, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = field(
-        default_factory=dict
-    )
 
 
 _DTYPE = operator.attrgetter("dtype")
@@ -660,7 +655,6 @@ def _tensor_stats_triton(
     tensors: Sequence[torch.Tensor],
     underflow_dtype: torch.dtype | None = None,
     cfg: _Config = _CONFIG,
-    graph: bool = False,
 ) -> torch.Tensor:
     """Fused path of ``tensor_stats``: one launch per storage format plus one finalize launch.
 
@@ -668,10 +662,9 @@ def _tensor_stats_triton(
     Non-dense views (slices with gaps, overlapping strides) are copied with ``.contiguous()``.
     Tables are cached by layout (numel, dtype and alignment of every tensor); the addresses in
     a table are rewritten (one small pinned copy, no sync) when the tensors moved, as gradients
-    reallocated by ``zero_grad(set_to_none=True)`` do. With ``graph`` on CUDA, from a layout's
-    third call on, its launches replay as one CUDA graph (``launch.capture``; an eager training
-    loop is often bound by the host, and a replay is one call where the launches were several),
-    reading the addresses from the table; the caller gets a copy of the graph's output.
+    reallocated by ``zero_grad(set_to_none=True)`` do. The launches are not captured as a CUDA
+    graph: replaying one saved ~20 µs of host time a call, yet made GPT-2 training steps 0.3-0.4 %
+    slower than plain launches in two H200 runs (overhead_gpt2_h200_interleaved_run16/17.json).
     """
     if triton is None:
         raise RuntimeError("tensor_stats backend='triton' needs triton installed; use 'torch'")
@@ -704,14 +697,7 @@ def _tensor_stats_triton(
         if not plan.kernel_rows:
             out = torch.empty(len(views), N_STATS, dtype=torch.float64, device=device)
         else:
-            # a replay reads the addresses _point has just written (stream order)
-            out = replay(plan.graphs, underflow_dtype) if graph else None
-            if out is None:
-                launches = functools.partial(_launch, plan, len(views), underflow_dtype, cfg)
-                out = launches()
-                plan.launched += 1
-                if graph:
-                    capture_when_due(plan.graphs, underflow_dtype, plan.launched, device, launches)
+            out = _launch(plan, len(views), underflow_dtype, cfg)
     if plan.kernel_rows < len(views):
         for i, t in enumerate(views):
             if t.dtype not in _FORMATS:
@@ -723,8 +709,6 @@ def tensor_stats(
     tensors: Sequence[torch.Tensor],
     underflow_dtype: torch.dtype | None = None,
     backend: str = "auto",
-    *,
-    graph: bool = False,
 ) -> torch.Tensor:
     """Statistics of each tensor (see ``tensor_stats_reference``) with the chosen backend.
 
@@ -735,21 +719,16 @@ def tensor_stats(
     value waits for nothing). The kernel's sums accumulate in fp32 within a program (at most 2**24
     elements) and in float64 across programs, so a SUM (SUMSQ) whose fp32 partial passes 3.4e38
     reads +inf where the reference's float64 does not; its counts, extremes and numel are exact.
-
-    ``graph``: the caller makes this call with the same layout every step (the gradient probe),
-    so on CUDA its launches become a CUDA graph from the layout's third call on. Off by default:
-    each graph keeps a memory segment of its own (2 MB in PyTorch's allocator), which layouts
-    met once per sampled step (activations) would not pay back.
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     if backend == "auto":
         device_type = tensors[0].device.type if tensors else "cpu"
         if device_type == "cuda" and triton is not None:
-            return _tensor_stats_triton(tensors, underflow_dtype, graph=graph)
+            return _tensor_stats_triton(tensors, underflow_dtype)
         if device_type == "cpu":
             return tensor_stats_cpu(tensors, underflow_dtype)
         return tensor_stats_reference(tensors, underflow_dtype)
     if backend == "triton":
-        return _tensor_stats_triton(tensors, underflow_dtype, graph=graph)
+        return _tensor_stats_triton(tensors, underflow_dtype)
     return tensor_stats_reference(tensors, underflow_dtype)

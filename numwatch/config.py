@@ -318,9 +318,9 @@ class MonitorConfig(_Section):
     )
     cuda_graphs: bool = Field(
         True,
-        description="Replay the monitor's per-step kernel launches (gradient statistics, power "
-        "iteration) as CUDA graphs once their layout has run twice: less host time per step. "
-        "Process-wide: the last monitor attached sets it.",
+        description="Replay the power iteration's launches (spectral norms) as CUDA graphs once "
+        "a layout has run twice: less host time per step. Process-wide: the last monitor "
+        "attached sets it.",
     )
     underflow_dtype: Literal["float16", "bfloat16", "float32"] | None = Field(
         None,

@@ -241,7 +241,7 @@ class GradientProbe:
             _, indices, rows, _, names = entry
             # table order: every gradient in order when they all are on this device
             tensors = grads if len(indices) == len(grads) else [grads[i] for i in indices]
-            stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend, graph=True)
+            stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend)
             first = self.ctx.tracker.reserve("backward", "param", names, self.ctx.step)
             measured.append((entry, stats, first))
             self.step_stats.append((rows, stats))

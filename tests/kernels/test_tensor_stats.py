@@ -313,8 +313,8 @@ def test_gpu_auto_is_triton_and_never_syncs() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(4):  # table build (miss), hit, graph capture, graph replay
-            got = tensor_stats(xs, underflow_dtype=torch.float16, graph=True)
+        for _ in range(3):  # table build (miss), hits
+            got = tensor_stats(xs, underflow_dtype=torch.float16)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     _assert_rows_match(got, tensor_stats_reference(xs, torch.float16), xs)
