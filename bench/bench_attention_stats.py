@@ -161,6 +161,15 @@ def measure(shapes: list[tuple], save) -> list[dict]:
             # sits within rounding of a threshold, so this records the difference, not equality
             diff = (got[:, :n_counts] - ref()[:, :n_counts]).abs().amax(0)
             r[f"stats{tag}_max_count_diff_vs_torch_ref"] = diff.tolist()
+        # The worst case for the kernel's cost: every key twice, so every row's max is tied and
+        # every block takes the sweep that counts ties (healthy rows never do).
+        k2 = k.clone()
+        k2[:, :, 1::2] = k2[:, :, 0::2]
+        tied = functools.partial(A.attention_head_stats, q, k2, is_causal=causal, backend="triton")
+        got = tied()
+        r["stats_all_rows_tied_ms"] = bench_ms(tied)
+        r["stats_all_rows_tied_repeated_max_rows"] = got[:, A.REPEATED_MAX_ROWS].sum().item()
+        r["ratio_stats_all_rows_tied_vs_cudnn"] = r["stats_all_rows_tied_ms"] / r["cudnn_fwd_ms"]
         fl = 2.0 * b * h * t * t * d * (0.5 if causal else 1.0)  # QK^T alone
         r["cudnn_fwd_tflops"] = 2 * fl / r["cudnn_fwd_ms"] / 1e9
         r["stats_qk_tflops"] = fl / r["stats_ms"] / 1e9
@@ -246,7 +255,8 @@ def main() -> None:
         "cudnn": torch.backends.cudnn.version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "dtype": "bfloat16",
-        "inputs": "q, k, v ~ N(0, 1); all rows and batch elements sampled",
+        "inputs": "q, k, v ~ N(0, 1); all rows and batch elements sampled; stats_all_rows_tied_*: "
+        "the same with every key twice (every row max tied: the ties sweep in every block)",
         "shapes": [dict(zip(("B", "H", "T", "D", "causal"), s, strict=True)) for s in SHAPES],
     }
     result["output_error_step"] = output_error_step()
