@@ -22,8 +22,9 @@ kind's share of the mean overhead (the mean is what a run pays; the median sees 
 - ``grads_spectral_alternate_every_step``: the same with one power-iteration pass per step
   (``weights.alternate``: each step reads the weights once instead of twice);
 - ``everything_every_step``: every probe at every step, flush every step;
-- ``<config>_plain_launches`` (for gradients_only, grads_spectral_every_step, default): the same
-  with the monitor's kernels launched one by one instead of replayed as CUDA graphs;
+- ``<config>_plain_launches`` (for grads_spectral_every_step, default): the same with the power
+  iteration launched one by one instead of replayed as a CUDA graph (runs 16-17 also had
+  ``gradients_only_plain_launches``, from when the gradient statistics replayed one too);
 - ``detect_anomaly``: torch.autograd.set_detect_anomaly(True), what users run instead;
 - ``nan_check_hooks``: a per-parameter gradient hook checking isnan/isinf with a host read, the
   common NaN-check recipe.
@@ -116,12 +117,11 @@ CONFIGS: dict[str, dict | str | None] = {
     "detect_anomaly": "detect_anomaly",
     "nan_check_hooks": "nan_check_hooks",
 }
-# The same configurations with the monitor's kernels launched one by one instead of replayed as
-# CUDA graphs (numwatch.kernels.launch.CUDA_GRAPHS off around their steps): what the graphs save,
+# The same configurations with the power iteration launched one by one instead of replayed as a
+# CUDA graph (numwatch.kernels.launch.CUDA_GRAPHS off around their steps): what the graph saves,
 # measured in the same process, so the host's speed (which varies widely between machines) cancels.
 PLAIN_LAUNCHES = {
-    f"{name}_plain_launches": name
-    for name in ("gradients_only", "grads_spectral_every_step", "default")
+    f"{name}_plain_launches": name for name in ("grads_spectral_every_step", "default")
 }
 CONFIGS.update({plain: CONFIGS[name] for plain, name in PLAIN_LAUNCHES.items()})
 

@@ -17,9 +17,9 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_overhead.py --interleave --steps 400 \
     --configs baseline,default,attention_only,grads_spectral_every_step,grads_spectral_alternate_every_step,everything_every_step,detect_anomaly,nan_check_hooks \
     --out $R/overhead_gpt2_h200_interleaved.json
-  # CUDA graphs against plain launches, in the same process
+  # the power iteration's CUDA graph against plain launches, in the same process
   $py bench/bench_overhead.py --interleave --steps 500 \
-    --configs baseline,gradients_only,gradients_only_plain_launches,grads_spectral_every_step,grads_spectral_every_step_plain_launches,default,default_plain_launches \
+    --configs baseline,gradients_only,grads_spectral_every_step,grads_spectral_every_step_plain_launches,default,default_plain_launches \
     --out $R/overhead_gpt2_h200_interleaved_graphs.json
   $py bench/profile_step.py --out $R/profile_step_h200.json
   $py bench/repro_logit_growth.py --device cuda --preset small --steps 3000 --batch 32 \
