@@ -65,6 +65,40 @@ def test_fused_qkv_heads_and_logit_bound():
         assert bound == pytest.approx(sq * sk / 8**0.5, rel=2e-2)
 
 
+def _two_devices() -> tuple[str, str] | None:
+    if torch.cuda.device_count() >= 2:
+        return "cuda:0", "cuda:1"
+    if torch.cuda.is_available():
+        return "cuda:0", "cpu"
+    return None
+
+
+@pytest.mark.skipif(_two_devices() is None, reason="needs a CUDA GPU and a second device")
+def test_model_split_over_two_devices():
+    """Pipeline-style placement, devices interleaved in the model's order: each device's
+    matrices run on it, and every estimate comes back under its own name."""
+    torch.manual_seed(0)
+    first, second = _two_devices()
+    model = nn.Sequential()
+    model.add_module("a", nn.Linear(16, 24).to(second))
+    model.add_module("attn", Attn().to(first))
+    model.add_module("b", nn.Linear(24, 8).to(second))
+    monitor = monitor_for(model, weights__iters=300)
+    monitor.step()
+    snap = monitor.snapshot()
+    (probe,) = (p for p in monitor._probes if p.component == "weights")
+    assert {str(d) for d in probe._pi} == {first, second}
+    for name in ("a.weight", "attn.qkv.weight", "attn.proj.weight", "b.weight"):
+        w = model.get_parameter(name)
+        assert snap.value("weight_spectral_norm", param=name) == pytest.approx(sigma(w), rel=1e-2)
+    w = model.attn.qkv.weight
+    for h in range(4):
+        labels = {"layer": "attn", "head": str(h)}
+        sq, sk = sigma(w[8 * h : 8 * h + 8]), sigma(w[32 + 8 * h : 32 + 8 * h + 8])
+        assert snap.value("attn_q_spectral_norm", **labels) == pytest.approx(sq, rel=1e-2)
+        assert snap.value("attn_k_spectral_norm", **labels) == pytest.approx(sk, rel=1e-2)
+
+
 def test_layouts_of_real_model_families():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ at every sampled step instead of paying for an SVD.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import torch
@@ -57,8 +58,10 @@ class WeightProbe:
             h.weight for _, layout in self.layers for h in (layout.q[0], layout.k[0])
         ]
         self._views_key: tuple[int, ...] | None = None
-        self._views: list[torch.Tensor] = []
-        self._views_device: torch.device | None = None
+        # the matrices by device, each group run by that device's power iteration, and where
+        # the groups' concatenated estimates go back to the model's order (None: one group)
+        self._groups: list[tuple[torch.device, list[torch.Tensor]]] = []
+        self._order: torch.Tensor | None = None
 
     def attach(self) -> None:
         """Nothing to hook: the probe reads the weights at step time."""
@@ -66,25 +69,33 @@ class WeightProbe:
     def detach(self) -> None:
         """Nothing to remove."""
 
-    def _matrices(self) -> tuple[list[torch.Tensor], torch.device | None]:
-        """The matrices and their device (None: nothing to measure yet), as views built and
-        checked once per placement of the weights: building the head views every step cost more
-        host time than the power iteration's launches."""
+    def _matrix_groups(self) -> list[tuple[torch.device, list[torch.Tensor]]]:
+        """The matrices by device (empty: nothing to measure yet), as views built and checked
+        once per placement of the weights: building the head views every step cost more host
+        time than the power iteration's launches. A model split over devices (pipeline stages,
+        ``device_map``) gets one group per device, in order of first appearance."""
         key = tuple(map(torch.Tensor.data_ptr, self._sources))
         if key != self._views_key:
             out: list[torch.Tensor] = [p for _, p in self.params]
             for _, layout in self.layers:
                 out += [layout.views("q"), layout.views("k")]
-            device = out[0].device if out else None
-            if out and any(m.device != device for m in out):
-                raise NotImplementedError(
-                    "spectral norms of a model spread over several devices are not yet "
-                    "supported; set weights.enabled=false"
-                )
-            if any(m.is_meta for m in out):
-                device = None  # a model on the meta device has no values yet
-            self._views, self._views_device, self._views_key = out, device, key
-        return self._views, self._views_device
+            groups: dict[torch.device, list[int]] = {}
+            if not any(m.is_meta for m in out):  # a meta model has no values yet
+                for i, m in enumerate(out):
+                    groups.setdefault(m.device, []).append(i)
+            self._groups = [(d, [out[i] for i in idx]) for d, idx in groups.items()]
+            self._order = None
+            if len(groups) > 1:
+                # a 2-D weight has one estimate, a stack of head views one per head
+                sizes = [1 if m.dim() == 2 else m.shape[0] for m in out]
+                starts = list(itertools.accumulate(sizes, initial=0))
+                # the model-order position of each estimate, in the groups' order
+                concat = [
+                    j for idx in groups.values() for i in idx for j in range(*starts[i : i + 2])
+                ]
+                self._order = torch.tensor(concat, device=self._groups[0][0]).argsort()
+            self._views_key = key
+        return self._groups
 
     @torch.no_grad()
     def on_step(self) -> None:
@@ -93,17 +104,23 @@ class WeightProbe:
         if self._sharded is not None:
             self._sigma = self._sharded.step(self._blocks)
             return
-        matrices, device = self._matrices()
-        if device is None:
-            return
-        pi = self._pi.get(device)
-        if pi is None:
-            pi = self._pi[device] = PowerIteration(
-                iters=self.cfg.iters,
-                backend=self.ctx.backend_for(device),
-                alternate=self.cfg.alternate,
-            )
-        self._sigma = pi.step(matrices)
+        groups = self._matrix_groups()
+        sigmas = []
+        for device, matrices in groups:
+            pi = self._pi.get(device)
+            if pi is None:
+                pi = self._pi[device] = PowerIteration(
+                    iters=self.cfg.iters,
+                    backend=self.ctx.backend_for(device),
+                    alternate=self.cfg.alternate,
+                )
+            sigmas.append(pi.step(matrices))
+        if self._order is not None:  # several devices: gathered on the first, no host sync
+            first = groups[0][0]
+            gathered = torch.cat([s.to(first, non_blocking=True) for s in sigmas])
+            self._sigma = gathered.index_select(0, self._order)
+        elif sigmas:
+            self._sigma = sigmas[0]
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         return {} if self._sigma is None else {"weights/sigma": self._sigma}
