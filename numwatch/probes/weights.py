@@ -59,7 +59,8 @@ class WeightProbe:
         ]
         self._views_key: tuple[int, ...] | None = None
         # the matrices by device, each group run by that device's power iteration, and where
-        # the groups' concatenated estimates go back to the model's order (None: one group)
+        # the groups' concatenated estimates go back to the model's order (None: one group), on
+        # the device that gathers them
         self._groups: list[tuple[torch.device, list[torch.Tensor]]] = []
         self._order: torch.Tensor | None = None
 
@@ -93,7 +94,10 @@ class WeightProbe:
                 concat = [
                     j for idx in groups.values() for i in idx for j in range(*starts[i : i + 2])
                 ]
-                self._order = torch.tensor(concat, device=self._groups[0][0]).argsort()
+                # gathered on an accelerator where there is one: a non-blocking copy from it
+                # into CPU memory could still be running when the CPU concatenates
+                target = next((d for d in groups if d.type != "cpu"), out[0].device)
+                self._order = torch.tensor(concat, device=target).argsort()
             self._views_key = key
         return self._groups
 
@@ -115,9 +119,9 @@ class WeightProbe:
                     alternate=self.cfg.alternate,
                 )
             sigmas.append(pi.step(matrices))
-        if self._order is not None:  # several devices: gathered on the first, no host sync
-            first = groups[0][0]
-            gathered = torch.cat([s.to(first, non_blocking=True) for s in sigmas])
+        if self._order is not None:  # several devices: gathered without a host sync
+            target = self._order.device
+            gathered = torch.cat([s.to(target, non_blocking=True) for s in sigmas])
             self._sigma = gathered.index_select(0, self._order)
         elif sigmas:
             self._sigma = sigmas[0]
