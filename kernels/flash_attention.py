@@ -152,10 +152,10 @@ def _fallback_reason(
     if d % 8 != 0 or d > 256:
         return "head_dim"
     hk, tk = k.shape[1], k.shape[2]
+    if 0 in (b, h, hk, tq, tk):  # nothing to compute (and no TMA descriptor has a 0 dim)
+        return "empty"
     if hk != h and hk != 1 and (not enable_gqa or h % hk != 0):  # SDPA broadcasts hk == 1
         return "heads"
-    if tq == 0 or tk == 0:
-        return "empty"
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         return "scale"
     if attn_mask is not None:
@@ -235,6 +235,9 @@ def _run(
 ) -> Tensor:
     q, k, v = _autocast_inputs(q, k, v)
     reason = _fallback_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if reason == "empty" and 0 in q.shape[:2]:
+        # no output element; SDPA's CUDA path returns None for an empty batch (torch 2.11)
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
     if reason is not None:
         if mode in PAPER_MODES:
             raise ValueError(

@@ -1089,11 +1089,16 @@ def _tiles(x: Tensor, block_t: int, block_d: int) -> Tensor | TensorDescriptor:
 
 
 def descriptor_ready(x: Tensor) -> bool:
-    """Whether ``x`` meets TMA's layout rules: unit last stride, 16-byte strides and base."""
+    """Whether ``x`` meets TMA's layout rules: unit last stride, 16-byte strides and base, and
+    no broadcast (stride 0) dimension, which a tensor map cannot describe (``expand``ed K/V:
+    pass the K/V heads themselves, GQA needs no copies)."""
     item = x.element_size()
     return (
         x.stride(-1) == 1
-        and all((s * item) % 16 == 0 for s in x.stride()[:-1])
+        and all(
+            (s * item) % 16 == 0 and (s or n == 1)
+            for s, n in zip(x.stride()[:-1], x.shape[:-1], strict=True)
+        )
         and x.data_ptr() % 16 == 0
     )
 

@@ -513,6 +513,32 @@ def test_fallbacks_are_counted_and_match_sdpa():
     assert (out["o"].float() - ref.float()).abs().max() <= 2 * EPS[torch.bfloat16] * ref.abs().max()
 
 
+@pytest.mark.parametrize("device", kernel_devices())
+def test_broadcast_kv_heads_equal_gqa(device):
+    """K/V expanded over the query heads (stride 0) give what the same heads give as GQA."""
+    q, k, v, _ = _inputs(2, 4, 1, 24, 24, 64, torch.bfloat16, device)
+    q, k, v = (t.detach() for t in (q, k, v))
+    expanded = flash_attention(q, k.expand(-1, 4, -1, -1), v.expand(-1, 4, -1, -1))
+    assert torch.equal(expanded, flash_attention(q, k, v, enable_gqa=True))
+
+
+@pytest.mark.parametrize("device", kernel_devices() or ["cpu"])
+@pytest.mark.parametrize("empty", ["batch", "heads", "queries", "keys"])
+def test_empty_inputs_give_sdpas_empty_output(device, empty):
+    shape = {"batch": (0, 2, 8, 8), "heads": (1, 0, 8, 8), "queries": (1, 2, 0, 8)}
+    b, h, tq, tk = shape.get(empty, (1, 2, 8, 0))
+    q = torch.randn(b, h, tq, 64, dtype=torch.bfloat16, device=device)
+    k = v = torch.randn(b, h, tk, 64, dtype=torch.bfloat16, device=device)
+    out = {}
+    counts = _counts_after(lambda: out.update(o=flash_attention(q, k, v)))
+    if empty in ("batch", "heads"):  # no output element: answered without SDPA, which
+        assert counts == {}  # returns None there on CUDA (torch 2.11)
+        assert out["o"].shape == (b, h, tq, 64) and out["o"].dtype == q.dtype
+    else:
+        assert counts == {"empty": 1}
+        assert torch.equal(out["o"], F.scaled_dot_product_attention(q, k, v))
+
+
 def test_paper_repro_and_bad_arguments_raise():
     q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="paper_repro"):
