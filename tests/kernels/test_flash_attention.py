@@ -227,6 +227,20 @@ def test_masks_match_fp64(name, causal, dtype):
     assert (o.float() - ref.float()).abs().max() <= 2 * EPS[dtype] * o64.abs().max()
 
 
+@pytest.mark.skipif(fa._tri is None, reason="triton is not installed")
+def test_descriptor_ready_layouts():
+    """Layouts a TMA descriptor takes as they are, and those copied first."""
+    ready = fa._tri.descriptor_ready
+    x = torch.randn(2, 4, 24, 64).bfloat16()
+    assert ready(x)
+    assert ready(x.transpose(1, 2).contiguous().transpose(1, 2))  # (B, T, H, D) storage
+    assert ready(x[:1])  # a size-1 dim
+    assert not ready(x[:, :1].expand(-1, 4, -1, -1))  # broadcast heads: stride 0
+    assert not ready(x.transpose(2, 3))  # last stride is not 1
+    assert not ready(torch.randn(2, 4, 24, 60).bfloat16()[..., :52])  # 104-byte row stride
+    assert not ready(x.flatten()[1 : 1 + 2 * 4 * 23 * 64].view(2, 4, 23, 64))  # base + 2 bytes
+
+
 @needs_kernel
 def test_strided_layout_equals_contiguous():
     """(B, T, H, D) activations viewed as (B, H, T, D) run in place and give the same result."""
