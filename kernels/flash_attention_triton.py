@@ -105,9 +105,9 @@ def _head_desc(
     """The tiles of one (batch, head) slice (T, HEAD_DIM) of a 4-D tensor.
 
     On a GPU, X already is a descriptor over the whole tensor, made once on the host: making one
-    per program costs every program a tensor-map write and fence (10-20 % of the forward at
-    T 1024, flash_attention_h200.json). The interpreter reads bf16 wrongly through host
-    descriptors (triton 3.9), so there each program makes a 2-D one over its slice.
+    per program costs every program a tensor-map write and fence (8-21 % of the forward at
+    T 1024: flash_attention_h200_descriptor_ab.json). The interpreter reads bf16 wrongly through
+    host descriptors (triton 3.9), so there each program makes a 2-D one over its slice.
     """
     if INTERPRET:
         base = X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
@@ -350,7 +350,7 @@ def _fwd_kernel(
     ROWSUM_MMA: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    DTYPE: tl.constexpr = Q.dtype.element_ty if INTERPRET else Q.dtype
+    DTYPE: tl.constexpr = Q.dtype.element_ty if INTERPRET else Q.dtype  # descriptor: element type
     pid_m = tl.program_id(0)
     if CAUSAL:  # longest rows first: fewer idle SMs at the tail
         pid_m = tl.cdiv(T_Q, BLOCK_M) - 1 - pid_m
@@ -643,7 +643,7 @@ def _bwd_dkdv_kernel(
     INTERPRET: tl.constexpr,
 ):
     """dK, dV of one key block for one query head (GQA: the host sums the group's heads)."""
-    DTYPE: tl.constexpr = Q.dtype.element_ty if INTERPRET else Q.dtype
+    DTYPE: tl.constexpr = Q.dtype.element_ty if INTERPRET else Q.dtype  # descriptor: element type
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -849,7 +849,7 @@ def _bwd_dq_kernel(
     INTERPRET: tl.constexpr,
 ):
     """dQ of one query block, looping over the key blocks it sees."""
-    DTYPE: tl.constexpr = Q.dtype.element_ty if INTERPRET else Q.dtype
+    DTYPE: tl.constexpr = Q.dtype.element_ty if INTERPRET else Q.dtype  # descriptor: element type
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.cdiv(T_Q, BLOCK_M) - 1 - pid_m
