@@ -13,13 +13,16 @@ backward configs come from the first sweep, bench/results/flash_attention_h200_s
 JSON records the configs used, and ``--configs-out`` writes them for NUMWATCH_FLASH_CONFIGS. The
 bias table measures mean(err)/mean|err| against float64 on planted ties (DESIGN.md §1: B4 H8
 N1024 d64 causal, 2 or 4 identical sink keys 14 above the other logits, V < 0) for our modes
-and PyTorch's kernels. Usage (GPU machine):
+and PyTorch's kernels. ``host_us_per_call`` is the host time per call at a GPT-2-sized shape
+where the GPU idles (launch overhead: ours passes host-made TMA descriptors). Usage (GPU
+machine):
     python3 bench/bench_flash_attention.py --sweep --out results.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -296,6 +299,38 @@ def measure(fn, backend, q, k, v, do, flops: float) -> dict:
     }
 
 
+def host_us(shape: tuple[int, int, int, int], causal: bool, calls: int = 300) -> dict:
+    """Host time per call where the GPU is idle most of the time (a GPT-2-sized head group at a
+    short length): the wall time of ``calls`` calls issued back to back, synchronized once.
+    Launch overhead, not kernel time: ours passes host-made TMA descriptors (their Python and
+    tensor-map encoding are per call), SDPA's kernels pass pointers."""
+    q, k, v, do = make_inputs(*shape)
+    out = {"shape": dict(zip(("B", "H", "T", "D"), shape, strict=True)), "causal": causal}
+    for name, (backend, fn) in providers(causal).items():
+        if name == "ours_plain":
+            continue
+
+        def fwd(fn=fn):
+            return fn(q, k, v)
+
+        def fwd_bwd(fn=fn):
+            torch.autograd.backward(fn(q, k, v), do)
+
+        timed = {}
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            for label, f in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+                for _ in range(20):
+                    f()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(calls):
+                    f()
+                torch.cuda.synchronize()
+                timed[f"{label}_us"] = round((time.perf_counter() - t) / calls * 1e6, 1)
+        out[name] = timed
+    return out
+
+
 def ratios(r: dict) -> dict:
     ours, plain, cudnn, fa2 = (r[n] for n in ("ours_stabilized", "ours_plain", "cudnn", "fa2"))
     out = {
@@ -433,6 +468,9 @@ def main() -> None:
     bias_table(report["bias_ratio_planted_ties"])
     save()
 
+    report["host_us_per_call"] = host_us((1, 12, 128, 64), causal=True)
+    print(json.dumps(report["host_us_per_call"]), flush=True)
+    save()
     rows = []
     for s in shapes(args.seqs, args.dims, args.tokens, args.hd):
         q, k, v, do = make_inputs(s["B"], s["H"], s["T"], s["D"])
