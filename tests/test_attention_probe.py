@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,6 +160,73 @@ def test_multihead_attention_both_paths(make_monitor, need_weights):
     _, ties, _ = oracle(q, k, causal=False)
     # Keys 0 and 1 are bitwise equal, so any row whose max is key 0 ties with key 1.
     assert head_values(snap, "attn_tie_entries", "mha", 4) == ties.tolist()
+
+
+def _dyadic(*shape, gen, scale=8):
+    """Small multiples of 1/scale: every product and sum the probe forms is exact in fp32."""
+    return torch.randint(-scale, scale + 1, shape, generator=gen).float() / scale
+
+
+def test_multihead_attention_bias_kv_zero_attn_and_padding(make_monitor):
+    """add_bias_kv appends a learned key, add_zero_attn a zero key, and the padding mask widens
+    to leave both visible. The learned key is planted equal to key 0 (exact dyadic values), so
+    every row whose maximum is key 0 ties with it."""
+    g = torch.Generator().manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True, add_bias_kv=True, add_zero_attn=True)
+    x = _dyadic(2, 5, 16, gen=g, scale=2)
+    x[1, 0] = x[0, 0]  # key 0 is the same in both batch elements
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(_dyadic(48, 16, gen=g))
+        mha.in_proj_bias.zero_()
+        q = (x @ mha.in_proj_weight[:16].T).view(2, 5, 4, 4).transpose(1, 2)
+        k = (x @ mha.in_proj_weight[16:32].T).view(2, 5, 4, 4).transpose(1, 2)
+        mha.bias_k.copy_(k[0, :, 0].reshape(1, 1, 16))
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, 4] = True  # batch element 1's last key is padding
+    model = nn.Sequential()
+    model.add_module("mha", mha)
+    model.forward = lambda x: mha(x, x, x, key_padding_mask=pad, need_weights=False)  # type: ignore[method-assign]
+    monitor = make_monitor(model)
+    model(x)
+    monitor.step()
+    snap = monitor.snapshot()
+    assert not any(monitor.errors.values())
+    k_all = torch.cat([k, k[:1, :, :1].expand(2, -1, -1, -1), torch.zeros(2, 4, 1, 4)], dim=2)
+    keep = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    keep[1, ..., 4] = False
+    rep, ties, rows = oracle(q, k_all, causal=False, mask=keep)
+    assert rep.sum() > 0  # the planted ties occur
+    assert head_values(snap, "attn_repeated_max_rows", "mha", 4) == rep.tolist()
+    assert head_values(snap, "attn_tie_entries", "mha", 4) == ties.tolist()
+    assert head_values(snap, "attn_rows", "mha", 4) == rows.tolist() == [10] * 4
+    s = (q.double() @ k_all.double().transpose(-1, -2) * 0.5).masked_fill(~keep, -math.inf)
+    want_max = s.amax((0, 2, 3)).tolist()
+    assert head_values(snap, "attn_max_logit", "mha", 4) == want_max
+
+
+def test_static_k_of_the_functional_form(make_monitor):
+    """F.multi_head_attention_forward with static_k: the given (N*H, S, hd) keys are used."""
+    g = torch.Generator().manual_seed(1)
+    w, b = _dyadic(48, 16, gen=g), torch.zeros(48)
+    x = _dyadic(6, 2, 16, gen=g, scale=2)  # (L, N, E)
+    static_k = _dyadic(2 * 4, 3, 4, gen=g)
+    static_k[:, 2] = static_k[:, 0]  # keys 0 and 2 tie in every head
+
+    def attend(_x=None):
+        return F.multi_head_attention_forward(
+            x, x, x, 16, 4, w, b, None, None, False, 0.0, torch.eye(16), torch.zeros(16),
+            need_weights=False, static_k=static_k, static_v=static_k,
+        )[0]  # fmt: skip
+
+    model = Net(Fixed(None, None, None, lambda *_: attend()))
+    monitor = make_monitor(model)
+    model()
+    monitor.step()
+    snap = monitor.snapshot()
+    q = (x @ w[:16].T).view(6, 2, 4, 4).permute(1, 2, 0, 3)
+    rep, ties, _ = oracle(q, static_k.view(2, 4, 3, 4), causal=False)
+    assert head_values(snap, "attn_tie_entries", "block.attn", 4) == ties.tolist()
+    assert head_values(snap, "attn_repeated_max_rows", "block.attn", 4) == rep.tolist()
 
 
 def test_no_interception_outside_sampled_steps(make_monitor):

@@ -426,13 +426,11 @@ class AttentionProbe:
 
     @torch.no_grad()
     def _observe_mha(self, layer: str, args: tuple, kwargs: dict) -> None:
-        """Q and K as nn.MultiheadAttention builds them, in SDPA layout and mask convention."""
+        """Q and K as nn.MultiheadAttention builds them, in SDPA layout and mask convention:
+        with ``add_bias_kv`` a learned key after the sequence, with ``static_k`` the given
+        keys, with ``add_zero_attn`` a zero key last, the masks widened to leave them visible
+        (F.multi_head_attention_forward's order)."""
         a = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
-        if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
-            raise NotImplementedError(
-                "nn.MultiheadAttention with add_bias_kv/add_zero_attn/static_k is not yet "
-                "supported by the attention probe"
-            )
         H = a["num_heads"]
         query, key = a["query"], a["key"]  # (L, N, E), (S, N, E)
         E = query.shape[-1]
@@ -449,15 +447,25 @@ class AttentionProbe:
                 y = y.unsqueeze(1)
             return y.reshape(y.shape[0], y.shape[1], H, E // H).permute(1, 2, 0, 3)  # (N, H, T, hd)
 
-        q, k = heads(query, wq, bq), heads(key, wk, bk)
-        N, _, L, _ = q.shape
+        q = heads(query, wq, bq)
+        N, _, L, hd = q.shape
+        static_k = a.get("static_k")
+        k = heads(key, wk, bk) if static_k is None else static_k.view(N, H, -1, hd)
+        extra = []  # keys after the sequence, visible to every query
+        if a.get("bias_k") is not None:
+            extra.append(a["bias_k"].reshape(1, H, 1, hd).expand(N, -1, -1, -1))
+        if a.get("add_zero_attn"):
+            extra.append(k.new_zeros(N, H, 1, hd))
+        mask, pad = a.get("attn_mask"), a.get("key_padding_mask")
+        if extra:
+            k = torch.cat([k, *extra], dim=2)
+            mask = None if mask is None else F.pad(mask, (0, len(extra)))
+            pad = None if pad is None else F.pad(pad, (0, len(extra)))
         S = k.shape[2]
         keep = None  # MHA masks say True = masked; SDPA's say True = keep
-        mask = a.get("attn_mask")
         if mask is not None:
             mask = mask.view(N, H, L, S) if mask.dim() == 3 else mask.view(1, 1, L, S)
             keep = ~mask if mask.dtype == torch.bool else mask
-        pad = a.get("key_padding_mask")
         if pad is not None:
             pad = pad.view(N, 1, 1, S)
             pad = ~pad if pad.dtype == torch.bool else pad
