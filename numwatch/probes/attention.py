@@ -450,7 +450,7 @@ class AttentionProbe:
         q = heads(query, wq, bq)
         N, _, L, hd = q.shape
         static_k = a.get("static_k")
-        k = heads(key, wk, bk) if static_k is None else static_k.view(N, H, -1, hd)
+        k = heads(key, wk, bk) if static_k is None else static_k.reshape(N, H, -1, hd)
         extra = []  # keys after the sequence, visible to every query
         if a.get("bias_k") is not None:
             extra.append(a["bias_k"].reshape(1, H, 1, hd).expand(N, -1, -1, -1))
