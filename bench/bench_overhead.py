@@ -22,6 +22,8 @@ kind's share of the mean overhead (the mean is what a run pays; the median sees 
 - ``grads_spectral_alternate_every_step``: the same with one power-iteration pass per step
   (``weights.alternate``: each step reads the weights once instead of twice);
 - ``everything_every_step``: every probe at every step, flush every step;
+- ``default_swapped_stabilized``: the defaults with every layer's attention routed to numwatch's
+  stabilized flash attention (``Monitor.swap_attention``), against the cuDNN baseline;
 - ``<config>_plain_launches`` (for grads_spectral_every_step, default): the same with the power
   iteration launched one by one instead of replayed as a CUDA graph (runs 16-17 also had
   ``gradients_only_plain_launches``, from when the gradient statistics replayed one too);
@@ -124,6 +126,11 @@ PLAIN_LAUNCHES = {
     f"{name}_plain_launches": name for name in ("grads_spectral_every_step", "default")
 }
 CONFIGS.update({plain: CONFIGS[name] for plain, name in PLAIN_LAUNCHES.items()})
+# The defaults with every layer's SDPA calls routed to numwatch's stabilized flash attention
+# (Monitor.swap_attention) instead of cuDNN: what the hot-swap costs a training step, its
+# kernels' device time and their launches' host time together.
+SWAPPED = {"default_swapped_stabilized": "default"}
+CONFIGS.update({name: CONFIGS[base] for name, base in SWAPPED.items()})
 
 
 @contextmanager
@@ -146,6 +153,8 @@ def configured(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, mo
             handles = [p.register_hook(check) for p in model.parameters()]
         elif isinstance(spec, dict):
             monitor = monitors[name].attach(opt)
+            if name in SWAPPED:
+                monitor.swap_attention()
         try:
             yield monitor
         finally:

@@ -21,6 +21,10 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_overhead.py --interleave --steps 500 \
     --configs baseline,gradients_only,grads_spectral_every_step,grads_spectral_every_step_plain_launches,default,default_plain_launches \
     --out $R/overhead_gpt2_h200_interleaved_graphs.json
+  # the hot-swap in training: every layer on the stabilized kernel against cuDNN
+  $py bench/bench_overhead.py --interleave --steps 300 \
+    --configs baseline,default,default_swapped_stabilized \
+    --out $R/overhead_gpt2_h200_interleaved_swapped.json
   $py bench/profile_step.py --out $R/profile_step_h200.json
   $py bench/repro_logit_growth.py --device cuda --preset small --steps 3000 --batch 32 \
     --lr 0.1 --warmup 20 --max-seconds 40 --out $R/repro_logit_growth_h200.json
