@@ -58,6 +58,9 @@ FWD_CANDIDATES = {
         TC(128, 128, 8, 2),
         TC(128, 128, 8, 2, rowsum_mma=True),
         TC(128, 64, 8, 3, rowsum_mma=True),
+        # 64-row tiles, two programs per SM (85 KB of shared memory each): cheaper programs,
+        # which short sequences need now that a program's fixed cost is smaller
+        TC(64, 64, 4, 2, rowsum_mma=True),
     ],
 }
 SWEEP_MODES = {"fwd": "plain", "fwd_stab": "stabilized"}
