@@ -23,6 +23,11 @@ def sigma(w: torch.Tensor) -> float:
     return torch.linalg.matrix_norm(w.detach().double(), ord=2).item()
 
 
+def qk_head_sigmas(qkv_weight: torch.Tensor, h: int) -> tuple[float, float]:
+    """Exact norms of head h's W_Q and W_K rows in Attn's fused qkv weight (8-dim heads)."""
+    return sigma(qkv_weight[8 * h : 8 * h + 8]), sigma(qkv_weight[32 + 8 * h : 32 + 8 * h + 8])
+
+
 class Attn(nn.Module):
     def __init__(self, d=32, n_heads=4):
         super().__init__()
@@ -58,7 +63,7 @@ def test_fused_qkv_heads_and_logit_bound():
     w = model.attn.qkv.weight
     for h in range(4):
         labels = {"layer": "attn", "head": str(h)}
-        sq, sk = sigma(w[8 * h : 8 * h + 8]), sigma(w[32 + 8 * h : 32 + 8 * h + 8])
+        sq, sk = qk_head_sigmas(w, h)
         assert snap.value("attn_q_spectral_norm", **labels) == pytest.approx(sq, rel=1e-2)
         assert snap.value("attn_k_spectral_norm", **labels) == pytest.approx(sk, rel=1e-2)
         bound = snap.value("attn_qk_logit_bound", **labels)
@@ -94,7 +99,7 @@ def test_model_split_over_two_devices():
     w = model.attn.qkv.weight
     for h in range(4):
         labels = {"layer": "attn", "head": str(h)}
-        sq, sk = sigma(w[8 * h : 8 * h + 8]), sigma(w[32 + 8 * h : 32 + 8 * h + 8])
+        sq, sk = qk_head_sigmas(w, h)
         assert snap.value("attn_q_spectral_norm", **labels) == pytest.approx(sq, rel=1e-2)
         assert snap.value("attn_k_spectral_norm", **labels) == pytest.approx(sk, rel=1e-2)
 
