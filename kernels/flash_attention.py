@@ -70,8 +70,11 @@ what BF16 accumulation costs by itself.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from collections import Counter
+from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +124,11 @@ def _kernel_mode(mode: str, stabilize: bool, beta: float) -> int:
     if mode == "stabilized" and not stabilize:
         return MODE_PLAIN
     return _MODES[mode]
+
+
+@functools.cache
+def _capability_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def _fallback_reason(
@@ -173,7 +181,7 @@ def _fallback_reason(
     if q.device.type == "cuda":
         if _tri is None:
             return "no_triton"
-        if torch.cuda.get_device_capability(q.device)[0] < 9:
+        if _capability_major(q.device) < 9:
             return "gpu_arch"  # tensor descriptors (TMA) are only tested on Hopper
     return None
 
@@ -212,12 +220,19 @@ class _FlashFn(torch.autograd.Function):
     def backward(ctx, do):  # type: ignore[override]
         q, k, v, o, lse, mask = ctx.saved_tensors
         args = (do, q, k, v, o, lse, mask, ctx.causal, ctx.sm_scale, ctx.mode)
-        with torch.autocast(q.device.type, enabled=False):
+        with _no_autocast(q.device.type):
             if ctx.use_triton:
                 dq, dk, dv = _tri.triton_backward(*args)
             else:
                 dq, dk, dv = reference_backward(*args)
         return dq, dk, dv, None, None, None, None, None, None
+
+
+def _no_autocast(device_type: str) -> AbstractContextManager:
+    """Autocast switched off where it is on (entering the context costs host time per call)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _run(
@@ -254,7 +269,7 @@ def _run(
     mask = None if attn_mask is None else attn_mask.expand(b, h, tq, k.shape[2])
     if use_triton:  # TMA needs 16-byte strides: copy the rare layouts that lack them
         q, k, v = (t if _tri.descriptor_ready(t) else t.contiguous() for t in (q, k, v))
-    with torch.autocast(q.device.type, enabled=False):
+    with _no_autocast(q.device.type):
         return _FlashFn.apply(q, k, v, mask, is_causal, sm_scale, mode, beta, use_triton)
 
 

@@ -14,6 +14,7 @@ integer ops (the interpreter's cast truncates).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import NamedTuple
@@ -34,6 +35,7 @@ from .flash_attention_torch import (
     SHIFT_MIN_LN,
     STABILIZED_MODES,
 )
+from .launch import Relauncher
 
 # triton.jit reads TRITON_INTERPRET when it decorates, so this is fixed at import time too.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -1050,7 +1052,7 @@ _GPU_CONFIGS = {
 
 def padded_head_dim(d: int) -> int:
     """Head dim rounded up to the power of two the tiles use (zero-filled past d)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, 1 << (d - 1).bit_length())
 
 
 def tile_config(kernel: str, block_d: int, causal: bool) -> TileConfig:
@@ -1080,12 +1082,27 @@ def tile_config(kernel: str, block_d: int, causal: bool) -> TileConfig:
 # ----------------------------------------------------------------------------- host wrappers
 
 
+# TensorDescriptor's fields, when they are the ones _tiles fills in directly
+_DESCRIPTOR_FIELDS_KNOWN = [f.name for f in dataclasses.fields(TensorDescriptor)] == [
+    "base", "shape", "strides", "block_shape", "padding",
+]  # fmt: skip
+
+
 def _tiles(x: Tensor, block_t: int, block_d: int) -> Tensor | TensorDescriptor:
     """A (B, H, T, D) tensor as the kernels take it (see _head_desc): a TMA descriptor of
-    (1, 1, block_t, block_d) tiles on a GPU, the tensor itself in the interpreter."""
+    (1, 1, block_t, block_d) tiles on a GPU, the tensor itself in the interpreter.
+
+    Every tensor that gets here passed descriptor_ready and has no 0 dimension, which is what
+    the descriptor's constructor asserts; its fields are filled in directly, without those
+    checks, which were two thirds of its cost (a call makes 4 to 15 descriptors)."""
     if INTERPRET:
         return x
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block_t, block_d])
+    if not _DESCRIPTOR_FIELDS_KNOWN:  # another Triton's descriptor: its own constructor
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block_t, block_d])
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides = x, list(x.shape), list(x.stride())
+    desc.block_shape, desc.padding = [1, 1, block_t, block_d], "zero"
+    return desc
 
 
 def descriptor_ready(x: Tensor) -> bool:
@@ -1112,13 +1129,29 @@ def _mask_args(mask: Tensor | None, like: Tensor) -> tuple[Tensor, int, tuple[in
     return mask, MASK_ADD, mask.stride()
 
 
-def _stab_args(dtype: torch.dtype, beta: float) -> dict:
-    return {
-        "beta_m1": beta - 1.0,
-        "dmin2": SHIFT_MIN_LN * LOG2E,
-        "dmax2": SHIFT_MAX_LN[dtype] * LOG2E,
-        "SAT2": SATURATION_LN[dtype] * LOG2E,
-    }
+def _stab_args(dtype: torch.dtype, beta: float) -> tuple[float, float, float, float]:
+    """The forward's beta_m1, dmin2, dmax2 and SAT2 (log2 units)."""
+    return (
+        beta - 1.0,
+        SHIFT_MIN_LN * LOG2E,
+        SHIFT_MAX_LN[dtype] * LOG2E,
+        SATURATION_LN[dtype] * LOG2E,
+    )
+
+
+def _mask_key(mask_t: Tensor, mask_kind: int) -> tuple:
+    """What a launch specializes on in the mask pointer: its type and 16-byte alignment."""
+    return (mask_kind, mask_t.dtype, mask_t.data_ptr() % 16 == 0)
+
+
+# The launches skip JITFunction.run once compiled (launch.Relauncher): its argument binding and
+# specialization were most of a call's host time, about 40 arguments per kernel. Each key holds
+# every integer argument's exact value, the dtypes, the mask pointer's alignment and the tile
+# configuration: all a launch specializes on.
+_launch_fwd = Relauncher(_fwd_kernel)
+_launch_delta = Relauncher(_bwd_delta_kernel)
+_launch_dkdv = Relauncher(_bwd_dkdv_kernel)
+_launch_dq = Relauncher(_bwd_dq_kernel)
 
 
 def triton_forward(
@@ -1142,13 +1175,14 @@ def triton_forward(
     mask_t, mask_kind, ms = _mask_args(mask, q)
     grid = (triton.cdiv(tq, cfg.block_m), b * h)
     bm, bn = cfg.block_m, cfg.block_n
-    _fwd_kernel[grid](
+    ints = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *ms,
+            h, h // hk, tq, tk, d)  # fmt: skip
+    beta_m1, dmin2, dmax2, sat2 = _stab_args(q.dtype, beta)
+    _launch_fwd(
+        (q.dtype, sat2, mode, causal, cfg, block_d, _mask_key(mask_t, mask_kind), ints), grid,
         _tiles(q, bm, block_d), _tiles(k, bn, block_d), _tiles(v, bn, block_d),
-        _tiles(o, bm, block_d), lse, mask_t,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *ms,
-        h, h // hk, tq, tk, d, sm_scale,
-        **_stab_args(q.dtype, beta),
-        MODE=mode, MASK_KIND=mask_kind, CAUSAL=causal,
+        _tiles(o, bm, block_d), lse, mask_t, *ints, sm_scale, beta_m1, dmin2, dmax2,
+        SAT2=sat2, MODE=mode, MASK_KIND=mask_kind, CAUSAL=causal,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         WARP_SPECIALIZE=cfg.warp_specialize, ROWSUM_MMA=cfg.rowsum_mma, INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -1176,9 +1210,10 @@ def triton_backward(
     if not descriptor_ready(do):
         do = do.contiguous()
     delta = torch.empty_like(lse)
-    _bwd_delta_kernel[(triton.cdiv(tq, 64), b * h)](
-        o, do, delta, *o.stride()[:3], *do.stride()[:3], h, tq, d,
-        BLOCK_M=64, BLOCK_D=block_d,
+    ints = (*o.stride()[:3], *do.stride()[:3], h, tq, d)
+    _launch_delta(
+        (o.dtype, do.dtype, o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, block_d, ints),
+        (triton.cdiv(tq, 64), b * h), o, do, delta, *ints, BLOCK_M=64, BLOCK_D=block_d,
     )  # fmt: skip
     mask_t, mask_kind, ms = _mask_args(mask, q)
     # The backward only needs to know whether S was rounded (paper_repro): plain and stabilized
@@ -1190,15 +1225,17 @@ def triton_backward(
     else:  # one fp32 slice per query head, summed over each group below
         dk = torch.empty((b, h, tk, d), device=q.device, dtype=torch.float32)
         dv = torch.empty_like(dk)
+    qkv_ints = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
+    sizes = (h, group, tq, tk, d)
+    common = (q.dtype, dk.dtype, bwd_mode, causal, block_d, _mask_key(mask_t, mask_kind))
     cfg = tile_config("dkdv", block_d, causal)
     bm, bn = cfg.block_m, cfg.block_n
-    _bwd_dkdv_kernel[(triton.cdiv(tk, cfg.block_n), b * h)](
+    ints = (*qkv_ints, *dk.stride()[:3], *dv.stride()[:3], *ms, *sizes)
+    _launch_dkdv(
+        (*common, cfg, ints), (triton.cdiv(tk, cfg.block_n), b * h),
         _tiles(q, bm, block_d), _tiles(k, bn, block_d), _tiles(v, bn, block_d),
         _tiles(do, bm, block_d), _tiles(dk, bn, block_d), _tiles(dv, bn, block_d),
-        lse, delta, mask_t,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
-        *dk.stride()[:3], *dv.stride()[:3], *ms,
-        h, group, tq, tk, d, sm_scale,
+        lse, delta, mask_t, *ints, sm_scale,
         MODE=bwd_mode, MASK_KIND=mask_kind, CAUSAL=causal,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         EVEN_Q=tq % cfg.block_m == 0, INTERPRET=INTERPRET,
@@ -1206,12 +1243,11 @@ def triton_backward(
     )  # fmt: skip
     cfg = tile_config("dq", block_d, causal)
     bm, bn = cfg.block_m, cfg.block_n
-    _bwd_dq_kernel[(triton.cdiv(tq, cfg.block_m), b * h)](
+    ints = (*qkv_ints, *dq.stride()[:3], *ms, *sizes)
+    _launch_dq(
+        (*common, cfg, ints), (triton.cdiv(tq, cfg.block_m), b * h),
         _tiles(q, bm, block_d), _tiles(k, bn, block_d), _tiles(v, bn, block_d),
-        _tiles(do, bm, block_d), _tiles(dq, bm, block_d), lse, delta, mask_t,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
-        *dq.stride()[:3], *ms,
-        h, group, tq, tk, d, sm_scale,
+        _tiles(do, bm, block_d), _tiles(dq, bm, block_d), lse, delta, mask_t, *ints, sm_scale,
         MODE=bwd_mode, MASK_KIND=mask_kind, CAUSAL=causal,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -128,6 +128,9 @@ def _direct_launch_supported(compiled: Any) -> bool:
     )
 
 
+MAX_KEYS = 1024  # a Relauncher's remembered keys
+
+
 class Relauncher:
     """``launch(key, grid, *args, **constexprs)``: ``fn[grid](*args, **constexprs)``, compiling
     on the first call of each ``key``, later calls straight into the compiled launcher.
@@ -155,6 +158,8 @@ class Relauncher:
             rest = self._names[len(args) :]
             if _direct_launch_supported(compiled) and all(n in constexprs for n in rest):
                 tail = tuple(constexprs[n] for n in rest)
+                if len(self._compiled) >= MAX_KEYS:  # keys of ever new shapes: start over
+                    self._compiled.clear()
                 self._compiled[(driver.active.get_current_device(), key)] = (compiled, tail)
             return
         compiled, tail = hit

@@ -255,6 +255,32 @@ def test_strided_layout_equals_contiguous():
     assert torch.equal(out, out_c)
 
 
+@requires_gpu
+def test_relaunched_calls_are_bitwise_the_first():
+    """From its second call on, each of the four kernels launches straight into its compiled
+    launcher (launch.Relauncher), with the same results bit for bit; a different layout makes
+    different keys and stays right (test_strided_layout_equals_contiguous)."""
+    tri = fa._tri
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (
+        torch.randn(2, 4, 203, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+        for _ in range(3)
+    )
+    do = torch.randn(q.shape, generator=g).to("cuda", torch.bfloat16)
+
+    def run():
+        out = flash_attention(q, k, v, is_causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    launchers = (tri._launch_fwd, tri._launch_delta, tri._launch_dkdv, tri._launch_dq)
+    first = run()
+    before = [launcher.direct_launches for launcher in launchers]
+    second = run()
+    assert [launcher.direct_launches for launcher in launchers] == [n + 1 for n in before]
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
 # ----------------------------------------------------------------------------- planted ties
 
 
