@@ -33,6 +33,8 @@ from collections.abc import Iterator
 
 import torch
 
+from .launch import cdiv
+
 try:
     import triton
     import triton.language as tl
@@ -848,7 +850,7 @@ def _head_stats_triton(
         mask_arg, mask_kind, ms, floor = mask.view(torch.uint8), 1, mask.stride(), 0.0
     else:
         mask_arg, mask_kind, ms, floor = mask, 2, mask.stride(), _mask_floor(mask)
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, 1 << (D - 1).bit_length())
     args = dict(
         HAS_ROWS=rows is not None,
         HAS_BATCH=batch is not None,
@@ -874,11 +876,11 @@ def _head_stats_triton(
         args.update(launch.pop("kwargs"), **launch)
 
     def grid(meta: dict) -> tuple[int, int, int]:
-        return (triton.cdiv(R, meta["BLOCK_M"]), Hq, Bs)
+        return (cdiv(R, meta["BLOCK_M"]), Hq, Bs)
 
     # every launched block writes its partials; room for the smallest BLOCK_M the tuner may pick
     min_bm = config[0] if config is not None else min(cf[0] for cf in _TUNED_CONFIGS)
-    part = torch.empty((Bs, Hq, triton.cdiv(R, min_bm), 9), dtype=torch.float64, device=q.device)
+    part = torch.empty((Bs, Hq, cdiv(R, min_bm), 9), dtype=torch.float64, device=q.device)
     rows_arg = q if rows is None else rows.to(device=q.device, dtype=torch.int64)
     batch_arg = q if batch is None else batch.to(device=q.device, dtype=torch.int64)
     kernel[grid](
@@ -889,7 +891,7 @@ def _head_stats_triton(
         **args,
     )  # fmt: skip
     bm = config[0] if config is not None else kernel.best_config.kwargs["BLOCK_M"]
-    return _reduce_partials(part, triton.cdiv(R, bm))
+    return _reduce_partials(part, cdiv(R, bm))
 
 
 def _reduce_partials(part: torch.Tensor, n_blocks: int) -> torch.Tensor:
@@ -994,10 +996,10 @@ def _output_error_triton(
     B, Hq, Tq, D = q.shape
     Tk, Dv = k.shape[2], v.shape[3]
     exact_tf32 = all(x.dtype in (torch.bfloat16, torch.float16) for x in (q, k))
-    block_d, block_dv = (max(16, triton.next_power_of_2(d)) for d in (D, Dv))
+    block_d, block_dv = (max(16, 1 << (d - 1).bit_length()) for d in (D, Dv))
     config = _ERROR_CONFIGS[128 if max(block_d, block_dv) <= 128 else 256]
     bm, bn, warps, stages = _ERROR_INTERPRET_CONFIG if _interpreting() else config
-    n_blocks = triton.cdiv(Tq, bm)
+    n_blocks = cdiv(Tq, bm)
     part = torch.empty((B, Hq, n_blocks, 3), dtype=torch.float64, device=q.device)
     part_dim = torch.empty((B, Hq, n_blocks, block_dv), dtype=torch.float64, device=q.device)
     _output_error_kernel[(n_blocks, Hq, B)](

@@ -35,7 +35,7 @@ from .flash_attention_torch import (
     SHIFT_MIN_LN,
     STABILIZED_MODES,
 )
-from .launch import Relauncher
+from .launch import Relauncher, cdiv
 
 # triton.jit reads TRITON_INTERPRET when it decorates, so this is fixed at import time too.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -1173,7 +1173,7 @@ def triton_forward(
     o = torch.empty_like(q)
     lse = torch.empty((b, h, tq), device=q.device, dtype=torch.float32)
     mask_t, mask_kind, ms = _mask_args(mask, q)
-    grid = (triton.cdiv(tq, cfg.block_m), b * h)
+    grid = (cdiv(tq, cfg.block_m), b * h)
     bm, bn = cfg.block_m, cfg.block_n
     ints = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *ms,
             h, h // hk, tq, tk, d)  # fmt: skip
@@ -1213,7 +1213,7 @@ def triton_backward(
     ints = (*o.stride()[:3], *do.stride()[:3], h, tq, d)
     _launch_delta(
         (o.dtype, do.dtype, o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, block_d, ints),
-        (triton.cdiv(tq, 64), b * h), o, do, delta, *ints, BLOCK_M=64, BLOCK_D=block_d,
+        (cdiv(tq, 64), b * h), o, do, delta, *ints, BLOCK_M=64, BLOCK_D=block_d,
     )  # fmt: skip
     mask_t, mask_kind, ms = _mask_args(mask, q)
     # The backward only needs to know whether S was rounded (paper_repro): plain and stabilized
@@ -1232,7 +1232,7 @@ def triton_backward(
     bm, bn = cfg.block_m, cfg.block_n
     ints = (*qkv_ints, *dk.stride()[:3], *dv.stride()[:3], *ms, *sizes)
     _launch_dkdv(
-        (*common, cfg, ints), (triton.cdiv(tk, cfg.block_n), b * h),
+        (*common, cfg, ints), (cdiv(tk, cfg.block_n), b * h),
         _tiles(q, bm, block_d), _tiles(k, bn, block_d), _tiles(v, bn, block_d),
         _tiles(do, bm, block_d), _tiles(dk, bn, block_d), _tiles(dv, bn, block_d),
         lse, delta, mask_t, *ints, sm_scale,
@@ -1245,7 +1245,7 @@ def triton_backward(
     bm, bn = cfg.block_m, cfg.block_n
     ints = (*qkv_ints, *dq.stride()[:3], *ms, *sizes)
     _launch_dq(
-        (*common, cfg, ints), (triton.cdiv(tq, cfg.block_m), b * h),
+        (*common, cfg, ints), (cdiv(tq, cfg.block_m), b * h),
         _tiles(q, bm, block_d), _tiles(k, bn, block_d), _tiles(v, bn, block_d),
         _tiles(do, bm, block_d), _tiles(dq, bm, block_d), lse, delta, mask_t, *ints, sm_scale,
         MODE=bwd_mode, MASK_KIND=mask_kind, CAUSAL=causal,

@@ -39,6 +39,7 @@ __all__ = [
     "Relauncher",
     "capture",
     "capture_when_due",
+    "cdiv",
     "graphs_allowed",
     "replay",
 ]
@@ -129,6 +130,12 @@ def _direct_launch_supported(compiled: Any) -> bool:
 
 
 MAX_KEYS = 1024  # a Relauncher's remembered keys
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for grids. Triton's own (``triton.cdiv``) is a constexpr_function since
+    Triton 3.5, whose call from Python unwraps its arguments: host time on every launch."""
+    return -(-a // b)
 
 
 class Relauncher:
