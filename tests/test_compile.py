@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import numwatch
+from numwatch.kernels.flash_attention import flash_attention_fallbacks
+from numwatch.testing import requires_gpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -65,25 +67,38 @@ def test_compiled_model_is_monitored_like_the_eager_one(make_monitor):
     assert frames[6:] == [0, 0]
 
 
-def test_routed_attention_under_compile_trains_as_in_eager(make_monitor):
-    """A layer routed to numwatch's kernel (here the paper's emulation, on the CPU path) gives
-    bitwise the same losses compiled as in eager mode."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_gpu)])
+def test_routed_attention_under_compile_trains_as_in_eager(make_monitor, device):
+    """A layer routed to numwatch's kernel trains compiled as in eager mode: on the CPU the
+    paper's emulation (in the Triton interpreter under the test suite), bitwise; on a GPU the
+    compiled stabilized kernel, whose launches Dynamo cannot trace (they run between graphs),
+    to 1e-5 (cuBLAS may pick other algorithms for the compiled graphs' layouts)."""
+    mode = "paper_repro" if device == "cpu" else "stabilized"
 
     def losses(compiled: bool) -> list[float]:
         torch.manual_seed(0)
-        model = GPT(CFG)
+        model = GPT(CFG).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         monitor = make_monitor(model, flush_every=4, attention__every=2).attach(opt)
-        monitor.swap_attention(mode="paper_repro", stabilize=False)
+        monitor.swap_attention(mode=mode, stabilize=mode == "stabilized")
         run = torch.compile(model, backend="aot_eager") if compiled else model
         g = torch.Generator().manual_seed(1)
         out = []
         for _ in range(5):
-            x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=g)
+            x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=g).to(device)
             out.append(train_step(run, opt, x, x.roll(-1, 1), monitor).item())
         assert not monitor._guard.errors
+        assert monitor.snapshot().value("attn_kernel_stabilized", layer="h.0.attn") == (
+            mode == "stabilized"
+        )
         monitor.detach()
         return out
 
     torch._dynamo.reset()
-    assert losses(True) == losses(False)
+    fallbacks = flash_attention_fallbacks()
+    compiled, eager = losses(True), losses(False)
+    assert flash_attention_fallbacks() == fallbacks  # every call ran numwatch's kernel
+    if device == "cpu":
+        assert compiled == eager
+    else:
+        assert compiled == pytest.approx(eager, rel=1e-5)
