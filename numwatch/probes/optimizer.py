@@ -12,6 +12,7 @@ latest update measured before it: at a step-closing flush, the previous step's.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -21,12 +22,20 @@ from torch import nn
 
 from numwatch.config import OptimizerProbeConfig
 from numwatch.distributed import local_tensor
+from numwatch.kernels import tensor_stats as ts
 from numwatch.probes.base import ProbeContext
 from numwatch.snapshot import MetricRecord
 
 __all__ = ["OptimizerProbe"]
 
 _TINY = torch.finfo(torch.float64).tiny
+
+
+def _sum_sq(stats: torch.Tensor) -> torch.Tensor:
+    """Sum of squares per row of ``tensor_stats``, +inf where a value was not finite (the
+    kernel's sums skip those)."""
+    nonfinite = stats[:, ts.NAN] + stats[:, ts.POSINF] + stats[:, ts.NEGINF]
+    return torch.where(nonfinite > 0, math.inf, stats[:, ts.SUMSQ])
 
 
 class OptimizerProbe:
@@ -101,7 +110,10 @@ class OptimizerProbe:
             size += nbytes
         self._cursor = (taken[-1] + 1) % n if taken else self._cursor
         self._taken = sorted(taken)
-        self._before = [local_tensor(self.params[i][1]).detach().clone() for i in self._taken]
+        # x * 1 is x bit for bit (signed zeros and infinities too): one multi-tensor op where a
+        # clone per parameter cost ~10 µs of host time each
+        params = [local_tensor(self.params[i][1]).detach() for i in self._taken]
+        self._before = torch._foreach_mul(params, 1.0) if params else None
 
     @torch.no_grad()
     def _measure(self) -> None:
@@ -113,22 +125,25 @@ class OptimizerProbe:
         # below add up across ranks at flush (numwatch/distributed.py, key 'opt/sums').
         params = [local_tensor(self.params[i][1]).detach() for i in self._taken]
         grads = [local_tensor(self.params[i][1].grad) for i in self._taken]
-        f32 = torch.float32
+        if len({t.device for t in params}) > 1:
+            raise NotImplementedError(
+                "the optimizer probe measures parameters on one device; these are on several "
+                "(set optimizer.enabled=false)"
+            )
         updates = torch._foreach_sub(params, self._before)
         self._before = None
-        u_norm = torch.stack(torch._foreach_norm(updates, 2, dtype=f32)).double()
-        w_norm = torch.stack(torch._foreach_norm(params, 2, dtype=f32)).double()
-        # Multi-tensor ops only (a handful of launches for any number of parameters):
-        # sign(|g|) marks moved elements, sign(|g|) * sign(|u|) those whose weight changed.
-        moved = torch._foreach_abs(grads)
-        torch._foreach_sign_(moved)
-        changed = updates  # reused in place: the updates are no longer needed
-        torch._foreach_abs_(changed)
-        torch._foreach_sign_(changed)
-        torch._foreach_mul_(changed, moved)
-        n_moved = torch.stack(torch._foreach_norm(moved, 1, dtype=f32)).double()
-        n_changed = torch.stack(torch._foreach_norm(changed, 1, dtype=f32)).double()
-        sums = torch.stack([u_norm.square(), w_norm.square(), n_moved, n_changed], dim=1)
+        # Per-parameter sums from the fused statistics kernel (one launch per list): a
+        # _foreach_norm returns one tensor per parameter, which made four of them and their
+        # stacks most of this probe's host time.
+        stats = functools.partial(ts.tensor_stats, underflow_dtype=None, backend=self.ctx.backend)
+        u, w, g = stats(updates), stats(params), stats(grads)
+        # u * sign(g) is u exactly where g != 0 and 0 where g == 0: its zeros are the elements
+        # without a gradient or whose weight did not change
+        torch._foreach_mul_(updates, torch._foreach_sign(grads))
+        both = stats(updates)
+        moved = g[:, ts.NUMEL] - g[:, ts.ZERO]
+        changed = both[:, ts.NUMEL] - both[:, ts.ZERO]
+        sums = torch.stack([_sum_sq(u), _sum_sq(w), moved, changed], dim=1)
         index = self._index(sums.device)
         if self._sums is None or self._sums.device != sums.device:
             n = len(self.params)
