@@ -241,6 +241,20 @@ def test_descriptor_ready_layouts():
     assert not ready(x.flatten()[1 : 1 + 2 * 4 * 23 * 64].view(2, 4, 23, 64))  # base + 2 bytes
 
 
+@pytest.mark.skipif(fa._tri is None, reason="triton is not installed")
+def test_tiles_equal_the_descriptor_constructors(monkeypatch):
+    """On a GPU the kernels take descriptors filled in field by field where Triton's fields are
+    the known ones (Triton 3.6), through its constructor otherwise (3.9 adds a field): either
+    way equal to what the constructor makes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    tri = fa._tri
+    monkeypatch.setattr(tri, "INTERPRET", False)
+    x = torch.randn(2, 24, 4, 64).bfloat16().transpose(1, 2)  # (B, T, H, D) storage
+    want = TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 32, 64])
+    assert tri._tiles(x, 32, 64) == want
+
+
 @needs_kernel
 def test_strided_layout_equals_contiguous():
     """(B, T, H, D) activations viewed as (B, H, T, D) run in place and give the same result."""

@@ -154,3 +154,9 @@ def test_power_iteration_graph_replays_match_plain_launches(
         monkeypatch.setattr(launch, "CUDA_GRAPHS", True)
         assert torch.equal(got, want)
         assert torch.equal(graphed._u, plain._u)
+
+
+def test_cdiv_rounds_up() -> None:
+    from numwatch.kernels.launch import cdiv
+
+    assert [cdiv(n, 64) for n in (0, 1, 63, 64, 65, 128, 129)] == [0, 1, 1, 1, 2, 2, 3]
