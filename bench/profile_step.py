@@ -6,6 +6,8 @@ or the flush every step: what one sampled step of the defaults costs), on GPT-2 
 preset) with the training step of examples/gpt2.py:
 
 - ``step_ms``: wall time of one step between two device syncs (what bench_overhead times);
+- ``baseline_step_ms``: the same without numwatch, timed right before the configuration, and
+  ``extra_ms``, the configuration's step minus it (medians);
 - ``host_step_ms``: host time to issue the step (no sync at its end): when it approaches
   ``step_ms`` the host, not the GPU, sets the pace and every host microsecond counts;
 - ``monitor_step_host_ms``: host time inside ``monitor.step``;
@@ -29,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -150,34 +153,30 @@ def main() -> None:
         return build_plan(*a, **k)
 
     ts._build_plan = counting_build
-    results = {}
-    profiled = set(args.cprofile.split(","))
-    texts = []
-    for name in args.configs.split(","):
+
+    def attach(name: str) -> tuple[numwatch.Monitor | None, list[float], Any]:
+        """The configuration's monitor, with monitor.step timed into the returned list."""
         spec = CONFIGS[name]
-        monitor = None
-        if spec is not None:
-            monitor = numwatch.Monitor(
-                model,
-                sinks__console__enabled=False,
-                sinks__jsonl__path=str(out.with_suffix(f".{name}.jsonl")),
-                **{"flush_every": 10_000, **spec},  # by default no flush in the window
-            ).attach(opt)
+        if spec is None:
+            return None, [], None
+        monitor = numwatch.Monitor(
+            model,
+            sinks__console__enabled=False,
+            sinks__jsonl__path=str(out.with_suffix(f".{name}.jsonl")),
+            **{"flush_every": 10_000, **spec},  # by default no flush in the window
+        ).attach(opt)
         inner: list[float] = []
-        if monitor is not None:
-            real_step = monitor.step
+        real_step = monitor.step
 
-            def timed_step(loss=None, _real=real_step, _inner=inner):
-                t = time.perf_counter()
-                _real(loss)
-                _inner.append(time.perf_counter() - t)
+        def timed_step(loss=None, _real=real_step, _inner=inner):
+            t = time.perf_counter()
+            _real(loss)
+            _inner.append(time.perf_counter() - t)
 
-            monitor.step = timed_step
-        for _ in range(5):
-            train_step(model, opt, x, y, monitor)
-        sync()
-        inner.clear()
-        builds = 0
+        monitor.step = timed_step
+        return monitor, inner, real_step
+
+    def timed(monitor: numwatch.Monitor | None) -> tuple[list[float], list[float]]:
         wall, host = [], []
         for _ in range(args.steps):
             sync()
@@ -187,27 +186,55 @@ def main() -> None:
             sync()
             wall.append(time.perf_counter() - t0)
             host.append(t1 - t0)
+        return wall, host
+
+    # Timing first, every configuration right after a baseline block of its own (extra_ms is
+    # the difference): the host's and the GPU's pace drift over a process, and profiling leaves
+    # state behind, so neither the order of the configurations nor the profiles below may
+    # enter the figures (they did: an earlier version measured one configuration at +20.8 and
+    # +3.7 ms in two runs that differed in what ran before it).
+    results = {}
+    for name in args.configs.split(","):
+        for _ in range(5):
+            train_step(model, opt, x, y, None)
+        base_wall, _ = timed(None)
+        monitor, inner, _ = attach(name)
+        for _ in range(5):
+            train_step(model, opt, x, y, monitor)
+        sync()
+        inner.clear()
+        builds = 0
+        wall, host = timed(monitor)
         results[name] = {
             "step_ms": statistics.median(wall) * 1e3,
+            "baseline_step_ms": statistics.median(base_wall) * 1e3,
+            "extra_ms": (statistics.median(wall) - statistics.median(base_wall)) * 1e3,
             "host_step_ms": statistics.median(host) * 1e3,
             "monitor_step_host_ms": statistics.median(inner) * 1e3 if inner else None,
             "table_builds": builds,
         }
         print(name, json.dumps(results[name]), flush=True)
-        if monitor is not None and name in profiled:
-            texts.append(
-                f"===== {name}\n"
-                + profile_views(
-                    functools.partial(train_step, model, opt, x, y, monitor),
-                    monitor,
-                    real_step,
-                    args.steps,
-                    sync,
-                    on_cuda,
-                )
-            )
         if monitor is not None:
             monitor.detach()
+    texts = []
+    for name in args.cprofile.split(","):
+        if CONFIGS.get(name) is None:
+            continue
+        monitor, _, real_step = attach(name)
+        for _ in range(5):
+            train_step(model, opt, x, y, monitor)
+        texts.append(
+            f"===== {name}\n"
+            + profile_views(
+                functools.partial(train_step, model, opt, x, y, monitor),
+                monitor,
+                real_step,
+                args.steps,
+                sync,
+                on_cuda,
+            )
+        )
+        monitor.detach()
     ts._build_plan = build_plan
     if texts:
         out.with_suffix(".profiles.txt").write_text("\n".join(texts))
