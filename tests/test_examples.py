@@ -124,6 +124,9 @@ def test_step_profile_harness(tmp_path):
     assert results["baseline"]["monitor_step_host_ms"] is None
     assert results["default"]["monitor_step_host_ms"] > 0
     assert results["default"]["table_builds"] == 0  # the CPU path builds no tables
+    for r in results.values():  # each against a baseline block timed right before it
+        assert r["baseline_step_ms"] > 0
+        assert r["extra_ms"] == pytest.approx(r["step_ms"] - r["baseline_step_ms"])
     text = (tmp_path / "profile.profiles.txt").read_text()
     assert text.startswith("===== attention_every_step") and "monitor.step, cProfile" in text
 
