@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .launch import cdiv
+from .launch import cdiv, next_power_of_2
 
 try:
     import triton
@@ -850,7 +850,7 @@ def _head_stats_triton(
         mask_arg, mask_kind, ms, floor = mask.view(torch.uint8), 1, mask.stride(), 0.0
     else:
         mask_arg, mask_kind, ms, floor = mask, 2, mask.stride(), _mask_floor(mask)
-    block_d = max(16, 1 << (D - 1).bit_length())
+    block_d = max(16, next_power_of_2(D))
     args = dict(
         HAS_ROWS=rows is not None,
         HAS_BATCH=batch is not None,
@@ -996,7 +996,7 @@ def _output_error_triton(
     B, Hq, Tq, D = q.shape
     Tk, Dv = k.shape[2], v.shape[3]
     exact_tf32 = all(x.dtype in (torch.bfloat16, torch.float16) for x in (q, k))
-    block_d, block_dv = (max(16, 1 << (d - 1).bit_length()) for d in (D, Dv))
+    block_d, block_dv = (max(16, next_power_of_2(d)) for d in (D, Dv))
     config = _ERROR_CONFIGS[128 if max(block_d, block_dv) <= 128 else 256]
     bm, bn, warps, stages = _ERROR_INTERPRET_CONFIG if _interpreting() else config
     n_blocks = cdiv(Tq, bm)

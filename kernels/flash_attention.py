@@ -74,7 +74,6 @@ import contextlib
 import functools
 import math
 from collections import Counter
-from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
@@ -228,7 +227,7 @@ class _FlashFn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def _no_autocast(device_type: str) -> AbstractContextManager:
+def _no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     """Autocast switched off where it is on (entering the context costs host time per call)."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)

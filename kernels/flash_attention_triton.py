@@ -35,7 +35,7 @@ from .flash_attention_torch import (
     SHIFT_MIN_LN,
     STABILIZED_MODES,
 )
-from .launch import Relauncher, cdiv
+from .launch import Relauncher, cdiv, next_power_of_2
 
 # triton.jit reads TRITON_INTERPRET when it decorates, so this is fixed at import time too.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -1052,7 +1052,7 @@ _GPU_CONFIGS = {
 
 def padded_head_dim(d: int) -> int:
     """Head dim rounded up to the power of two the tiles use (zero-filled past d)."""
-    return max(16, 1 << (d - 1).bit_length())
+    return max(16, next_power_of_2(d))
 
 
 def tile_config(kernel: str, block_d: int, causal: bool) -> TileConfig:

@@ -41,6 +41,7 @@ __all__ = [
     "capture_when_due",
     "cdiv",
     "graphs_allowed",
+    "next_power_of_2",
     "replay",
 ]
 
@@ -136,6 +137,12 @@ def cdiv(a: int, b: int) -> int:
     """Ceiling division for grids. Triton's own (``triton.cdiv``) is a constexpr_function since
     Triton 3.5, whose call from Python unwraps its arguments: host time on every launch."""
     return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), for tile sizes: not ``triton.next_power_of_2``,
+    a constexpr_function like ``triton.cdiv``."""
+    return 1 << (n - 1).bit_length()
 
 
 class Relauncher:
