@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from numwatch.buffers import nonfinite_counts
 from numwatch.config import OptimizerProbeConfig
 from numwatch.distributed import local_tensor
 from numwatch.kernels import tensor_stats as ts
@@ -34,8 +35,7 @@ _TINY = torch.finfo(torch.float64).tiny
 def _sum_sq(stats: torch.Tensor) -> torch.Tensor:
     """Sum of squares per row of ``tensor_stats``, +inf where a value was not finite (the
     kernel's sums skip those)."""
-    nonfinite = stats[:, ts.NAN] + stats[:, ts.POSINF] + stats[:, ts.NEGINF]
-    return torch.where(nonfinite > 0, math.inf, stats[:, ts.SUMSQ])
+    return torch.where(nonfinite_counts(stats) > 0, math.inf, stats[:, ts.SUMSQ])
 
 
 class OptimizerProbe:
@@ -125,11 +125,6 @@ class OptimizerProbe:
         # below add up across ranks at flush (numwatch/distributed.py, key 'opt/sums').
         params = [local_tensor(self.params[i][1]).detach() for i in self._taken]
         grads = [local_tensor(self.params[i][1].grad) for i in self._taken]
-        if len({t.device for t in params}) > 1:
-            raise NotImplementedError(
-                "the optimizer probe measures parameters on one device; these are on several "
-                "(set optimizer.enabled=false)"
-            )
         updates = torch._foreach_sub(params, self._before)
         self._before = None
         # Per-parameter sums from the fused statistics kernel (one launch per list): a
