@@ -28,6 +28,19 @@ def qk_head_sigmas(qkv_weight: torch.Tensor, h: int) -> tuple[float, float]:
     return sigma(qkv_weight[8 * h : 8 * h + 8]), sigma(qkv_weight[32 + 8 * h : 32 + 8 * h + 8])
 
 
+def assert_head_norms(snap, qkv_weight: torch.Tensor) -> list[tuple[int, tuple[float, float]]]:
+    """Each of Attn's 4 heads' W_Q and W_K norms in ``snap`` within 1 % of the exact ones,
+    which it returns as (head, (sigma_q, sigma_k))."""
+    out = []
+    for h in range(4):
+        labels = {"layer": "attn", "head": str(h)}
+        sq, sk = qk_head_sigmas(qkv_weight, h)
+        assert snap.value("attn_q_spectral_norm", **labels) == pytest.approx(sq, rel=1e-2)
+        assert snap.value("attn_k_spectral_norm", **labels) == pytest.approx(sk, rel=1e-2)
+        out.append((h, (sq, sk)))
+    return out
+
+
 class Attn(nn.Module):
     def __init__(self, d=32, n_heads=4):
         super().__init__()
@@ -60,13 +73,8 @@ def test_fused_qkv_heads_and_logit_bound():
     monitor = monitor_for(model, weights__iters=300)  # random init: sigma_1/sigma_2 is close to 1
     monitor.step()
     snap = monitor.snapshot()
-    w = model.attn.qkv.weight
-    for h in range(4):
-        labels = {"layer": "attn", "head": str(h)}
-        sq, sk = qk_head_sigmas(w, h)
-        assert snap.value("attn_q_spectral_norm", **labels) == pytest.approx(sq, rel=1e-2)
-        assert snap.value("attn_k_spectral_norm", **labels) == pytest.approx(sk, rel=1e-2)
-        bound = snap.value("attn_qk_logit_bound", **labels)
+    for h, (sq, sk) in assert_head_norms(snap, model.attn.qkv.weight):
+        bound = snap.value("attn_qk_logit_bound", layer="attn", head=str(h))
         assert bound == pytest.approx(sq * sk / 8**0.5, rel=2e-2)
 
 
@@ -96,12 +104,7 @@ def test_model_split_over_two_devices():
     for name in ("a.weight", "attn.qkv.weight", "attn.proj.weight", "b.weight"):
         w = model.get_parameter(name)
         assert snap.value("weight_spectral_norm", param=name) == pytest.approx(sigma(w), rel=1e-2)
-    w = model.attn.qkv.weight
-    for h in range(4):
-        labels = {"layer": "attn", "head": str(h)}
-        sq, sk = qk_head_sigmas(w, h)
-        assert snap.value("attn_q_spectral_norm", **labels) == pytest.approx(sq, rel=1e-2)
-        assert snap.value("attn_k_spectral_norm", **labels) == pytest.approx(sk, rel=1e-2)
+    assert_head_norms(snap, model.attn.qkv.weight)
 
 
 def test_layouts_of_real_model_families():
