@@ -19,8 +19,8 @@ kind's share of the mean overhead (the mean is what a run pays; the median sees 
   reads two scalars from the device every step (the cost issue 6 asks to state);
 - ``attention_only``: only the attention probe, default cadence (issue 3's figure);
 - ``grads_spectral_every_step``: gradient statistics and spectral norms every step (issue 5);
-- ``grads_spectral_alternate_every_step``: the same with one power-iteration pass per step
-  (``weights.alternate``: each step reads the weights once instead of twice);
+  runs up to 24 also had ``grads_spectral_alternate_every_step``, half an iteration a step
+  (``weights.alternate``, removed once a whole iteration read the weights once);
 - ``everything_every_step``: every probe at every step, flush every step;
 - ``default_swapped_stabilized``: the defaults with every layer's attention routed to numwatch's
   stabilized flash attention (``Monitor.swap_attention``), against the cuDNN baseline;
@@ -105,15 +105,6 @@ CONFIGS: dict[str, dict | str | None] = {
         "weights__enabled": True,
         "gradients__every": 1,
         "weights__every": 1,
-    },
-    # the same with one power-iteration pass per step (weights.alternate): one read of the weights
-    "grads_spectral_alternate_every_step": {
-        **OFF,
-        "gradients__enabled": True,
-        "weights__enabled": True,
-        "gradients__every": 1,
-        "weights__every": 1,
-        "weights__alternate": True,
     },
     "everything_every_step": EVERY,
     "detect_anomaly": "detect_anomaly",

@@ -5,6 +5,9 @@ weights (Conv1D shapes (768, 2304), (768, 768), (768, 3072), (3072, 768)) plus t
 K slices of every c_attn weight (12 layers x 24 heads of (768, 64), strided views, no copy): 336
 matrices; the same with wte and wpe added (the 50 matrices svdvals is timed on); the grouped
 torch reference step; ``torch.linalg.svdvals`` over the 50 weight matrices (48 + wte + wpe).
+An iteration reads every matrix once: its one-read lower bound is the matrices' bytes over the
+measured copy bandwidth (``bench_tensor_stats.copy_bandwidth``). ``--sweep`` also times the step
+under other tile configurations (the kernel's ``_Config``), same process.
 
 Accuracy, against ``torch.linalg.svdvals``:
 - trained-like weights (N(0, 0.02) + four strong rank-1 directions per weight and two per Q/K
@@ -32,10 +35,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before numwatch.kernels imports triton
 
 import triton
-from bench_tensor_stats import measure  # bench/ is this script's directory
+from bench_tensor_stats import copy_bandwidth, measure  # bench/ is this script's directory
 
 from numwatch.kernels import launch
-from numwatch.kernels.power_iteration import _CONFIG, PowerIteration, head_views
+from numwatch.kernels.power_iteration import _CONFIG, PowerIteration, _Config, head_views
 
 
 def _rank1(m: int, k: int, g: torch.Generator, device: str) -> torch.Tensor:
@@ -95,6 +98,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter check)")
+    ap.add_argument(
+        "--sweep",
+        default="",
+        help="tile configs to time too: 'tile:elems:warps:stages,...' (e.g. 8192:262144:4:3)",
+    )
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
@@ -130,8 +138,15 @@ def main() -> None:
     plain = PowerIteration(iters=1, backend="triton")
     step_plain = measure(lambda: plain.step(mats), reps, device)
     launch.CUDA_GRAPHS = True
-    alt = PowerIteration(backend="triton", alternate=True)
-    alt_pass = measure(lambda: alt.step(mats), reps, device)  # v- and u-passes in turn
+    nbytes = sum(m.numel() * m.element_size() for m in mats)
+    copy_bw = copy_bandwidth(device, 2**20 if args.smoke else 2**28)  # GB/s, 1 GiB of fp32
+    floor_ms = nbytes / copy_bw / 1e6
+    sweep = {}
+    for spec in filter(None, args.sweep.split(",")):
+        tile, elems, warps, stages = (int(x) for x in spec.split(":"))
+        other = PowerIteration(iters=1, backend="triton")
+        other._cfg = _Config(tile, elems, warps, stages)
+        sweep[spec] = measure(lambda other=other: other.step(mats), reps, device)
     pi50 = PowerIteration(iters=1, backend="triton")
     step50 = measure(lambda: pi50.step(mats_50), reps, device)
     ref = PowerIteration(iters=1, backend="torch")
@@ -148,7 +163,11 @@ def main() -> None:
         "qk_heads": 2 * n_head * n_layer,
         "pi_step": step,
         "pi_step_plain_launches": step_plain,
-        "pi_alternate_pass_mean_of_both": alt_pass,
+        "matrix_bytes": nbytes,
+        "copy_bandwidth_GBps": copy_bw,
+        "one_read_lower_bound_ms": floor_ms,
+        "pi_step_over_one_read": step["gpu_ms"] / floor_ms,
+        "sweep_tile_elems_warps_stages": sweep,
         "pi_step_with_wte_wpe": step50,
         "torch_grouped_reference_step": ref_step,
         "svdvals_50_weights_ms": svd_ms,
@@ -165,27 +184,23 @@ def main() -> None:
     # --- accuracy on trained-like weights, warm-started, drifting -------------------------------
     truth_w = svd_50[2:]
     est = PowerIteration(iters=1, backend="triton")
-    est_alt = PowerIteration(backend="triton", alternate=True)  # one pass per step
     drift = torch.Generator(device=device).manual_seed(2)
     errs: dict = {}
-    errs_alt: dict = {}
     for t in range(1, 6 if args.smoke else 51):
         for w in weights:
             w.add_(torch.randn(w.shape, generator=drift, device=device), alpha=1e-5)
-        s, s_alt = est.step(mats), est_alt.step(mats)
+        got = est.step(mats)
         if t in (1, 5, 10, 20, 49, 50):
             truth = torch.cat([svd_truth(weights), svd_truth(mats[len(weights) :])])
-            for out, got in ((errs, s), (errs_alt, s_alt)):
-                rel = ((got - truth) / truth).abs()
-                out[t] = {
-                    "weights_max": rel[: len(weights)].max().item(),
-                    "heads_max": rel[len(weights) :].max().item(),
-                    "median": rel.median().item(),
-                }
+            rel = ((got - truth) / truth).abs()
+            errs[t] = {
+                "weights_max": rel[: len(weights)].max().item(),
+                "heads_max": rel[len(weights) :].max().item(),
+                "median": rel.median().item(),
+            }
     result["trained_like_warm_start"] = {
         "drift_per_step": "N(0, 1e-5) per element",
         "max_rel_err_vs_svdvals_after_steps": errs,
-        "alternate_max_rel_err_vs_svdvals_after_steps": errs_alt,  # odd: v-pass, even: u-pass
         "truth_drift_check_max_rel": ((svd_truth(weights) - truth_w) / truth_w).abs().max().item(),
     }
     save()

@@ -16,7 +16,7 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_flash_host.py --out $R/flash_attention_host_h200.json
   $py bench/bench_overhead.py --out $R/overhead_gpt2_h200.json
   $py bench/bench_overhead.py --interleave --steps 400 \
-    --configs baseline,default,attention_only,grads_spectral_every_step,grads_spectral_alternate_every_step,everything_every_step,detect_anomaly,nan_check_hooks \
+    --configs baseline,default,attention_only,grads_spectral_every_step,everything_every_step,detect_anomaly,nan_check_hooks \
     --out $R/overhead_gpt2_h200_interleaved.json
   # the power iteration's CUDA graph against plain launches, in the same process
   $py bench/bench_overhead.py --interleave --steps 500 \

@@ -56,7 +56,9 @@ def test_weight_norms_match_svd():
         u, _ = torch.linalg.qr(torch.randn(24, 16))
         v, _ = torch.linalg.qr(torch.randn(16, 16))
         model[0].weight.copy_(u @ torch.diag(torch.linspace(5, 0.5, 16)) @ v.T)
-    monitor = monitor_for(model)
+    # 2.weight is random init (sigma_2 / sigma_1 = 0.93): from a start with a top component of
+    # 0.01 (this seed's), 1 % takes ~50 iterations
+    monitor = monitor_for(model, weights__iters=100)
     monitor.step()
     snap = monitor.snapshot()
     assert snap.value("weight_spectral_norm", param="0.weight") == pytest.approx(5.0, rel=1e-3)
@@ -182,11 +184,12 @@ def test_norms_follow_weights_that_move():
     )
 
 
-def test_alternate_passes_track_every_step_and_need_one_iteration():
-    """weights.alternate: an estimate every step from one pass over the weights."""
+def test_one_iteration_every_step_tracks_a_growing_weight():
+    """weights.every=1, iters=1 (one read of the weights a step): within 0.1 % of the growing
+    weight's norm once warm."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32))
-    monitor = monitor_for(model, weights__alternate=True, weights__iters=1)
+    monitor = monitor_for(model, weights__iters=1)
     errors = []
     for _ in range(60):
         with torch.no_grad():
@@ -194,6 +197,9 @@ def test_alternate_passes_track_every_step_and_need_one_iteration():
         monitor.step()
         got = monitor.snapshot().value("weight_spectral_norm", param="0.weight")
         errors.append(abs(got - sigma(model[0].weight)) / sigma(model[0].weight))
-    assert max(errors[-10:]) < 0.02
-    with pytest.raises(numwatch.NumwatchConfigError, match="iters=1"):
-        monitor_for(nn.Linear(4, 4), weights__alternate=True, weights__iters=2)
+    assert max(errors[-10:]) < 1e-3
+
+
+def test_removed_alternate_setting_is_refused_with_a_reason():
+    with pytest.raises(numwatch.NumwatchConfigError, match="alternate was removed"):
+        monitor_for(nn.Linear(4, 4), weights__alternate=True)

@@ -48,11 +48,6 @@ class WeightProbe:
         # FSDP2 (DTensor) weights: norms from the local shards, never gathered (distributed.py)
         self._blocks = weight_blocks(self.params, self.layers)
         self._sharded = ShardedPowerIteration(cfg.iters) if self._blocks else None
-        if self._sharded is not None and cfg.alternate:
-            raise NotImplementedError(
-                "weights.alternate is not supported with FSDP2-sharded weights yet; set "
-                "weights.alternate=false"
-            )
         # the weights whose storage the matrices view: the views are rebuilt when one moves
         self._sources = [p for _, p in self.params] + [
             h.weight for _, layout in self.layers for h in (layout.q[0], layout.k[0])
@@ -114,9 +109,7 @@ class WeightProbe:
             pi = self._pi.get(device)
             if pi is None:
                 pi = self._pi[device] = PowerIteration(
-                    iters=self.cfg.iters,
-                    backend=self.ctx.backend_for(device),
-                    alternate=self.cfg.alternate,
+                    iters=self.cfg.iters, backend=self.ctx.backend_for(device)
                 )
             sigmas.append(pi.step(matrices))
         if self._order is not None:  # several devices: gathered without a host sync

@@ -108,39 +108,34 @@ def test_relaunched_power_iteration_matches_the_first_launch() -> None:
     """Two steps with relaunches against two steps that each go through JITFunction.run."""
     torch.manual_seed(0)
     mats = [torch.randn(64, 48, device="cuda"), torch.randn(3, 16, 32, device="cuda").bfloat16()]
-    launchers = (pi._launch_pass1, pi._launch_vnorm, pi._launch_pass2, pi._launch_normalize)
+    launchers = (pi._launch_fused, pi._launch_finish)
     a, b = pi.PowerIteration(iters=3), pi.PowerIteration(iters=3)
     a.step(mats)
-    before = pi._launch_pass1.direct_launches
+    before = pi._launch_fused.direct_launches
     relaunched = a.step(mats)
-    assert pi._launch_pass1.direct_launches > before
+    assert pi._launch_fused.direct_launches > before
     for _ in range(2):
         for launcher in launchers:
             launcher._compiled.clear()
         fresh = b.step(mats)
     assert torch.equal(relaunched, fresh)
-    assert torch.equal(a._u, b._u)
+    assert torch.equal(a._v, b._v)
 
 
 @requires_gpu
-@pytest.mark.parametrize("alternate", [False, True], ids=["iterations", "alternate"])
 def test_power_iteration_graph_replays_match_plain_launches(
-    monkeypatch: pytest.MonkeyPatch, alternate: bool
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Steps replayed as CUDA graphs (from the third of each kind on) give the estimates and
+    """Steps replayed as CUDA graphs (from the third on) give the estimates and
     vectors of plain launches bit for bit, while the weights change in place between steps;
     a replay launches nothing one by one."""
     torch.manual_seed(0)
     mats = [torch.randn(64, 48, device="cuda"), torch.randn(3, 16, 32, device="cuda").bfloat16()]
     twins = [m.clone() for m in mats]
-    iters = 1 if alternate else 2
-    graphed = pi.PowerIteration(iters=iters, alternate=alternate)
-    plain = pi.PowerIteration(iters=iters, alternate=alternate)
+    graphed, plain = pi.PowerIteration(iters=2), pi.PowerIteration(iters=2)
     calls = []
-    for name in ("_launch_vnorm", "_launch_normalize"):  # every pass ends with one of them
-        launcher = getattr(pi, name)
-        counted = functools.partial(lambda f, *a, **k: calls.append(1) or f(*a, **k), launcher)
-        monkeypatch.setattr(pi, name, counted)
+    counted = functools.partial(lambda f, *a, **k: calls.append(1) or f(*a, **k), pi._launch_finish)
+    monkeypatch.setattr(pi, "_launch_finish", counted)  # every iteration ends with it
     for step in range(8):
         for m, t in zip(mats, twins, strict=True):
             m.mul_(1.01)
@@ -148,12 +143,12 @@ def test_power_iteration_graph_replays_match_plain_launches(
         n_calls = len(calls)
         got = graphed.step(mats)
         replayed = len(calls) == n_calls
-        assert replayed == (step >= (4 if alternate else 2))  # two plain runs of each kind first
+        assert replayed == (step >= 2)  # two plain runs first
         monkeypatch.setattr(launch, "CUDA_GRAPHS", False)
         want = plain.step(twins)
         monkeypatch.setattr(launch, "CUDA_GRAPHS", True)
         assert torch.equal(got, want)
-        assert torch.equal(graphed._u, plain._u)
+        assert torch.equal(graphed._v, plain._v)
 
 
 def test_cdiv_rounds_up() -> None:
