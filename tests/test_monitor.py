@@ -541,6 +541,30 @@ def test_console_plain_lines_when_not_a_terminal():
     assert "\x1b[" not in line and "[bold" not in line
 
 
+def test_snapshot_lookups_by_metric_name():
+    R = numwatch.MetricRecord
+    records = [
+        R("grad_absmax", {"param": "a"}, 1.0),
+        R("grad_min", {"param": "a"}, -1.0),
+        R("grad_absmax", {"param": "b"}, 2.0),
+        R("loss", {}, 0.5),
+        R("grad_min", {"param": "b"}, -3.0),
+        R("attn_max_logit", {"layer": "h.0", "head": "1"}, 7.0),
+    ]
+    snap = numwatch.Snapshot(3, records, time=0.0)
+    assert snap.series("grad_min") == [records[1], records[4]]  # in record order
+    assert snap.series("nothing") == []
+    assert snap.names() == ["attn_max_logit", "grad_absmax", "grad_min", "loss"]
+    assert snap.value("grad_absmax", param="b") == 2.0
+    assert snap.value("attn_max_logit", head="1", layer="h.0") == 7.0  # label order is free
+    assert snap.get("loss") == 0.5 and snap.get("grad_absmax", param="c") is None
+    assert snap.get("grad_absmax", -1.0) == -1.0  # no label-less series of that name
+    with pytest.raises(KeyError, match="series of 'grad_min' include"):
+        snap.value("grad_min", param="z")
+    with pytest.raises(KeyError, match="no metric named 'gard_min'"):
+        snap.value("gard_min")
+
+
 SYNC_CALLS = {
     "item",
     "__bool__",
