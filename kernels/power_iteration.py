@@ -47,6 +47,7 @@ from .launch import Relauncher, capture_when_due, next_power_of_2, replay
 _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 _TINY = 1.1754944e-38  # smallest normal fp32: ||w|| floor, so w == 0 stays 0 (no 0/0)
 MAX_ROW = 16384  # longest row (elements) a Triton program holds in registers
+GROUP_BYTES = 256 * 2**20  # torch path: float32 bytes of matrices batched into one matmul, at most
 
 __all__ = [
     "MAX_ROW",
@@ -118,8 +119,9 @@ def power_iteration_reference(
     """``iters`` iterations over oriented batches ``views[i]`` ``(n_i, m_i, k_i)``; updates ``v``.
 
     ``v`` and ``v0`` are flat float32 buffers holding each batch's ``(n_i, k_i)`` unit vectors in
-    order (current and restart). Batches of one shape and dtype are concatenated (one copy) and
-    run as one batched matmul in float32. Returns the ``(sum n_i,)`` float32 estimates.
+    order (current and restart). Batches of one shape and dtype are concatenated (one float32
+    copy, at most ``GROUP_BYTES`` of it at a time: a large model's weights are not all copied at
+    once) and run as one batched matmul. Returns the ``(sum n_i,)`` float32 estimates.
     """
     offsets, row = [], 0
     for a in views:
@@ -129,8 +131,9 @@ def power_iteration_reference(
     for i, a in enumerate(views):
         groups.setdefault((a.shape[1], a.shape[2], a.dtype), []).append(i)
     sigma_parts: dict[int, torch.Tensor] = {}
-    for members in groups.values():
-        a = torch.cat([views[i] for i in members]).float()  # (B, m, k)
+    for members in (c for group in groups.values() for c in _chunks(views, group)):
+        batch = [views[i] for i in members]
+        a = (torch.cat(batch) if len(batch) > 1 else batch[0]).float()  # (B, m, k)
         k = a.shape[2]
 
         def gather(flat: torch.Tensor, members: list[int] = members, k: int = k) -> torch.Tensor:
@@ -147,6 +150,21 @@ def power_iteration_reference(
             sigma_parts[i] = sigma[start : start + n]
             start += n
     return torch.cat([sigma_parts[i] for i in range(len(views))])
+
+
+def _chunks(views: Sequence[torch.Tensor], members: list[int]) -> list[list[int]]:
+    """``members`` in order, cut where a run's float32 bytes would pass ``GROUP_BYTES`` (a
+    single larger batch stays whole)."""
+    out: list[list[int]] = [[]]
+    size = 0
+    for i in members:
+        nbytes = views[i].numel() * 4
+        if out[-1] and size + nbytes > GROUP_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += nbytes
+    return out
 
 
 def _iteration(

@@ -219,6 +219,26 @@ def test_estimate_is_a_lower_bound_that_rises(backend: str, device: str) -> None
     assert est[-1] == pytest.approx(3.0, rel=1e-3)
 
 
+def test_torch_path_batches_at_most_group_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same-shape matrices are batched into float32 copies of at most GROUP_BYTES (a whole
+    model's weights are not copied at once); the estimates do not depend on the cut."""
+    g = torch.Generator().manual_seed(24)
+    mats = [torch.randn(20, 12, generator=g) for _ in range(5)]
+    mats.append(torch.randn(3, 20, 12, generator=g))
+    whole = PowerIteration(backend="torch")
+    want = [whole.step(mats) for _ in range(3)]
+    monkeypatch.setattr(pi, "GROUP_BYTES", 2 * 20 * 12 * 4)  # two matrices per batch
+    cut = PowerIteration(backend="torch")
+    for w in want:
+        torch.testing.assert_close(cut.step(mats), w, rtol=1e-6, atol=0)
+    assert pi._chunks([m if m.dim() == 3 else m[None] for m in mats], list(range(6))) == [
+        [0, 1],
+        [2, 3],
+        [4],
+        [5],  # a batch of 3 is larger than the cap: whole, alone
+    ]
+
+
 def test_rows_longer_than_a_program_holds_run_on_torch() -> None:
     device = BACKENDS[-1][1]
     wide = _planted(3, pi.MAX_ROW + 5, [2.0, 0.5], seed=23).float().to(device)
