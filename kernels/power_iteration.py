@@ -22,8 +22,8 @@ its first value (a random unit vector where that was 0), so a weight that recove
 again.
 
 ``PowerIteration`` is what probes call. ``power_iteration_reference`` is the pure-torch path (the
-CPU path and the oracle of the Triton kernels): it groups matrices of one shape and dtype into one
-batched matmul. The Triton path runs every matrix of a dtype and row-length class in one launch,
+CPU path and the oracle of the Triton kernels): it groups matrices of one shape and dtype into
+batched matmuls. The Triton path runs every matrix of a dtype and row-length class in one launch,
 reading strided views in place (pointer table), then one small launch finishes every matrix.
 Rows longer than ``MAX_ROW`` elements do not fit a program's registers: a list holding one runs
 on the torch path.
@@ -192,7 +192,6 @@ except ImportError:  # the reference path needs no triton
 
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _DTYPES = {v: k for k, v in _FORMATS.items()}
-_MAT_FIELDS = 8  # ptr, m, k, stride_m, v_off, zp_off, n_seg, first tile
 
 
 class _Config(NamedTuple):
@@ -244,7 +243,7 @@ if triton is not None:
         (blocks of BM whole rows in registers); z into the segment's partial, ||w||^2 into
         ``sq[tile]``."""
         tile = tile_base + tl.program_id(0)
-        tiles = table_ptr + 8 * n_mats
+        tiles = table_ptr + 8 * n_mats  # after ptr, m, k, stride_m, v_off, zp_off, n_seg, first
         i = tl.load(tiles + tile)
         r0 = tl.load(tiles + n_tiles + tile)
         r1 = tl.load(tiles + 2 * n_tiles + tile)
