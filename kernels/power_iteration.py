@@ -25,13 +25,14 @@ again.
 CPU path and the oracle of the Triton kernels): it groups matrices of one shape and dtype into
 batched matmuls. The Triton path runs every matrix of a dtype and row-length class in one launch,
 reading strided views in place (pointer table), then one small launch finishes every matrix.
-Rows longer than ``MAX_ROW`` elements do not fit a program's registers: a list holding one runs
-on the torch path.
+Matrices whose rows are longer than ``MAX_ROW`` elements do not fit a program's registers: they
+run on the torch path, the others on the Triton path, in the same call.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -115,18 +116,18 @@ def power_iteration_reference(
     v: torch.Tensor,
     v0: torch.Tensor,
     iters: int,
+    offsets: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``iters`` iterations over oriented batches ``views[i]`` ``(n_i, m_i, k_i)``; updates ``v``.
 
     ``v`` and ``v0`` are flat float32 buffers holding each batch's ``(n_i, k_i)`` unit vectors in
-    order (current and restart). Batches of one shape and dtype are concatenated (one float32
-    copy, at most ``GROUP_BYTES`` of it at a time: a large model's weights are not all copied at
-    once) and run as one batched matmul. Returns the ``(sum n_i,)`` float32 estimates.
+    order (current and restart), or at ``offsets[i]`` where given. Batches of one shape and dtype
+    are concatenated (one float32 copy, at most ``GROUP_BYTES`` of it at a time: a large model's
+    weights are not all copied at once) and run as one batched matmul. Returns the ``(sum n_i,)``
+    float32 estimates.
     """
-    offsets, row = [], 0
-    for a in views:
-        offsets.append(row)
-        row += a.shape[0] * a.shape[2]
+    if offsets is None:
+        offsets = _flat_offsets(views)
     groups: dict[tuple, list[int]] = {}
     for i, a in enumerate(views):
         groups.setdefault((a.shape[1], a.shape[2], a.dtype), []).append(i)
@@ -150,6 +151,15 @@ def power_iteration_reference(
             sigma_parts[i] = sigma[start : start + n]
             start += n
     return torch.cat([sigma_parts[i] for i in range(len(views))])
+
+
+def _flat_offsets(views: Sequence[torch.Tensor]) -> list[int]:
+    """Where each batch's ``(n, k)`` vectors start in the flat buffer, in list order."""
+    offsets, at = [], 0
+    for a in views:
+        offsets.append(at)
+        at += a.shape[0] * a.shape[2]
+    return offsets
 
 
 def _chunks(views: Sequence[torch.Tensor], members: list[int]) -> list[list[int]]:
@@ -330,18 +340,17 @@ class _Plan(NamedTuple):
     sq: torch.Tensor  # per row segment ||w||^2
 
 
-def _build_plan(entries: Sequence[_Entry], device: torch.device, cfg: _Config) -> _Plan:
-    """Tables of every matrix (one per batch element) and of its row segments, grouped into one
-    launch per dtype and padded row length."""
+def _build_plan(
+    views: Sequence[torch.Tensor], offsets: Sequence[int], device: torch.device, cfg: _Config
+) -> _Plan:
+    """Tables of every matrix (one per batch element; its vector at ``offsets[i]`` in the flat
+    buffer) and of its row segments, grouped into one launch per dtype and padded row length."""
     mats: list[tuple[int, int, int, int, int, int]] = []  # ptr, m, k, stride_m, v_off, dtype
-    v_off = 0
-    for e in entries:
-        a = e.view
+    for a, v_off in zip(views, offsets, strict=True):
         n, m, k = a.shape
         for b in range(n):
             ptr = a.data_ptr() + b * a.stride(0) * a.element_size()
-            mats.append((ptr, m, k, a.stride(1), v_off, _FORMATS[a.dtype]))
-            v_off += k
+            mats.append((ptr, m, k, a.stride(1), v_off + b * k, _FORMATS[a.dtype]))
     n_mats = len(mats)
     zp_off, n_seg, first = ([0] * n_mats for _ in range(3))
     groups: dict[tuple[int, int], list[int]] = {}
@@ -404,6 +413,20 @@ def _run_triton(
     return sigma
 
 
+def _run_split(
+    state: _State, v: torch.Tensor, v0: torch.Tensor, iters: int, cfg: _Config
+) -> torch.Tensor:
+    """The Triton plan's matrices, then those it cannot hold (torch path), in list order."""
+    sigma = _run_triton(state.plan, v, v0, iters, cfg)
+    if not state.rest:
+        return sigma
+    views = [state.views[i] for i in state.rest]
+    offsets = [state.offsets[i] for i in state.rest]
+    with torch.no_grad():
+        other = power_iteration_reference(views, v, v0, iters, offsets)
+    return torch.cat([sigma, other]).index_select(0, state.order)
+
+
 def _on_device(device: torch.device) -> AbstractContextManager:
     switch = device.type == "cuda" and device.index != torch.cuda.current_device()
     return torch.cuda.device(device) if switch else nullcontext()
@@ -430,6 +453,9 @@ class _State(NamedTuple):
     signature: tuple
     plan: _Plan | None  # Triton path (None: torch path)
     views: list[torch.Tensor]  # the oriented batches (they also keep copies alive to the launch)
+    offsets: list[int]  # where each batch's vectors start in the flat buffers
+    rest: list[int]  # with a plan: the batches it cannot hold (torch path)
+    order: torch.Tensor | None  # with rest: list positions of [plan's estimates, rest's]
     cacheable: bool  # False when an entry had to be copied (its address changes every call)
     # Triton path, CUDA: by number of iterations, its plain runs so far and its captured
     # (graph, sigma) (None: capture failed)
@@ -451,7 +477,7 @@ class PowerIteration:
     one to finish; on a CPU only under ``TRITON_INTERPRET=1``), ``"torch"``
     (``power_iteration_reference``), ``"auto"`` (triton on CUDA when installed, torch elsewhere).
     Supported kernel dtypes: fp32, bf16, fp16, with rows (the contiguous dim) of at most
-    ``MAX_ROW`` elements; other lists go through torch. Arithmetic is float32.
+    ``MAX_ROW`` elements; other matrices go through torch in the same call. Arithmetic is float32.
     """
 
     def __init__(self, iters: int = 1, backend: str = "auto", seed: int = 0) -> None:
@@ -492,7 +518,7 @@ class PowerIteration:
                 if len(self._states) > 8:
                     self._states.popitem(last=False)
         if state.plan is not None:
-            run = functools.partial(_run_triton, state.plan, self._v, self._v0, iters, self._cfg)
+            run = functools.partial(_run_split, state, self._v, self._v0, iters, self._cfg)
             return self._run(state, iters, run)
         with torch.no_grad():
             return power_iteration_reference(state.views, self._v, self._v0, iters)
@@ -521,7 +547,9 @@ class PowerIteration:
         use_triton = self.backend == "triton" or (
             self.backend == "auto" and device.type == "cuda" and triton is not None
         )
-        plan = None
+        views = [e.view for e in entries]
+        offsets = _flat_offsets(views)
+        plan, rest, order = None, [], None
         if use_triton:
             if triton is None:
                 raise RuntimeError("PowerIteration backend='triton' needs triton installed")
@@ -530,10 +558,17 @@ class PowerIteration:
                     f"PowerIteration backend='triton' runs on CUDA tensors (got {device}); on a "
                     "CPU it needs TRITON_INTERPRET=1, otherwise use backend='torch' or 'auto'"
                 )
-            if all(e.view.dtype in _FORMATS and e.view.shape[2] <= MAX_ROW for e in entries):
-                plan = _build_plan(entries, device, self._cfg)
-        views = [e.view for e in entries]
-        return _State(self._signature, plan, views, cacheable, Counter(), {})
+            held = [i for i, a in enumerate(views) if a.dtype in _FORMATS and a.shape[2] <= MAX_ROW]
+            if held:
+                plan = _build_plan(
+                    [views[i] for i in held], [offsets[i] for i in held], device, self._cfg
+                )
+                rest = sorted(set(range(len(views))) - set(held))
+            if rest:
+                starts = [0, *itertools.accumulate(a.shape[0] for a in views)]
+                src = [j for i in held + rest for j in range(starts[i], starts[i + 1])]
+                order = torch.tensor(src, device=device).argsort()
+        return _State(self._signature, plan, views, offsets, rest, order, cacheable, Counter(), {})
 
     def _ensure_vectors(self, entries: Sequence[_Entry], device: torch.device) -> None:
         """(Re)build the vector buffers when the list's shapes changed, keeping what still fits."""
