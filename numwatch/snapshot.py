@@ -72,7 +72,7 @@ class Snapshot:
         try:
             return self._series_index(name)[series_key(labels)]
         except KeyError:
-            have = [dict(r.labels) for r in self if r.name == name][:5]
+            have = [dict(r.labels) for r in self.series(name)[:5]]
             hint = f"series of {name!r} include {have}" if have else f"no metric named {name!r}"
             raise KeyError(f"{name}{labels} not in snapshot of step {self.step}; {hint}") from None
 
