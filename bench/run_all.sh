@@ -32,6 +32,15 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/repro_logit_growth.py --device cuda --preset small --steps 3000 --batch 32 \
     --lr 0.03 --warmup 1 --mitigation spike --max-seconds 45 --runs unstable,mitigated \
     --out $R/repro_spike_h200.json
+  # the spike-prone setting (warm-up 1, no clipping, beta2 0.99): spike-skip and QK-clip
+  # mitigation, and the healthy control (warm-up 20, clip 1.0)
+  sp="bench/repro_logit_growth.py --device cuda --preset small --steps 6000 --batch 32 --beta2 0.99"
+  $py $sp --lr 3e-3 --safe-lr 1e-3 --warmup 1 --clip 0 --max-seconds 100 --mitigation spike \
+    --out $R/repro_spike_late_h200.json
+  $py $sp --lr 3e-3 --warmup 1 --clip 0 --max-seconds 80 --mitigation qk_clip --runs mitigated \
+    --out $R/repro_spike_late_h200_qkclip.json
+  $py $sp --safe-lr 1e-3 --warmup 20 --clip 1.0 --max-seconds 80 --runs control \
+    --out $R/repro_spike_late_h200_safe_control.json
   $py bench/repro_paper_mechanism.py --device cuda --preset small --steps 3000 --batch 32 \
     --lr 0.01 --max-seconds 40 --out $R/repro_paper_mechanism_h200.json
   $py bench/repro_paper_mechanism.py --device cuda --preset small --steps 3000 --batch 32 \
