@@ -85,3 +85,5 @@ for log in $R/repro_*/*.jsonl.gz; do
   $py -m numwatch report "$log" -o "${log%.jsonl.gz}.html"
   gzip -dc "$log" | xz -9 >"${log%.gz}.xz" && rm "$log"
 done
+# candidate spike rules replayed over the H200 logs (CPU; after the recompression above)
+$py bench/replay_rules.py --out $R/rules_replay_h200_logs.json

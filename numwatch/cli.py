@@ -1,4 +1,4 @@
-"""The `numwatch` command (also `python -m numwatch`): demo, report, tail."""
+"""The `numwatch` command (also `python -m numwatch`): demo, report, tail, replay."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ commands:
   demo      train a small GPT on synthetic data with the monitor attached
   report    write an HTML report (plots, events, heads) of a JSONL run log
   tail      follow a JSONL run log in the terminal
+  replay    run a rules configuration over a JSONL run log (which events, at which steps)
 """
 
 
@@ -33,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         from numwatch.sinks.tail import main as tail
 
         return tail(rest)
+    if command == "replay":
+        from numwatch.replay import main as replay
+
+        return replay(rest)
     print(f"numwatch: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -44,7 +44,7 @@ from numwatch.probes.base import ProbeContext
 from numwatch.probes.optimizer import OptimizerProbe
 from numwatch.probes.tensors import ActivationProbe, GradientProbe
 from numwatch.probes.weights import WeightProbe
-from numwatch.rules import Rule, RuleEngine, default_rules
+from numwatch.rules import Rule, RuleEngine, configured_rules
 from numwatch.sinks.base import Sink
 from numwatch.sinks.console import ConsoleSink
 from numwatch.sinks.jsonl import JsonlSink
@@ -571,14 +571,7 @@ class Monitor:
     # ----------------------------------------------------------------------------- rules
     def _build_rules(self) -> tuple[RuleEngine, dict[str, list[Action]]]:
         cfg = self.config.rules
-        rules = {r.name: r for r in (default_rules() if cfg.defaults else [])}
-        for name in cfg.disable:
-            if rules.pop(name, None) is None:
-                raise NumwatchError(
-                    f"rules.disable: no default rule {name!r}; have {sorted(rules)}"
-                )
-        for rule in cfg.add:  # a rule named like a default replaces it
-            rules[rule.name] = type(rule).model_validate(rule.model_dump())  # fresh state
+        rules = configured_rules(cfg)
         actions = {
             name: [build_action(a, f"rules[{name}].actions") for a in rule.actions]
             for name, rule in rules.items()

@@ -6,7 +6,7 @@ from typing import Annotated
 from pydantic import Field
 
 from numwatch.rules.base import Finding, Rule
-from numwatch.rules.defaults import default_rules
+from numwatch.rules.defaults import configured_rules, default_rules
 from numwatch.rules.engine import STEP_METRICS, RuleEngine
 from numwatch.rules.growth import GrowthRule
 from numwatch.rules.nonfinite import NonfiniteRule
@@ -32,5 +32,6 @@ __all__ = [
     "ThresholdRule",
     "TrendRule",
     "ZScoreRule",
+    "configured_rules",
     "default_rules",
 ]

@@ -7,14 +7,33 @@ of steps before they blow up, and tie in 2-20 % of rows once logits reach 1e5.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from numwatch.errors import NumwatchError
 from numwatch.rules.base import Rule
+from numwatch.rules.growth import GrowthRule
 from numwatch.rules.nonfinite import NonfiniteRule
 from numwatch.rules.persistence import PersistenceRule
 from numwatch.rules.threshold import ThresholdRule
 from numwatch.rules.trend import TrendRule
 from numwatch.rules.zscore import ZScoreRule
 
-__all__ = ["default_rules"]
+if TYPE_CHECKING:  # numwatch.config imports the rules
+    from numwatch.config import RulesConfig
+
+__all__ = ["configured_rules", "default_rules"]
+
+
+def configured_rules(cfg: RulesConfig) -> dict[str, Rule]:
+    """The rules ``cfg`` asks for, by name, with fresh state: the defaults (unless
+    ``defaults=False``) less ``disable``, plus ``add`` (a rule named like a default replaces it)."""
+    rules = {r.name: r for r in (default_rules() if cfg.defaults else [])}
+    for name in cfg.disable:
+        if rules.pop(name, None) is None:
+            raise NumwatchError(f"rules.disable: no default rule {name!r}; have {sorted(rules)}")
+    for rule in cfg.add:
+        rules[rule.name] = type(rule).model_validate(rule.model_dump())  # fresh state
+    return rules
 
 
 def default_rules() -> list[Rule]:
@@ -78,6 +97,13 @@ def default_rules() -> list[Rule]:
         ),
         ZScoreRule(name="grad_norm_spike", metric="grad_norm", sigma=6.0, window=50),
         ZScoreRule(name="loss_spike", metric="loss", sigma=6.0, window=50),
+        # The loss at twice its median of the last 20 flushes. Replayed over the 19 H200 logs of
+        # bench/results/repro_*h200* (bench/replay_rules.py): no event in the 14 runs that never
+        # diverged; 4 of 5 divergences caught at the first flush after them or earlier (one 469
+        # steps early, on a smaller bump; the fifth was one step no flush sampled). loss_spike
+        # caught 2 and raised 3 false alarms: a slow rise, or a window still spanning the early
+        # descent, leaves the z-score small (README, 'Reproductions').
+        GrowthRule(name="loss_rise", metric="loss", factor=2.0, window=20, kind="spike"),
         ThresholdRule(
             name="activation_overflow_risk",
             metric="activation_headroom",

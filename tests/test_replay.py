@@ -1,0 +1,160 @@
+"""`numwatch replay`: rules run offline over a recorded log give the live run's verdicts."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+
+import numwatch
+from numwatch.cli import main as cli
+from numwatch.config import RulesConfig
+from numwatch.demo import GPTConfig, TinyGPT, bigram_batches
+from numwatch.replay import replay, summarize
+from numwatch.sinks.jsonl import read_jsonl
+
+SPIKE_STEP = 309
+
+
+def record(step: int, loss: float, events: list | None = None) -> dict:
+    return {
+        "schema": 1,
+        "run": "t",
+        "step": step,
+        "time": float(step),
+        "rank": 0,
+        "metrics": [{"name": "loss", "labels": {}, "value": loss}],
+        "events": events or [],
+    }
+
+
+def planted_log() -> list[dict]:
+    """Flushes every 10 steps: a flat loss, one 5x spike at SPIKE_STEP, then flat again."""
+    steps = range(9, 400, 10)
+    return [record(s, 5.0 if s == SPIKE_STEP else 1.0 + 0.01 * (s % 3)) for s in steps]
+
+
+def test_default_rules_find_the_planted_spike_once():
+    events = replay(planted_log())
+    assert [(e.rule, e.kind, e.step) for e in events] == [
+        ("loss_spike", "spike", SPIKE_STEP),
+        ("loss_rise", "spike", SPIKE_STEP),
+    ]
+    assert events[0].time == float(SPIKE_STEP)  # the flush's time, not the replay's
+    assert summarize(events) == {
+        "loss_spike": {"first_step": SPIKE_STEP, "events": 1},
+        "loss_rise": {"first_step": SPIKE_STEP, "events": 1},
+    }
+
+
+def test_loss_rise_sees_a_slow_rise_after_the_early_descent():
+    """The shape of the LR-1e-3 bump in bench/results/repro_spike_late_h200 (step 318): the loss
+    falls from 6 to 0.04, stays, then climbs over a few flushes. The 6-sigma z-score's window
+    still spans the descent; the loss at twice its recent median does not need it to."""
+    losses = [6.0 * 0.7**i for i in range(15)] + [0.04] * 15 + [0.05, 0.065, 0.085, 0.12, 0.2]
+    log = [record(9 + 10 * i, v) for i, v in enumerate(losses)]
+    events = replay(log)
+    above = [9 + 10 * i for i, v in enumerate(losses) if i >= 30 and v > 2 * 0.04]
+    assert above == [329, 339, 349]
+    assert [(e.rule, e.step) for e in events] == [("loss_rise", s) for s in above]
+
+
+def test_rules_config_adds_disables_and_needs_history():
+    flat = RulesConfig(disable=["loss_spike", "loss_rise"])
+    assert replay(planted_log(), flat) == []
+    threshold = RulesConfig(
+        defaults=False,
+        add=[{"type": "threshold", "name": "big_loss", "metric": "loss", "threshold": 3.0}],
+    )
+    assert [(e.rule, e.step) for e in replay(planted_log(), threshold)] == [
+        ("big_loss", SPIKE_STEP)
+    ]
+    # min_history: the z-score rule needs 20 flushes, loss_rise 5: a spike at the 10th flush is
+    # loss_rise's alone, one at the 3rd nobody's
+    tenth = [record(s, 5.0 if s == 99 else 1.0) for s in range(9, 200, 10)]
+    assert [(e.rule, e.step) for e in replay(tenth)] == [("loss_rise", 99)]
+    third = [record(s, 5.0 if s == 29 else 1.0) for s in range(9, 200, 10)]
+    assert replay(third) == []
+
+
+def test_logged_nonfinite_events_are_reported():
+    nan = {"kind": "nonfinite", "step": 19, "message": "NaN/Inf first seen in the gradient",
+           "rule": "nonfinite", "metric": "grad_nonfinite", "labels": {"param": "w"}}  # fmt: skip
+    log = [record(9, 1.0), record(19, float("nan"), [nan]), record(29, 1.0)]
+    events = replay(log)
+    assert [(e.kind, e.rule, e.step, e.labels) for e in events] == [
+        ("nonfinite", "nonfinite", 19, {"param": "w"})
+    ]
+    without = replay(log, RulesConfig(disable=["nonfinite"]))
+    assert [(e.kind, e.step) for e in without] == [("nonfinite", 19)]
+
+
+def test_cli_json_with_a_config_file(tmp_path, capsys):
+    log = tmp_path / "run.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in planted_log()))
+    config = tmp_path / "rules.yaml"
+    config.write_text(
+        "rules:\n  defaults: false\n  add:\n"
+        "    - {type: threshold, name: big_loss, metric: loss, threshold: 3.0}\n"
+    )
+    assert cli(["replay", str(log), "--config", str(config), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["flushes"] == 40 and out["steps"] == [9, 399]
+    assert out["by_rule"] == {"big_loss": {"first_step": SPIKE_STEP, "events": 1}}
+    assert [e["step"] for e in out["events"]] == [SPIKE_STEP]
+    assert cli(["replay", str(log)]) == 0
+    text = capsys.readouterr().out
+    assert "loss_spike" in text and f"first at step {SPIKE_STEP:>7}" in text
+    assert cli(["replay", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_replay_of_a_live_log_gives_the_live_events(tmp_path):
+    """Every rule kind that fires on a real run fires again, at the same flushes and series."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=16, seq_len=8, d_model=16, n_heads=2, n_layers=2)
+    model = TinyGPT(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    rules = {
+        "act": False,
+        "add": [
+            # per head, at most flushes: labels and series keys must line up
+            dict(type="threshold", name="logits", metric="attn_max_logit", threshold=0.2),
+            dict(
+                type="zscore",
+                name="loss_z",
+                metric="loss",
+                sigma=0.5,
+                min_history=2,
+                direction="both",
+            ),
+            dict(type="growth", name="grad_growth", metric="grad_norm", factor=1.01, min_history=2),
+        ],
+    }
+    log = tmp_path / "run.jsonl"
+    monitor = numwatch.Monitor(
+        model,
+        flush_every=2,
+        attention__every=1,
+        rules=rules,
+        sinks__jsonl__path=str(log),
+        sinks__console__enabled=False,
+        sinks__prometheus__enabled=False,
+    ).attach(opt)
+    data = bigram_batches(cfg, 4)
+    for _ in range(24):
+        x, y = next(data)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        monitor.step(loss)
+        opt.step()
+        opt.zero_grad()
+    monitor.detach()
+
+    def key(e):
+        return e.rule, e.kind, e.step, tuple(sorted(e.labels.items())), e.value
+
+    live = [key(e) for e in monitor.events if e.kind != "action"]
+    again = [key(e) for e in replay(read_jsonl(log), monitor.config.rules)]
+    assert {k[0] for k in live} == {"logits", "loss_z", "grad_growth"}  # all three fired
+    assert again == live
