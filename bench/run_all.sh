@@ -79,11 +79,12 @@ if [[ $what == cpu || $what == all ]]; then
   $py bench/repro_logit_growth.py --device cpu --preset tiny --steps 400 --lr 0.05 \
     --out $R/repro_logit_growth_cpu.json
 fi
-# the harness writes gzip (fast on the GPU machine); the committed logs are xz, about half the size
+# the harness writes gzip (fast on the GPU machine): the report pages come from the full logs, the
+# committed logs are thinned to the series the rules read and xz-compressed (bench/archive_log.py)
 for log in $R/repro_*/*.jsonl.gz; do
   [[ -e $log ]] || continue
   $py -m numwatch report "$log" -o "${log%.jsonl.gz}.html"
-  gzip -dc "$log" | xz -9 >"${log%.gz}.xz" && rm "$log"
+  $py bench/archive_log.py "$log" "${log%.gz}.xz" && rm "$log"
 done
 # candidate spike rules replayed over the H200 logs (CPU; after the recompression above)
 $py bench/replay_rules.py --out $R/rules_replay_h200_logs.json
