@@ -6,10 +6,11 @@ as they did live, so a rule gives the verdicts it would have given on that run; 
 the flushes in the log (a log written with ``sinks.jsonl.every`` > 1, or with metrics excluded,
 holds less than the live rules saw).
 
-Actions do not run: a replay cannot change the run it reads, so a run that was mitigated live
-replays as mitigated. Rules whose actions decide every step (skip_step) are evaluated at flush
-granularity here, like the others. Non-finite events come from the log: only the live run knew
-where a NaN started.
+A log whose path a later run reused holds several runs; the command replays the last, as
+`numwatch report` shows the last. Actions do not run: a replay cannot change the run it reads,
+so a run that was mitigated live replays as mitigated. Rules whose actions decide every step
+(skip_step) are evaluated at flush granularity here, like the others. Non-finite events come
+from the log: only the live run knew where a NaN started.
 """
 
 from __future__ import annotations
@@ -25,17 +26,18 @@ from numwatch.config import MonitorConfig, RulesConfig
 from numwatch.errors import NumwatchError
 from numwatch.events import Event
 from numwatch.rules import RuleEngine, configured_rules
-from numwatch.sinks.jsonl import read_jsonl
+from numwatch.sinks.jsonl import read_jsonl, run_starts
 from numwatch.sinks.tail import record_to_snapshot
 
 __all__ = ["main", "replay", "summarize"]
 
 
 def replay(records: Iterable[dict[str, Any]], rules: RulesConfig | None = None) -> list[Event]:
-    """Events that ``rules`` (default: the default rule set) raise on a log's records, in order.
+    """Events that ``rules`` (default: the default rule set) raise on one run's records, in order.
 
-    ``records``: parsed JSONL records (``read_jsonl``). Each event carries the time of the flush
-    that raised it."""
+    ``records``: parsed JSONL records (``read_jsonl``) of one run; a log whose path was reused
+    holds several (``run_starts`` says where each begins). Each event carries the time of the
+    flush that raised it."""
     engine = RuleEngine(configured_rules(rules or RulesConfig()).values())
     out: list[Event] = []
     for record in records:
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rules = MonitorConfig.from_yaml(args.config).rules if args.config else RulesConfig()
         records = read_jsonl(args.log)
+        starts = run_starts(records)
+        records = records[starts[-1] :] if starts else records  # the last run, as `report`
         events = replay(records, rules)
     except (NumwatchError, OSError, ValueError, KeyError) as err:
         print(f"numwatch replay: {type(err).__name__}: {err}", file=sys.stderr)
@@ -83,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         result = {
             "log": args.log,
+            "runs_in_log": len(starts),
             "flushes": len(records),
             "steps": [min(steps), max(steps)] if steps else None,
             "logged_events": logged,
@@ -92,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, default=str))
         return 0
     span = f"steps {min(steps)}-{max(steps)}" if steps else "no flushes"
-    print(f"{args.log}: {len(records)} flushes, {span}; {len(events)} events on replay")
+    runs = f" (the last of {len(starts)} runs in the log)" if len(starts) > 1 else ""
+    print(f"{args.log}: {len(records)} flushes{runs}, {span}; {len(events)} events on replay")
     print(f"(the live run logged {logged} events, actions aside, with its own configuration)")
     shown = events if args.limit == 0 else events[: args.limit]
     for e in shown:

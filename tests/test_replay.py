@@ -107,6 +107,13 @@ def test_cli_json_with_a_config_file(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "loss_spike" in text and f"first at step {SPIKE_STEP:>7}" in text
     assert cli(["replay", str(tmp_path / "missing.jsonl")]) == 2
+    # a path reused by a later run: the last run is replayed (its steps start again), alone
+    later = [record(s, 1.0) for s in range(9, 300, 10)]
+    with log.open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in later))
+    assert cli(["replay", str(log), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["runs_in_log"], out["flushes"], out["events"]) == (2, 30, [])
 
 
 def test_replay_of_a_live_log_gives_the_live_events(tmp_path):

@@ -20,7 +20,7 @@ from numwatch.events import Event
 from numwatch.selection import matches
 from numwatch.snapshot import Snapshot
 
-__all__ = ["SCHEMA_VERSION", "JsonlSink", "read_jsonl"]
+__all__ = ["SCHEMA_VERSION", "JsonlSink", "read_jsonl", "run_starts"]
 
 SCHEMA_VERSION = 1
 
@@ -155,3 +155,12 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
                         m["value"] = float(m["value"])
                 out.append(record)
     return out
+
+
+def run_starts(records: list[dict[str, Any]]) -> list[int]:
+    """Where each run begins in the records of a log: a path reused by a later run holds several,
+    and a run starts where the step goes back."""
+    if not records:
+        return []
+    later = range(1, len(records))
+    return [0] + [i for i in later if records[i]["step"] <= records[i - 1]["step"]]

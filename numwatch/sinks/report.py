@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from numwatch.errors import NumwatchError
-from numwatch.sinks.jsonl import read_jsonl
+from numwatch.sinks.jsonl import read_jsonl, run_starts
 from numwatch.sinks.prometheus import HEAD_REDUCTIONS
 
 __all__ = ["Run", "load_run", "main", "render_html", "write_report"]
@@ -115,9 +115,7 @@ def load_run(path: str | Path) -> Run:
     records = read_jsonl(path)
     if not records:
         raise NumwatchError(f"{str(path)!r} holds no flush records yet")
-    starts = [0] + [
-        i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"]
-    ]
+    starts = run_starts(records)
     records = records[starts[-1] :]
     series: dict[str, dict[tuple[tuple[str, str], ...], list[tuple[int, float]]]]
     series = defaultdict(lambda: defaultdict(list))
