@@ -13,12 +13,12 @@ full logs of the runs before the thinning are in git history (bench/README).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import lzma
 from pathlib import Path
 
 from numwatch.rules import default_rules
+from numwatch.sinks.jsonl import open_log
 
 # besides the rules' inputs: the series the reproductions' summaries and tables quote
 RUN_LEVEL = {
@@ -39,8 +39,7 @@ def kept_metrics() -> set[str]:
 
 def archive(src: Path, dst: Path) -> None:
     keep = kept_metrics()
-    opener = {".gz": gzip.open, ".xz": lzma.open}.get(src.suffix, open)
-    with opener(src, "rt") as fi, lzma.open(dst, "wt", preset=9 | lzma.PRESET_EXTREME) as fo:
+    with open_log(src) as fi, lzma.open(dst, "wt", preset=9 | lzma.PRESET_EXTREME) as fo:
         for line in fi:
             if not line.strip():
                 continue

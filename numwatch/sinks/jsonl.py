@@ -14,13 +14,13 @@ import math
 from collections.abc import Mapping, Sequence
 from itertools import compress
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from numwatch.events import Event
 from numwatch.selection import matches
 from numwatch.snapshot import Snapshot
 
-__all__ = ["SCHEMA_VERSION", "JsonlSink", "read_jsonl", "run_starts"]
+__all__ = ["SCHEMA_VERSION", "JsonlSink", "open_log", "read_jsonl", "run_starts"]
 
 SCHEMA_VERSION = 1
 
@@ -140,13 +140,19 @@ class JsonlSink:
         self._file.close()
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a run log (gzip- or xz-compressed when its name ends in ``.gz`` or ``.xz``,
-    as archived logs are), with the non-finite strings turned back into floats."""
-    out = []
+def open_log(path: str | Path) -> IO[str]:
+    """A run log's text for reading: gzip- or xz-compressed when its name ends in ``.gz`` or
+    ``.xz``, as archived logs are."""
     path = Path(path)
     opener = {".gz": gzip.open, ".xz": lzma.open}.get(path.suffix, open)
-    with opener(path, "rt", encoding="utf-8") as f:
+    return opener(path, "rt", encoding="utf-8")
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a run log (``open_log``), with the non-finite strings turned back into
+    floats."""
+    out = []
+    with open_log(path) as f:
         for line in f:
             if line.strip():
                 record = json.loads(line)
