@@ -6,8 +6,10 @@ K slices of every c_attn weight (12 layers x 24 heads of (768, 64), strided view
 matrices; the same with wte and wpe added (the 50 matrices svdvals is timed on); the grouped
 torch reference step; ``torch.linalg.svdvals`` over the 50 weight matrices (48 + wte + wpe).
 An iteration reads every matrix once: its one-read lower bound is the matrices' bytes over the
-measured copy bandwidth (``bench_tensor_stats.copy_bandwidth``). ``--sweep`` also times the step
-under other tile configurations (the kernel's ``_Config``), same process.
+measured copy bandwidth (``bench_tensor_stats.copy_bandwidth``). ``pi_step_one_stream`` is the
+same step with its launches (one per row-length class) in turn on one stream instead of side by
+side. ``--sweep`` also times the step under other tile configurations (the kernel's
+``_Config``), same process.
 
 Accuracy, against ``torch.linalg.svdvals``:
 - trained-like weights (N(0, 0.02) + four strong rank-1 directions per weight and two per Q/K
@@ -138,6 +140,9 @@ def main() -> None:
     plain = PowerIteration(iters=1, backend="triton")
     step_plain = measure(lambda: plain.step(mats), reps, device)
     launch.CUDA_GRAPHS = True
+    serial = PowerIteration(iters=1, backend="triton")  # its launches one after another
+    serial._cfg = _CONFIG._replace(streams=False)
+    step_serial = measure(lambda: serial.step(mats), reps, device)
     nbytes = sum(m.numel() * m.element_size() for m in mats)
     copy_bw = copy_bandwidth(device, 2**20 if args.smoke else 2**28)  # GB/s, 1 GiB of fp32
     floor_ms = nbytes / copy_bw / 1e6
@@ -163,6 +168,7 @@ def main() -> None:
         "qk_heads": 2 * n_head * n_layer,
         "pi_step": step,
         "pi_step_plain_launches": step_plain,
+        "pi_step_one_stream": step_serial,
         "matrix_bytes": nbytes,
         "copy_bandwidth_GBps": copy_bw,
         "one_read_lower_bound_ms": floor_ms,

@@ -24,7 +24,8 @@ again.
 ``PowerIteration`` is what probes call. ``power_iteration_reference`` is the pure-torch path (the
 CPU path and the oracle of the Triton kernels): it groups matrices of one shape and dtype into
 batched matmuls. The Triton path runs every matrix of a dtype and row-length class in one launch,
-reading strided views in place (pointer table), then one small launch finishes every matrix.
+reading strided views in place (pointer table); the last program to finish a row segment of a
+matrix finishes that matrix (an atomic count per matrix), so no launch waits on the slowest.
 Matrices whose rows are longer than ``MAX_ROW`` elements do not fit a program's registers: they
 run on the torch path, the others on the Triton path, in the same call.
 """
@@ -49,6 +50,7 @@ _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 _TINY = 1.1754944e-38  # smallest normal fp32: ||w|| floor, so w == 0 stays 0 (no 0/0)
 MAX_ROW = 16384  # longest row (elements) a Triton program holds in registers
 GROUP_BYTES = 256 * 2**20  # torch path: float32 bytes of matrices batched into one matmul, at most
+_FINISH_SEGS = 16  # a matrix's finish reads its segments' ||w||^2 this many at a time, at most
 
 __all__ = [
     "MAX_ROW",
@@ -208,9 +210,10 @@ class _Config(NamedTuple):
     """Tile shapes of the fused kernel."""
 
     tile: int = 8192  # elements a program holds per block of rows (rows = tile // padded row)
-    elems: int = 262144  # elements per program, about (whole blocks of rows)
+    elems: int = 131072  # elements per program, about (whole blocks of rows)
     num_warps: int = 4
     stages: int = 3  # software-pipelining stages of the row loop: loads run ahead of the sums
+    streams: bool = True  # CUDA: the launches of an iteration run side by side (one per stream)
 
 
 _CONFIG = _Config()
@@ -245,13 +248,15 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n_mats", "n_tiles", "tile_base"])
     def _pi_fused_kernel(
-        table_ptr, v_ptr, zp_ptr, sq_ptr, n_mats, n_tiles, tile_base,
+        table_ptr, v_ptr, v0_ptr, zp_ptr, sq_ptr, done_ptr, sigma_ptr, n_mats, n_tiles, tile_base,
         FMT: tl.constexpr, ALIGN: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr,
-        STAGES: tl.constexpr,
+        STAGES: tl.constexpr, SEGS: tl.constexpr,
     ):  # fmt: skip
         """For one row segment of one matrix: w = A v and z = A^T w from one read of the rows
         (blocks of BM whole rows in registers); z into the segment's partial, ||w||^2 into
-        ``sq[tile]``."""
+        ``sq[tile]``. The matrix's last segment to finish then finishes the matrix: ||w|| from
+        the segments' squares, z = the sum of their partials, sigma = ||z|| / ||w||, and
+        v <- z / ||z|| (or the restart vector)."""
         tile = tile_base + tl.program_id(0)
         tiles = table_ptr + 8 * n_mats  # after ptr, m, k, stride_m, v_off, zp_off, n_seg, first
         i = tl.load(tiles + tile)
@@ -263,6 +268,7 @@ if triton is not None:
         sm = tl.load(table_ptr + 3 * n_mats + i)
         v_off = tl.load(table_ptr + 4 * n_mats + i)
         zp_off = tl.load(table_ptr + 5 * n_mats + i)
+        n_seg = tl.load(table_ptr + 6 * n_mats + i)
         if ALIGN > 1:  # rows start and end on 16-byte boundaries: vector loads
             sm = tl.multiple_of(sm, ALIGN)
             k = tl.multiple_of(k, ALIGN)
@@ -278,49 +284,34 @@ if triton is not None:
             z += tl.sum(a * w[:, None], 0)
         tl.store(zp_ptr + zp_off + seg * k + cols, z, mask=cmask)
         tl.store(sq_ptr + tile, tl.sum(sq, 0))
-
-    @triton.jit(do_not_specialize=["n_mats"])
-    def _pi_finish_kernel(
-        table_ptr, v_ptr, v0_ptr, zp_ptr, sq_ptr, sigma_ptr, n_mats, BLOCK: tl.constexpr
-    ):
-        """Per matrix: ||w|| from the segments' squares, z = the sum of the segments' partials
-        (in segment order), sigma = ||z|| / ||w||, v <- z / ||z|| or the restart vector."""
-        i = tl.program_id(0)
-        k = tl.load(table_ptr + 2 * n_mats + i)
-        v_off = tl.load(table_ptr + 4 * n_mats + i)
-        zp_off = tl.load(table_ptr + 5 * n_mats + i)
-        n_seg = tl.load(table_ptr + 6 * n_mats + i)
-        first = tl.load(table_ptr + 7 * n_mats + i)
-        offs = tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], tl.float32)
-        for t0 in range(0, n_seg, BLOCK):
-            acc += tl.load(sq_ptr + first + t0 + offs, mask=t0 + offs < n_seg, other=0.0)
-        nw = tl.sqrt(tl.sum(acc, 0))
-        inv_w = 1.0 / tl.maximum(nw, 1.1754944e-38)
-        acc = tl.zeros([BLOCK], tl.float32)
-        for c in range(0, k, BLOCK):
-            cols = c + offs
-            cmask = cols < k
-            z = tl.load(zp_ptr + zp_off + cols, mask=cmask, other=0.0)
-            for s in range(1, n_seg):
-                z += tl.load(zp_ptr + zp_off + s * k + cols, mask=cmask, other=0.0)
-            z = z * inv_w
-            tl.store(zp_ptr + zp_off + cols, z, mask=cmask)  # summed: the second loop reads it
-            acc += z * z
-        nz = tl.sqrt(tl.sum(acc, 0))
-        ok = (nw > 0) & (nw < float("inf")) & (nz > 0) & (nz < float("inf"))
-        sigma = tl.where(nw == 0, 0.0, tl.where(ok, nz, float("nan")))
-        tl.store(sigma_ptr + i, sigma)
-        inv_z = 1.0 / tl.where(ok, nz, 1.0)
-        for c in range(0, k, BLOCK):
-            cols = c + offs
-            cmask = cols < k
-            z = tl.load(zp_ptr + zp_off + cols, mask=cmask, other=0.0)
+        # Release this segment's partials; the last of the matrix's segments acquires them all.
+        # (A separate finishing launch, one program per matrix, took a fifth of the step.)
+        if tl.atomic_add(done_ptr + i, 1, sem="acq_rel") == n_seg - 1:
+            tl.store(done_ptr + i, 0)  # ready for the next iteration
+            first = tl.load(table_ptr + 7 * n_mats + i)
+            segs = tl.arange(0, SEGS)
+            acc = tl.zeros([SEGS], tl.float32)
+            for s0 in range(0, n_seg, SEGS):  # past L1 (.cg): other SMs wrote them
+                smask = s0 + segs < n_seg
+                acc += tl.load(
+                    sq_ptr + first + s0 + segs, mask=smask, other=0.0, cache_modifier=".cg"
+                )
+            z = tl.zeros([KP], tl.float32)
+            for s in tl.range(0, n_seg, num_stages=STAGES):  # in segment order
+                z += tl.load(
+                    zp_ptr + zp_off + s * k + cols, mask=cmask, other=0.0, cache_modifier=".cg"
+                )
+            # ||w||, sigma = ||z|| / ||w||, v <- z / ||z|| (or the restart vector)
+            nw = tl.sqrt(tl.sum(acc, 0))
+            z = z * (1.0 / tl.maximum(nw, 1.1754944e-38))
+            nz = tl.sqrt(tl.sum(z * z, 0))
+            ok = (nw > 0) & (nw < float("inf")) & (nz > 0) & (nz < float("inf"))
+            tl.store(sigma_ptr + i, tl.where(nw == 0, 0.0, tl.where(ok, nz, float("nan"))))
             restart = tl.load(v0_ptr + v_off + cols, mask=cmask, other=0.0)
-            tl.store(v_ptr + v_off + cols, tl.where(ok, z * inv_z, restart), mask=cmask)
+            v_new = tl.where(ok, z * (1.0 / tl.where(ok, nz, 1.0)), restart)
+            tl.store(v_ptr + v_off + cols, v_new, mask=cmask)
 
     _launch_fused = Relauncher(_pi_fused_kernel)
-    _launch_finish = Relauncher(_pi_finish_kernel)
 
 
 class _Launch(NamedTuple):
@@ -329,6 +320,7 @@ class _Launch(NamedTuple):
     tile_base: int
     n_tiles: int
     align: int  # vector width (elements), 1 when some row is unaligned
+    segs: int  # segments' squares the finish reads per load (constexpr)
 
 
 class _Plan(NamedTuple):
@@ -336,8 +328,9 @@ class _Plan(NamedTuple):
     n_mats: int
     n_tiles: int
     launches: tuple[_Launch, ...]
-    zp: torch.Tensor  # per row segment partials of z = A^T w (segment 0: the summed, scaled z)
+    zp: torch.Tensor  # per row segment partials of z = A^T w
     sq: torch.Tensor  # per row segment ||w||^2
+    done: torch.Tensor  # per matrix, int32: segments finished in this iteration (0 between)
 
 
 def _build_plan(
@@ -369,7 +362,8 @@ def _build_plan(
             n_seg[i], first[i], zp_off[i] = -(-m // rows), len(tiles), zp_size
             zp_size += n_seg[i] * k
             tiles.extend((i, r0, min(m, r0 + rows), s) for s, r0 in enumerate(range(0, m, rows)))
-        launches.append(_Launch(_DTYPES[fmt], kp, base, len(tiles) - base, align))
+        segs = min(_FINISH_SEGS, next_power_of_2(max(n_seg[i] for i in members)))
+        launches.append(_Launch(_DTYPES[fmt], kp, base, len(tiles) - base, align, segs))
     columns = [[mat[j] for mat in mats] for j in range(5)]
     table = to_device(
         [x for col in columns for x in col]
@@ -382,7 +376,8 @@ def _build_plan(
     )
     zp = torch.empty(max(zp_size, 1), dtype=torch.float32, device=device)
     sq = torch.empty(max(len(tiles), 1), dtype=torch.float32, device=device)
-    return _Plan(table, n_mats, len(tiles), tuple(launches), zp, sq)
+    done = torch.zeros(n_mats, dtype=torch.int32, device=device)
+    return _Plan(table, n_mats, len(tiles), tuple(launches), zp, sq, done)
 
 
 def _common_alignment(align: int, ptr: int, stride_m: int, k: int, elem: int) -> int:
@@ -396,21 +391,41 @@ def _run_triton(
     plan: _Plan, v: torch.Tensor, v0: torch.Tensor, iters: int, cfg: _Config
 ) -> torch.Tensor:
     sigma = torch.empty(plan.n_mats, dtype=torch.float32, device=v.device)
+    side = cfg.streams and v.is_cuda and len(plan.launches) > 1
     with _on_device(v.device):
         for _ in range(iters):
-            for launch in plan.launches:
+            # The launches touch disjoint matrices: side by side, one's tail overlaps the others'
+            # streaming (H200, GPT-2: 0.138 -> see bench/README). An iteration waits for the last.
+            streams = _side_streams(v.device, len(plan.launches)) if side else None
+            if streams:
+                for stream in streams:
+                    stream.wait_stream(torch.cuda.current_stream())
+            for j, launch in enumerate(plan.launches):
                 fmt = _FORMATS[launch.dtype]
-                _launch_fused(
-                    (fmt, launch.align, launch.kp, cfg), (launch.n_tiles,),
-                    plan.table, v, plan.zp, plan.sq, plan.n_mats, plan.n_tiles, launch.tile_base,
-                    FMT=fmt, ALIGN=launch.align, KP=launch.kp, BM=max(1, cfg.tile // launch.kp),
-                    STAGES=cfg.stages, num_warps=cfg.num_warps,
-                )  # fmt: skip
-            _launch_finish(
-                None, (plan.n_mats,),
-                plan.table, v, v0, plan.zp, plan.sq, sigma, plan.n_mats, BLOCK=256, num_warps=4,
-            )  # fmt: skip
+                with torch.cuda.stream(streams[j]) if streams else nullcontext():
+                    _launch_fused(
+                        (fmt, launch.align, launch.kp, launch.segs, cfg), (launch.n_tiles,),
+                        plan.table, v, v0, plan.zp, plan.sq, plan.done, sigma, plan.n_mats,
+                        plan.n_tiles, launch.tile_base,
+                        FMT=fmt, ALIGN=launch.align, KP=launch.kp,
+                        BM=max(1, cfg.tile // launch.kp), STAGES=cfg.stages, SEGS=launch.segs,
+                        num_warps=cfg.num_warps,
+                    )  # fmt: skip
+            if streams:
+                for stream in streams:
+                    torch.cuda.current_stream().wait_stream(stream)
     return sigma
+
+
+_SIDE: dict[torch.device, list[torch.cuda.Stream]] = {}
+
+
+def _side_streams(device: torch.device, n: int) -> list[torch.cuda.Stream]:
+    """``n`` streams of ``device`` for one iteration's launches, made once per process."""
+    have = _SIDE.setdefault(device, [])
+    while len(have) < n:
+        have.append(torch.cuda.Stream(device))
+    return have[:n]
 
 
 def _run_split(
@@ -473,8 +488,8 @@ class PowerIteration:
     re-initialized, the others keep theirs. ``iters`` iterations run per call, each reading every
     matrix once.
 
-    ``backend``: ``"triton"`` (one launch per dtype and row-length class over every matrix, and
-    one to finish; on a CPU only under ``TRITON_INTERPRET=1``), ``"torch"``
+    ``backend``: ``"triton"`` (one launch per dtype and row-length class over every matrix; on a
+    CPU only under ``TRITON_INTERPRET=1``), ``"torch"``
     (``power_iteration_reference``), ``"auto"`` (triton on CUDA when installed, torch elsewhere).
     Supported kernel dtypes: fp32, bf16, fp16, with rows (the contiguous dim) of at most
     ``MAX_ROW`` elements; other matrices go through torch in the same call. Arithmetic is float32.

@@ -179,10 +179,17 @@ def _float64_iteration(a: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, 
     return z / z.norm(), (z.norm() / w.norm()).item()
 
 
+@pytest.mark.parametrize("finish_segs", [16, 2])
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
-def test_one_iteration_is_v_to_AtAv(backend: str, device: str) -> None:
+def test_one_iteration_is_v_to_AtAv(
+    backend: str, device: str, finish_segs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each call maps every unit v to A^T A v / ||A^T A v|| and reports ||A^T A v|| / ||A v||,
-    with rows split over several programs and blocks of rows (a small tile config)."""
+    with rows split over several programs and blocks of rows (a small tile config), and the
+    segments' ||w||^2 read by the finishing program in one load or in several (2 at a time)."""
+    if backend == "torch" and finish_segs != 16:
+        pytest.skip("the finish is the Triton path's")
+    monkeypatch.setattr(pi, "_FINISH_SEGS", finish_segs)
     g = torch.Generator().manual_seed(21)
     mats = [
         torch.randn(70, 24, generator=g),  # 70 rows: 5 segments of 16, the last one partial
@@ -207,6 +214,7 @@ def test_one_iteration_is_v_to_AtAv(backend: str, device: str) -> None:
     if backend == "triton":
         plan = next(iter(p._states.values())).plan
         assert plan is not None and plan.n_tiles > len(flat)  # several segments really ran
+        assert not plan.done.any()  # every matrix's count was reset by its finishing program
 
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
