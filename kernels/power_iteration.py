@@ -395,7 +395,8 @@ def _run_triton(
     with _on_device(v.device):
         for _ in range(iters):
             # The launches touch disjoint matrices: side by side, one's tail overlaps the others'
-            # streaming (H200, GPT-2: 0.138 -> see bench/README). An iteration waits for the last.
+            # streaming (H200, GPT-2's 336 matrices: 0.118 against 0.141 ms in turn on one
+            # stream). The next iteration, or the caller, waits for all of them.
             streams = _side_streams(v.device, len(plan.launches)) if side else None
             if streams:
                 for stream in streams:

@@ -108,7 +108,7 @@ def test_relaunched_power_iteration_matches_the_first_launch() -> None:
     """Two steps with relaunches against two steps that each go through JITFunction.run."""
     torch.manual_seed(0)
     mats = [torch.randn(64, 48, device="cuda"), torch.randn(3, 16, 32, device="cuda").bfloat16()]
-    launchers = (pi._launch_fused, pi._launch_finish)
+    launchers = (pi._launch_fused,)
     a, b = pi.PowerIteration(iters=3), pi.PowerIteration(iters=3)
     a.step(mats)
     before = pi._launch_fused.direct_launches
@@ -134,8 +134,8 @@ def test_power_iteration_graph_replays_match_plain_launches(
     twins = [m.clone() for m in mats]
     graphed, plain = pi.PowerIteration(iters=2), pi.PowerIteration(iters=2)
     calls = []
-    counted = functools.partial(lambda f, *a, **k: calls.append(1) or f(*a, **k), pi._launch_finish)
-    monkeypatch.setattr(pi, "_launch_finish", counted)  # every iteration ends with it
+    counted = functools.partial(lambda f, *a, **k: calls.append(1) or f(*a, **k), pi._launch_fused)
+    monkeypatch.setattr(pi, "_launch_fused", counted)  # every iteration launches it
     for step in range(8):
         for m, t in zip(mats, twins, strict=True):
             m.mul_(1.01)
