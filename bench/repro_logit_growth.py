@@ -10,7 +10,9 @@ Runs of the GPT of examples/gpt2.py (no QK-norm), same seed and data:
 - ``mitigated``: the same, with the default rules acting plus the scenario's mitigation rules:
   ``--mitigation qk_clip`` adds attn_max_logit > tau -> QK-clip of that head's W_Q/W_K rows
   (Kimi K2); ``--mitigation spike`` adds skip_step + lr_backoff on gradient-norm and loss
-  z-score spikes (OLMo-style spike skipping).
+  z-score spikes (OLMo-style spike skipping); ``--mitigation loss_rise`` adds an LR back-off
+  (x0.5 for 500 steps) on the default ``loss_rise`` condition (loss > 2x its median of the
+  last 20 flushes): a reaction to the loss itself, for runs where no precursor is known.
 
 Divergence and lead time are defined in bench/_repro.py.
 
@@ -40,6 +42,18 @@ def mitigation_rules(kind: str, tau: float) -> list[dict]:
                 "actions": [{"type": "qk_clip", "tau": tau}],
             }
         ]
+    if kind == "loss_rise":
+        return [
+            {
+                "type": "growth",
+                "name": "loss_rise_backoff",
+                "metric": "loss",
+                "factor": 2.0,
+                "window": 20,
+                "kind": "spike",
+                "actions": [{"type": "lr_backoff", "factor": 0.5, "steps": 500}],
+            }
+        ]
     spike_actions = ["skip_step", {"type": "lr_backoff", "factor": 0.5, "steps": 100}]
     return [
         {
@@ -58,7 +72,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p, lr=0.05, warmup=5, runs="control,unstable,mitigated")
     p.add_argument("--safe-lr", type=float, default=1e-3)
-    p.add_argument("--mitigation", choices=("qk_clip", "spike"), default="qk_clip")
+    p.add_argument("--mitigation", choices=("qk_clip", "spike", "loss_rise"), default="qk_clip")
     p.add_argument("--tau", type=float, default=100.0)
     args = p.parse_args()
     plans = {
