@@ -23,6 +23,8 @@ from numwatch.sinks.jsonl import open_log
 # besides the rules' inputs: the series the reproductions' summaries and tables quote
 RUN_LEVEL = {
     "grad_norm_max",
+    "loss_max",
+    "loss_mean",
     "step_seconds",
     "monitor_overhead_seconds",
     "monitor_errors_total",

@@ -6,7 +6,12 @@ over its running median (the 2x divergence rule of bench/_repro.py, read from th
 next to its log) should raise no event from a loss rule; in the others, the question is how
 early the first one comes. CPU only: the logs are data.
 
+``--every N`` keeps every N-th flush of each log: with N = 5 the rules see what they would at the
+default cadence of 50 steps (a flush reads the loss of its last step; a rule's window counts
+flushes, so it spans 5x the steps).
+
     python bench/replay_rules.py --out bench/results/rules_replay_h200_logs.json
+    python bench/replay_rules.py --every 5 --out bench/results/rules_replay_h200_logs_every50.json
 """
 
 from __future__ import annotations
@@ -41,16 +46,19 @@ def divergence_of(log: Path) -> int | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--every", type=int, default=1, help="keep every N-th flush of each log")
     args = p.parse_args()
     metrics = {spec["metric"] for spec in CANDIDATES.values()}
     report = {
         "benchmark": "spike rules replayed over the H200 reproduction logs",
         "candidates": CANDIDATES,
+        "every": args.every,
         "runs": {},
     }
     for log in sorted(RESULTS.glob("repro_*h200*/*.jsonl.xz")):
         records = read_jsonl(log)
         records = records[run_starts(records)[-1] :]  # one run per log; the last if reused
+        records = records[args.every - 1 :: args.every]
         for r in records:  # only what the candidates read: the replays run ~50x faster
             r["metrics"] = [m for m in r["metrics"] if m["name"] in metrics]
         row = {"flushes": len(records), "divergence_step": divergence_of(log)}

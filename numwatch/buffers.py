@@ -7,6 +7,7 @@ per flush: all tensors of one device are packed into one buffer and copied in on
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ assert (NUMEL, ABSMAX, MIN, MAX, SUM) == (0, 1, 2, 3, 4)
 __all__ = [
     "SETTLE_STEPS",
     "DeviceTables",
+    "LossWindow",
     "NonfiniteOrigin",
     "NonfiniteTracker",
     "StatTable",
@@ -223,6 +225,64 @@ class NonfiniteTracker:
         if slot is None:
             slot = self._first[device] = torch.full((), INF, dtype=torch.float64, device=device)
         return slot
+
+
+class LossWindow:
+    """The largest and the mean loss over the steps since the last flush.
+
+    A flush reads the loss of its last step only, so at the default cadence (50 steps) a spike
+    between two flushes would pass unseen by the rules; these two cover every step. Device
+    losses come in as the monitor settles them (every ``SETTLE_STEPS`` steps and at flush: a few
+    launches, none per step), float losses on the host. A NaN loss makes the maximum NaN.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self._max: torch.Tensor | None = None  # device part
+        self._sum: torch.Tensor | None = None
+        self._fmax = -INF  # float part
+        self._fsum = 0.0
+        self._fsteps = 0
+
+    def add_tensor(self, values: torch.Tensor) -> None:
+        """Fold in a float64 vector of step losses (one device)."""
+        mx, sm = values.max(), values.sum()
+        if self._max is None or self._sum is None:
+            self._max, self._sum = mx, sm
+        else:
+            self._max = torch.maximum(self._max, mx.to(self._max.device))
+            self._sum = self._sum + sm.to(self._sum.device)
+        self.steps += values.numel()
+
+    def add_float(self, value: float) -> None:
+        if not math.isnan(self._fmax) and (math.isnan(value) or value > self._fmax):
+            self._fmax = value
+        self._fsum += value
+        self._fsteps += 1
+        self.steps += 1
+
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        """What the flush reads: the window's maximum and sum (its step count stays here)."""
+        if not self.steps:
+            return {}
+        fmax = torch.tensor(self._fmax, dtype=torch.float64)
+        fsum = torch.tensor(self._fsum, dtype=torch.float64)
+        if self._max is None or self._sum is None:
+            return {"loss_window_max": fmax, "loss_window_sum": fsum}
+        mx, sm = self._max, self._sum
+        if self._fsteps:  # floats too (a loop that passed both kinds)
+            mx = torch.maximum(mx, fmax.to(mx.device))
+            sm = sm + fsum.to(sm.device)
+        return {"loss_window_max": mx, "loss_window_sum": sm}
+
+    def values(self, host: Mapping[str, torch.Tensor]) -> tuple[float, float] | None:
+        """(loss_max, loss_mean) from the flush's host read; None without losses."""
+        if not self.steps or "loss_window_max" not in host:
+            return None
+        return float(host["loss_window_max"]), float(host["loss_window_sum"]) / self.steps
 
 
 def read_to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

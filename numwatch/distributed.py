@@ -122,7 +122,8 @@ def _columns(n: int, max_cols: Sequence[int], min_cols: Sequence[int]) -> torch.
 # Merged as combine_stats and the attention probe merge calls: extremes max/min, the rest adds.
 _STAT_OPS = _columns(ts.N_STATS, (ts.ABSMAX, ts.MAX), (ts.MIN,))
 _HEAD_OPS = _columns(ats.N_HEAD_STATS, (ats.MAX_LOGIT,), (ats.MIN_LOGIT, ats.ENTROPY_MIN))
-_KNOWN_MAX = ("weights/", "opt/", "grad_norm_sq_")  # full values every rank holds already
+# Full values every rank holds already, and the window's largest loss (of any rank's steps).
+_KNOWN_MAX = ("weights/", "opt/", "grad_norm_sq_", "loss_window_max")
 
 
 def element_ops(
@@ -157,7 +158,7 @@ def element_ops(
         return torch.full((numel,), SUM, dtype=torch.int8)
     if head == "nonfinite_first":
         return torch.full((numel,), MIN, dtype=torch.int8)
-    if key == "loss":
+    if key in ("loss", "loss_window_sum"):  # every rank runs the window's steps: a mean of sums
         return torch.full((numel,), MEAN, dtype=torch.int8)
     if not key.startswith(_KNOWN_MAX):
         log.debug("numwatch: %r has no cross-rank layout; reduced with MAX", key)

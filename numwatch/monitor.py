@@ -26,6 +26,7 @@ from numwatch.actions.optimizer_control import OptimizerControl
 from numwatch.actions.swap_kernel import AttentionKernel, AttentionMode
 from numwatch.buffers import (
     SETTLE_STEPS,
+    LossWindow,
     NonfiniteOrigin,
     NonfiniteTracker,
     read_to_host,
@@ -113,6 +114,7 @@ class Monitor:
         self._optimizer_handles: list[Any] = []
         self._activity_handle: Any = None
         self._pending_losses: list[tuple[int, torch.Tensor]] = []  # (order, loss) since a flush
+        self._loss_window = LossWindow()
         self._attached = False
         self._snapshot: Snapshot | None = None
         self._last_close = ""  # who closed the last step: 'user' | 'optimizer' | 'late-loss'
@@ -344,6 +346,7 @@ class Monitor:
             self._loss = value
         else:
             self._loss = float(loss)
+            self._loss_window.add_float(self._loss)
 
     @torch.no_grad()
     def _settle_losses(self) -> None:
@@ -355,6 +358,7 @@ class Monitor:
             values = torch.stack([v.to(torch.float64) for _, v in items])
             orders = to_device([float(o) for o, _ in items], torch.float64, device)
             self._ctx.tracker.observe_many(orders, (~torch.isfinite(values)).to(torch.float64))
+            self._loss_window.add_tensor(values)
 
     # ----------------------------------------------------------------------------- kernels
     def swap_attention(
@@ -453,6 +457,7 @@ class Monitor:
         device_tensors.update(ctx.tracker.device_tensors())
         if isinstance(self._loss, torch.Tensor):
             device_tensors["loss"] = self._loss
+        device_tensors.update(self._loss_window.device_tensors())
         if self._dist.active:  # global values over all ranks (numwatch/distributed.py)
             optimizer = next((p for p in self._probes if isinstance(p, OptimizerProbe)), None)
             device_tensors = self._dist.aggregate(
@@ -467,7 +472,9 @@ class Monitor:
         if self._loss is not None:
             loss = float(host["loss"]) if "loss" in host else float(self._loss)
             records.append(MetricRecord("loss", {}, loss))
+        records += self._loss_window_records(host)
         own = self._own_records(local_host) if self._dist.keeps_local else None
+        self._loss_window.reset()
         shared_from = len(records)  # records from here on are the same on every rank
         origin, seen = self._dist.first_nonfinite(ctx.tracker, host, local_host)
         nonfinite = [] if origin is None else [self._nonfinite_event(origin, step, seen)]
@@ -523,7 +530,15 @@ class Monitor:
             out += self._guard.run(probe.component, probe.records, local_host) or []
         if "loss" in local_host:
             out.append(MetricRecord("loss", {}, float(local_host["loss"])))
-        return out
+        return out + self._loss_window_records(local_host)
+
+    def _loss_window_records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
+        """The largest and the mean loss of the window's steps (rules on the loss would see only
+        the last step's otherwise)."""
+        values = self._loss_window.values(host)
+        if values is None:
+            return []
+        return [MetricRecord("loss_max", {}, values[0]), MetricRecord("loss_mean", {}, values[1])]
 
     def _mitigation_records(self) -> list[MetricRecord]:
         out = [

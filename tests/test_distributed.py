@@ -575,6 +575,9 @@ def test_ddp_global_values_equal_float64_oracle_on_concatenated_data(runs):
         assert _value(res[r]["snapshot"], "grad_norm") == pytest.approx(norm, rel=1e-7)
         mean_loss = (res[0]["loss"] + res[1]["loss"]) / 2
         assert _value(res[r]["snapshot"], "loss") == pytest.approx(mean_loss, rel=1e-12)
+        assert _value(res[r]["snapshot"], "loss_mean") == pytest.approx(mean_loss, rel=1e-12)
+        top = max(res[0]["loss"], res[1]["loss"])  # the largest loss of any rank's steps
+        assert _value(res[r]["snapshot"], "loss_max") == pytest.approx(top, rel=1e-12)
     # planted ties on rank 1 only: half of the global rows of layer b repeat their maximum
     assert _value(snap, "attn_repeated_max_fraction", layer="b", head="0") >= 0.4
 
@@ -587,6 +590,7 @@ def test_ddp_per_rank_jsonl_holds_each_ranks_own_values(runs):
         _check_stats(record, "activation", {"module": "a.qkv"}, res[r]["acts"]["a.qkv"])
         _check_attention(record, "b", res[r]["attn"]["b"])
         assert _value(record, "loss") == pytest.approx(res[r]["loss"], rel=1e-12)
+        assert _value(record, "loss_max") == pytest.approx(res[r]["loss"], rel=1e-12)
     rows = [
         _value(read_jsonl(res[r]["jsonl"])[0], "attn_repeated_max_rows", layer="b", head="0")
         for r in range(WORLD)

@@ -323,6 +323,44 @@ def test_nonfinite_loss_event(make_monitor):
     assert math.isnan(monitor.snapshot().value("loss"))
 
 
+@pytest.mark.parametrize("kind", ["tensor", "float", "mixed"])
+def test_loss_max_and_mean_cover_every_step_of_the_window(make_monitor, kind):
+    """A spike between two flushes shows in loss_max although the flush's loss (its last step)
+    is back to normal; windows longer than a settle batch (64 steps) and the reset after each
+    flush included. Exact values: the losses are small integers."""
+    model = nn.Linear(2, 1)
+    monitor = make_monitor(model, flush_every=100, gradients__enabled=False).attach()
+    losses = [3.0] * 100
+    losses[70] = 40.0  # after the first settle batch
+    for i, value in enumerate(losses):
+        as_tensor = kind == "tensor" or (kind == "mixed" and i % 2 == 0)
+        monitor.step(torch.tensor(value) if as_tensor else value)
+    snap = monitor.snapshot()
+    assert snap.value("loss") == 3.0
+    assert snap.value("loss_max") == 40.0
+    assert snap.value("loss_mean") == (99 * 3.0 + 40.0) / 100
+    for _ in range(100):  # the next window has no spike
+        monitor.step(torch.tensor(2.0) if kind != "float" else 2.0)
+    snap = monitor.snapshot()
+    assert (snap.value("loss_max"), snap.value("loss_mean")) == (2.0, 2.0)
+
+
+def test_loss_max_is_nan_when_a_step_was(make_monitor):
+    model = nn.Linear(2, 1)
+    monitor = make_monitor(model, flush_every=4, gradients__enabled=False).attach()
+    for value in (1.0, float("nan"), 2.0, 1.0):
+        monitor.step(torch.tensor(value))
+    snap = monitor.snapshot()
+    assert snap.value("loss") == 1.0 and math.isnan(snap.value("loss_max"))
+
+
+def test_no_loss_no_loss_window_metrics(make_monitor):
+    model = nn.Linear(2, 1)
+    monitor = make_monitor(model, flush_every=1, gradients__enabled=False).attach()
+    monitor.step()
+    assert monitor.snapshot().get("loss_max") is None
+
+
 def test_optimizer_pre_hook_closes_each_step_once(make_monitor):
     torch.manual_seed(0)
     model = Net()

@@ -96,6 +96,8 @@ _HELP = {
     "grad_norm": "Global L2 norm of the last step's gradients (NaN if any element is non-finite).",
     "grad_norm_max": "Largest global gradient L2 norm of the flush window.",
     "loss": "Last loss passed to Monitor.step().",
+    "loss_max": "Largest loss of the flush window's steps (of any rank's).",
+    "loss_mean": "Mean loss of the flush window's steps.",
     "step_seconds": "Wall time per training step over the flush window.",
     "monitor_overhead_seconds": "Host time per step spent in numwatch over the flush window.",
     "monitor_errors_total": "Failures of numwatch components since attach (training went on).",
