@@ -6,12 +6,14 @@ over its running median (the 2x divergence rule of bench/_repro.py, read from th
 next to its log) should raise no event from a loss rule; in the others, the question is how
 early the first one comes. CPU only: the logs are data.
 
-``--every N`` keeps every N-th flush of each log: with N = 5 the rules see what they would at the
-default cadence of 50 steps (a flush reads the loss of its last step; a rule's window counts
-flushes, so it spans 5x the steps).
+``--cadence N`` keeps one flush per N steps of each log whose flushes came more often: with 50 the
+rules see what they would at the default cadence (a flush's ``loss`` is its last step's; a rule's
+window counts flushes, so it spans 5x the steps of a 10-step log). ``loss_max`` (the largest loss
+of a flush's steps) is in the logs of session 14 on only.
 
     python bench/replay_rules.py --out bench/results/rules_replay_h200_logs.json
-    python bench/replay_rules.py --every 5 --out bench/results/rules_replay_h200_logs_every50.json
+    python bench/replay_rules.py --cadence 50 \
+        --out bench/results/rules_replay_h200_logs_cadence50.json
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ CANDIDATES = {
     "loss_spike": {"type": "zscore", "metric": "loss", "sigma": 6.0, "window": 50},
     "loss_rise": {"type": "growth", "metric": "loss", "factor": 2.0, "window": 20},
     "loss_rise_3x": {"type": "growth", "metric": "loss", "factor": 3.0, "window": 20},
+    "loss_rise_w5": {"type": "growth", "metric": "loss", "factor": 2.0, "window": 5},
+    "loss_max_rise": {"type": "growth", "metric": "loss_max", "factor": 2.0, "window": 20},
+    "loss_max_rise_w5": {"type": "growth", "metric": "loss_max", "factor": 2.0, "window": 5},
     "grad_norm_spike": {"type": "zscore", "metric": "grad_norm", "sigma": 6.0, "window": 50},
 }
 
@@ -46,22 +51,25 @@ def divergence_of(log: Path) -> int | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--every", type=int, default=1, help="keep every N-th flush of each log")
+    p.add_argument("--cadence", type=int, default=0, help="keep one flush per N steps (0: all)")
     args = p.parse_args()
     metrics = {spec["metric"] for spec in CANDIDATES.values()}
     report = {
         "benchmark": "spike rules replayed over the H200 reproduction logs",
         "candidates": CANDIDATES,
-        "every": args.every,
+        "cadence": args.cadence or "as logged",
         "runs": {},
     }
     for log in sorted(RESULTS.glob("repro_*h200*/*.jsonl.xz")):
         records = read_jsonl(log)
         records = records[run_starts(records)[-1] :]  # one run per log; the last if reused
-        records = records[args.every - 1 :: args.every]
+        logged = records[1]["step"] - records[0]["step"] if len(records) > 1 else 1
+        every = max(1, args.cadence // logged) if args.cadence else 1
+        records = records[every - 1 :: every]
         for r in records:  # only what the candidates read: the replays run ~50x faster
             r["metrics"] = [m for m in r["metrics"] if m["name"] in metrics]
-        row = {"flushes": len(records), "divergence_step": divergence_of(log)}
+        row = {"flushes": len(records), "cadence": logged * every}
+        row["divergence_step"] = divergence_of(log)
         for name, spec in CANDIDATES.items():
             rules = RulesConfig(defaults=False, add=[{**spec, "name": name}])
             row[name] = [e.step for e in replay(records, rules)]

@@ -41,6 +41,13 @@ if [[ $what == gpu || $what == all ]]; then
     --out $R/repro_spike_late_h200_qkclip.json
   $py $sp --safe-lr 1e-3 --warmup 20 --clip 1.0 --max-seconds 80 --runs control \
     --out $R/repro_spike_late_h200_safe_control.json
+  # an LR back-off on loss_rise; both settings again at the default flush cadence (50 steps)
+  $py $sp --lr 3e-3 --warmup 1 --clip 0 --max-seconds 100 --mitigation loss_rise --runs mitigated \
+    --out $R/repro_spike_late_h200_loss_rise.json
+  $py $sp --flush-every 50 --lr 3e-3 --warmup 1 --clip 0 --max-seconds 100 --runs unstable \
+    --out $R/repro_spike_late_h200_flush50.json
+  $py $sp --flush-every 50 --safe-lr 1e-3 --warmup 20 --clip 1.0 --max-seconds 80 --runs control \
+    --out $R/repro_spike_late_h200_safe_control_flush50.json
   $py bench/repro_paper_mechanism.py --device cuda --preset small --steps 3000 --batch 32 \
     --lr 0.01 --max-seconds 40 --out $R/repro_paper_mechanism_h200.json
   $py bench/repro_paper_mechanism.py --device cuda --preset small --steps 3000 --batch 32 \
@@ -88,3 +95,4 @@ for log in $R/repro_*/*.jsonl.gz; do
 done
 # candidate spike rules replayed over the H200 logs (CPU; after the recompression above)
 $py bench/replay_rules.py --out $R/rules_replay_h200_logs.json
+$py bench/replay_rules.py --cadence 50 --out $R/rules_replay_h200_logs_cadence50.json

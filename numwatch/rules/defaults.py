@@ -97,13 +97,14 @@ def default_rules() -> list[Rule]:
         ),
         ZScoreRule(name="grad_norm_spike", metric="grad_norm", sigma=6.0, window=50),
         ZScoreRule(name="loss_spike", metric="loss", sigma=6.0, window=50),
-        # The loss at twice its median of the last 20 flushes. Replayed over the 19 H200 logs of
-        # bench/results/repro_*h200* (bench/replay_rules.py): no event in the 14 runs that never
-        # diverged; 4 of 5 divergences caught at the first flush after them or earlier (one 469
-        # steps early, on a smaller bump; the fifth was one step no flush sampled). loss_spike
-        # caught 2 and raised 3 false alarms: a slow rise, or a window still spanning the early
-        # descent, leaves the z-score small (README, 'Reproductions').
-        GrowthRule(name="loss_rise", metric="loss", factor=2.0, window=20, kind="spike"),
+        # The loss at twice its median of the last 5 flushes. Replayed over the 23 H200 logs of
+        # bench/results/repro_*h200* (bench/replay_rules.py): no event in the 16 runs that never
+        # diverged, at their own cadence (10 steps; 50 in two) or thinned to the default 50; 6 of
+        # the 7 divergences caught at either cadence (at 50: two 439 steps early, the others
+        # 4-39 steps after; the seventh is one step no flush sampled). Session 13's 20-flush
+        # window caught 1 within 50 steps at cadence 50 (it spans 1,000 steps there, still high
+        # from the early descent); loss_spike none, and 3 false alarms at cadence 10.
+        GrowthRule(name="loss_rise", metric="loss", factor=2.0, window=5, kind="spike"),
         ThresholdRule(
             name="activation_overflow_risk",
             metric="activation_headroom",
