@@ -198,6 +198,22 @@ SECTIONS: list[tuple[str, list[tuple[dict[str, Any], int, int]]]] = [
                 4,
                 4,
             ),
+            (
+                timeseries(
+                    "Loss",
+                    "The loss of each flush's last step, and the largest and the mean over "
+                    "the steps since the previous flush (a spike between two flushes shows in "
+                    "the largest).",
+                    [
+                        target(f"numwatch_loss{{{SEL}}}", "last " + LEGEND_RUN),
+                        target(f"numwatch_loss_max{{{SEL}}}", "max " + LEGEND_RUN, "B"),
+                        target(f"numwatch_loss_mean{{{SEL}}}", "mean " + LEGEND_RUN, "C"),
+                    ],
+                    log=True,
+                ),
+                24,
+                7,
+            ),
         ],
     ),
     (
