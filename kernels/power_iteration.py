@@ -25,7 +25,8 @@ again.
 CPU path and the oracle of the Triton kernels): it groups matrices of one shape and dtype into
 batched matmuls. The Triton path runs every matrix of a dtype and row-length class in one launch,
 reading strided views in place (pointer table); the last program to finish a row segment of a
-matrix finishes that matrix (an atomic count per matrix), so no launch waits on the slowest.
+matrix finishes that matrix (an atomic count per matrix), so no second launch is needed. The
+launches of one iteration run side by side on CUDA streams.
 Matrices whose rows are longer than ``MAX_ROW`` elements do not fit a program's registers: they
 run on the torch path, the others on the Triton path, in the same call.
 """
