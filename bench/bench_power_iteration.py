@@ -82,6 +82,13 @@ def matrix_list(weights: list, d: int, n_head: int) -> list:
     return weights + heads
 
 
+def timed_step(mats: list, cfg: _Config, reps: int, device: str) -> dict:
+    """``measure`` of one ``PowerIteration.step`` over ``mats`` under tile configuration ``cfg``."""
+    pi = PowerIteration(iters=1, backend="triton")
+    pi._cfg = cfg
+    return measure(lambda: pi.step(mats), reps, device)
+
+
 def svd_truth(mats: list) -> torch.Tensor:
     """Largest singular value of every matrix (3-D entries expand), float32."""
     out = []
@@ -140,18 +147,14 @@ def main() -> None:
     plain = PowerIteration(iters=1, backend="triton")
     step_plain = measure(lambda: plain.step(mats), reps, device)
     launch.CUDA_GRAPHS = True
-    serial = PowerIteration(iters=1, backend="triton")  # its launches one after another
-    serial._cfg = _CONFIG._replace(streams=False)
-    step_serial = measure(lambda: serial.step(mats), reps, device)
+    step_serial = timed_step(mats, _CONFIG._replace(streams=False), reps, device)  # in turn
     nbytes = sum(m.numel() * m.element_size() for m in mats)
     copy_bw = copy_bandwidth(device, 2**20 if args.smoke else 2**28)  # GB/s, 1 GiB of fp32
     floor_ms = nbytes / copy_bw / 1e6
     sweep = {}
     for spec in filter(None, args.sweep.split(",")):
         tile, elems, warps, stages = (int(x) for x in spec.split(":"))
-        other = PowerIteration(iters=1, backend="triton")
-        other._cfg = _Config(tile, elems, warps, stages)
-        sweep[spec] = measure(lambda other=other: other.step(mats), reps, device)
+        sweep[spec] = timed_step(mats, _Config(tile, elems, warps, stages), reps, device)
     pi50 = PowerIteration(iters=1, backend="triton")
     step50 = measure(lambda: pi50.step(mats_50), reps, device)
     ref = PowerIteration(iters=1, backend="torch")

@@ -20,12 +20,12 @@ import argparse
 import json
 
 import torch
-from bench_power_iteration import gpt2_weights
-from bench_tensor_stats import copy_bandwidth, measure
+from bench_power_iteration import gpt2_weights, matrix_list, timed_step
+from bench_tensor_stats import copy_bandwidth
 from torch.profiler import ProfilerActivity, profile
 
 from numwatch.kernels import launch
-from numwatch.kernels.power_iteration import _CONFIG, PowerIteration, _Config, head_views
+from numwatch.kernels.power_iteration import _CONFIG, PowerIteration, _Config
 
 PER_CLASS = [
     *((t, e, w, 3) for t in (4096, 8192, 16384) for e in (131072, 262144, 524288) for w in (4, 8)),
@@ -49,11 +49,9 @@ WHOLE = [
 def sweep(mats: list, specs: list, reps: int = 50) -> dict[str, float | str]:
     out: dict[str, float | str] = {}
     for spec in specs:
-        pi = PowerIteration(iters=1, backend="triton")
-        pi._cfg = _Config(*spec)
         key = ":".join(map(str, spec))
         try:
-            out[key] = round(measure(lambda pi=pi: pi.step(mats), reps, "cuda")["gpu_ms"], 5)
+            out[key] = round(timed_step(mats, _Config(*spec), reps, "cuda")["gpu_ms"], 5)
         except Exception as e:  # a config that does not compile is a result too
             out[key] = repr(e)[:100]
     return out
@@ -65,12 +63,12 @@ def main() -> None:
     p.add_argument("--all", action="store_true", help="only the whole list, streams on and off")
     args = p.parse_args()
     weights = gpt2_weights(12, 768, 12, "cuda", trained_like=True, seed=0)
-    heads = [head_views(w[:, :1536], 24, out_dim=1) for w in weights[0::4]]
+    mats = matrix_list(weights, 768, 12)
     classes = {
         "wide_c_attn_c_fc": weights[0::4] + weights[2::4],
         "narrow_c_proj_mlp_proj": weights[1::4] + weights[3::4],
-        "heads": heads,
-        "all": weights + heads,
+        "heads": mats[len(weights) :],
+        "all": mats,
     }
     bw = copy_bandwidth("cuda", 2**28)
     out: dict = {"gpu": torch.cuda.get_device_name(), "copy_GBps": bw, "default": _CONFIG._asdict()}

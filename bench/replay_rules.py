@@ -27,6 +27,7 @@ from numwatch.replay import replay
 from numwatch.sinks.jsonl import read_jsonl, run_starts
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# "loss_rise" here is session 13's default (20 flushes); the default now is "loss_rise_w5".
 CANDIDATES = {
     "loss_spike": {"type": "zscore", "metric": "loss", "sigma": 6.0, "window": 50},
     "loss_rise": {"type": "growth", "metric": "loss", "factor": 2.0, "window": 20},

@@ -268,14 +268,14 @@ class LossWindow:
         """What the flush reads: the window's maximum and sum (its step count stays here)."""
         if not self.steps:
             return {}
-        fmax = torch.tensor(self._fmax, dtype=torch.float64)
-        fsum = torch.tensor(self._fsum, dtype=torch.float64)
-        if self._max is None or self._sum is None:
-            return {"loss_window_max": fmax, "loss_window_sum": fsum}
         mx, sm = self._max, self._sum
-        if self._fsteps:  # floats too (a loop that passed both kinds)
-            mx = torch.maximum(mx, fmax.to(mx.device))
-            sm = sm + fsum.to(sm.device)
+        if self._fsteps:  # float losses (alone, or beside tensors in a loop that passed both)
+            fmax = torch.tensor(self._fmax, dtype=torch.float64)
+            fsum = torch.tensor(self._fsum, dtype=torch.float64)
+            if mx is None or sm is None:
+                mx, sm = fmax, fsum
+            else:
+                mx, sm = torch.maximum(mx, fmax.to(mx.device)), sm + fsum.to(sm.device)
         return {"loss_window_max": mx, "loss_window_sum": sm}
 
     def values(self, host: Mapping[str, torch.Tensor]) -> tuple[float, float] | None:
