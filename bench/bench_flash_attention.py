@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from numwatch.kernels import flash_attention_gluon as fag
 from numwatch.kernels import flash_attention_triton as fat
 from numwatch.kernels.flash_attention import flash_attention
 from numwatch.testing import planted_tie_attention
@@ -259,21 +260,33 @@ def bias_table(log: dict) -> None:
 # ----------------------------------------------------------------------------- main benchmark
 
 
-def providers(causal: bool):
-    """name -> (context manager factory, forward callable)."""
+def providers(causal: bool, d: int | None = None):
+    """name -> (context manager factory, forward callable). At the head dims that the Gluon
+    forward serves, ``triton_*`` time our Triton forward on the same call (the A/B)."""
 
-    def ours(mode):
-        return lambda q, k, v: flash_attention(q, k, v, is_causal=causal, mode=mode)
+    def ours(mode, gluon=True):
+        def fn(q, k, v):
+            fag.ENABLED = gluon
+            try:
+                return flash_attention(q, k, v, is_causal=causal, mode=mode)
+            finally:
+                fag.ENABLED = True
+
+        return fn
 
     def sdpa(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    return {
+    out = {
         "ours_stabilized": (None, ours("stabilized")),
         "ours_plain": (None, ours("plain")),
         "cudnn": (SDPBackend.CUDNN_ATTENTION, sdpa),
         "fa2": (SDPBackend.FLASH_ATTENTION, sdpa),
     }
+    if fag.AVAILABLE and d in fag.HEAD_DIMS:
+        out["triton_stabilized"] = (None, ours("stabilized", gluon=False))
+        out["triton_plain"] = (None, ours("plain", gluon=False))
+    return out
 
 
 def measure(fn, backend, q, k, v, do, flops: float) -> dict:
@@ -350,6 +363,11 @@ def ratios(r: dict) -> dict:
         "bwd>=0.75x_cudnn": out["bwd_vs_cudnn"] >= 0.75,
         "stabilize<=5%": out["stabilize_cost_fwd_bwd"] <= 0.05,
     }
+    if "triton_stabilized" in r:  # the Gluon forward against the Triton one, same call
+        out["fwd_gluon_speedup_stabilized"] = round(
+            r["triton_stabilized"]["fwd_ms"] / ours["fwd_ms"], 3
+        )
+        out["fwd_gluon_speedup_plain"] = round(r["triton_plain"]["fwd_ms"] / plain["fwd_ms"], 3)
     if "flex" in r:
         out["fwd_vs_flex"] = round(ours["fwd_tflops"] / r["flex"]["fwd_tflops"], 3)
         out["fwd_bwd_vs_flex"] = round(ours["fwd_bwd_tflops"] / r["flex"]["fwd_bwd_tflops"], 3)
@@ -479,7 +497,7 @@ def main() -> None:
         q, k, v, do = make_inputs(s["B"], s["H"], s["T"], s["D"])
         fl = flops_fwd(s["B"], s["H"], s["T"], s["D"], s["causal"])
         res = {}
-        for name, (backend, fn) in providers(s["causal"]).items():
+        for name, (backend, fn) in providers(s["causal"], s["D"]).items():
             try:
                 res[name] = measure(fn, backend, q, k, v, do, fl)
             except Exception as e:

@@ -91,9 +91,10 @@ from .flash_attention_torch import (
 )
 
 try:
+    from . import flash_attention_gluon as _glu
     from . import flash_attention_triton as _tri
 except ImportError:  # platforms without triton: the torch reference runs on CPU, CUDA falls back
-    _tri = None
+    _tri = _glu = None
 
 __all__ = ["flash_attention", "flash_attention_fallbacks", "flash_attention_reference"]
 
@@ -207,7 +208,10 @@ class _FlashFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, sm_scale, mode, beta, use_triton):  # type: ignore[override]
-        if use_triton:
+        if use_triton and _glu.supports(q, k, v, mask, mode):
+            stab = _tri._stab_args(q.dtype, beta)
+            o, lse = _glu.gluon_forward(q, k, v, causal, sm_scale, mode == MODE_STABILIZED, stab)
+        elif use_triton:
             o, lse = _tri.triton_forward(q, k, v, mask, causal, sm_scale, mode, beta)
         else:
             o, lse = reference_forward(q, k, v, mask, causal, sm_scale, mode, beta)

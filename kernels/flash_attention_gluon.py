@@ -1,30 +1,36 @@
-"""Hopper forward of numwatch's flash attention in Gluon: the softmax of one key block overlaps
-the tensor cores' work on the previous one.
+"""Hopper forward of numwatch's flash attention in Gluon, warp-specialized like FlashAttention 3.
 
-Why a second forward: Triton's ``tl.dot`` waits for each wgmma before the next statement, so in
-the Triton kernel (flash_attention_triton) the softmax and the two matrix products of a key
-block run one after the other; the tensor cores idle while the ALU works and the other way
-round. Gluon issues wgmma asynchronously and waits where we say. Each iteration j here issues
-S_j = Q K_j^T and O += P̄_{j-1} V_{j-1} (with the row sum of P̄_{j-1} on the tensor cores, see
-ROWSUM), waits for S_j only, runs block j's softmax (and the stabilizing count) while
-P̄_{j-1} V_{j-1} is still in flight, then waits for it and rescales O. K/V tiles stream in
-through TMA ``NUM_STAGES`` blocks ahead, on mbarriers.
+Why a second forward: Triton's ``tl.dot`` waits for each wgmma where it is issued, so the
+Triton forward (flash_attention_triton) runs a key block's softmax and its two matrix products
+one after the other, and its warpgroups run in step: the tensor cores idle while the ALU works.
+Gluon exposes what Triton hides: asynchronous wgmma with explicit waits, mbarriers and warp
+specialization. Here a program takes 128 query rows in two consumer warpgroups of 64 rows and
+one producer warpgroup that streams Q, K and V through TMA into a ring of ``NUM_STAGES`` slots.
+The consumers take turns to issue their wgmma (FA3's ping-pong, on the ``turns`` mbarriers), so
+one's softmax runs while the tensor cores work for the other; within a consumer, block j's
+softmax also overlaps the P̄V product of block j-1, and the row sum of the rounded P̄ runs on
+the tensor cores against a ones tile, as in the Triton forward's ROWSUM_MMA.
 
-It computes exactly what the Triton forward computes in the plain and stabilized modes (same
-logits, shift, rounding of P̄ and row sum), for what most training calls are: bf16/fp16, head
-dim 64 or 128, no ``attn_mask`` (causal or not, any lengths, GQA). Every other call (masks, the
-paper's emulation, other head dims, the interpreter) runs the Triton kernel; flash_attention.py
-chooses. Gluon has no interpreter, so this kernel is tested on the GPU only, against the Triton
-kernel and the float64 reference (tests/kernels/test_flash_attention_gluon.py); on CPU the
-tests check that it compiles to sm_90 code.
+It computes what the Triton forward computes in the plain and stabilized modes: same logits,
+the same stabilizing count and bounded shift, O normalized by the sum of the rounded P̄, the
+same LSE (bitwise equal outputs where both use the same key-block size; measured on the H200).
+It serves the calls it is fastest for (bench/results/flash_attention_h200.json): head dim 128,
+bf16/fp16, no ``attn_mask`` (causal or not, any lengths, GQA), on Hopper. Every other call runs
+the Triton kernel; flash_attention.py chooses. Gluon has no interpreter: the kernel is tested
+on the GPU (tests/kernels/test_flash_attention_gluon.py, against the Triton forward and a
+float64 reference); on CPU the tests compile it to sm_90 code.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from .launch import cdiv
 
 try:
     from triton.experimental import gluon
@@ -38,52 +44,68 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    # A CTA-wide (or, inside a warp-specialized partition, a partition-wide) barrier: triton
+    # 3.6 calls it thread_barrier, later versions barrier.
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # TMA copies: async_copy_* in triton 3.6, async_load/async_store from 3.7 on.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     AVAILABLE = True
 except ImportError:  # a Triton without Gluon's Hopper API: the Triton forward serves
     AVAILABLE = False
 
 
-
 class GluonConfig(NamedTuple):
-    """Tiles of the Gluon forward: BLOCK_M query rows (64 per warpgroup), BLOCK_N keys."""
+    """Launch parameters: keys per block, ring slots, registers per consumer/producer thread."""
 
-    block_m: int
     block_n: int
     num_stages: int
-    rowsum_n: int = 16  # 16: the row sum of P̄ on the tensor cores (a ones tile); 0: on the ALU
+    consumer_regs: int = 240
+    producer_regs: int = 24
 
 
-# H200 defaults per (head dim, causal, stabilized); see bench/bench_flash_attention.py --sweep.
-_CONFIGS = {
-    (64, False): GluonConfig(128, 128, 2),
-    (64, True): GluonConfig(128, 128, 2),
-    (128, False): GluonConfig(128, 128, 2),
-    (128, True): GluonConfig(128, 128, 2),
-}
-CONFIG_OVERRIDES: dict[tuple[int, bool], GluonConfig] = {}
-
-
-def config(head_dim: int, causal: bool) -> GluonConfig:
-    return CONFIG_OVERRIDES.get((head_dim, causal), _CONFIGS[(head_dim, causal)])
+# H200, head dim 128: 128-key blocks in 2 slots beat 64-key blocks in 2 or 3 slots by 10-13 %
+# (bench/results/flash_attention_gluon_h200.json, the sweep at T 4096).
+DEFAULT_CONFIG = GluonConfig(128, 2)
+HEAD_DIMS = (128,)
+# NUMWATCH_FLASH_GLUON=0 sends every call to the Triton forward (A/B runs, or a Triton whose
+# Gluon misbehaves); the benchmark flips ENABLED to time both in one process.
+ENABLED = os.environ.get("NUMWATCH_FLASH_GLUON", "1") != "0"
+CONFIG_OVERRIDES: dict[bool, GluonConfig] = {}
 
 
 def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, mode: int) -> bool:
-    """Whether this kernel serves the call (mode 0 plain, 1 stabilized; descriptor-ready
-    inputs, checked by the caller)."""
+    """Whether this kernel serves a call the Triton forward would run (mode 0 plain, 1
+    stabilized; the inputs are descriptor-ready). Reads shapes, dtypes and devices only."""
     return (
         AVAILABLE
+        and ENABLED
         and mask is None
         and mode in (0, 1)
-        and q.is_cuda
-        and torch.cuda.get_device_capability(q.device)[0] == 9
+        and q.shape[-1] in HEAD_DIMS
         and q.dtype in (torch.bfloat16, torch.float16)
-        and q.shape[-1] in (64, 128)
-        and k.shape[-1] == q.shape[-1]
-        and v.shape[-1] == q.shape[-1]
+        and q.is_cuda
+        and _capability_major(q.device) == 9
     )
 
 
+@functools.cache
+def _capability_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
 if AVAILABLE:
+    # Reductions through gl.reduce with our own combine functions: gl.max/gl.sum are triton.jit
+    # helpers, which the CPU tests' TRITON_INTERPRET=1 turns into interpreter functions that a
+    # compiled Gluon kernel cannot call (the reductions are the same).
+
+    @gluon.jit
+    def _max_op(a, b):
+        return gl.maximum(a, b)
+
+    @gluon.jit
+    def _add_op(a, b):
+        return a + b
 
     @gluon.jit
     def _softmax_block(
@@ -101,11 +123,11 @@ if AVAILABLE:
                 rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
                 valid = valid & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
             s = gl.where(valid, s, float("-inf"))
-        m_raw_new = gl.maximum(m_raw, gl.max(s, 1) * qk_scale)  # log2 units
+        m_raw_new = gl.maximum(m_raw, gl.reduce(s, 1, _max_op) * qk_scale)  # log2 units
         if STABILIZE:
             thr = m_raw_new + SAT2
             hit = gl.where(s >= gl.expand_dims(thr / qk_scale, 1), 1.0, 0.0)
-            cnt = gl.where(m_raw >= thr, cnt, 0.0) + gl.sum(hit, 1)
+            cnt = gl.where(m_raw >= thr, cnt, 0.0) + gl.reduce(hit, 1, _add_op)
             extra = gl.where(m_raw_new > 0, beta_m1 * m_raw_new, -m_raw_new)
             extra = gl.minimum(gl.maximum(extra, dmin2), dmax2)
             m_new = gl.maximum(m_sh, gl.where(cnt >= 2, m_raw_new + extra, m_raw_new))
@@ -118,182 +140,7 @@ if AVAILABLE:
     @gluon.jit
     def _load_kv(desc, bar, smem, b, hk, n0, pred):
         mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(desc, [b, hk, n0, 0], bar, smem, pred=pred)
-
-    @gluon.jit(do_not_specialize=["H", "GROUP", "T_Q", "T_K"])
-    def _fwd_kernel(
-        q_desc, k_desc, v_desc, o_desc, LSE,
-        H, GROUP, T_Q, T_K, qk_scale, beta_m1, dmin2, dmax2,
-        SAT2: gl.constexpr, STABILIZE: gl.constexpr, CAUSAL: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-        NUM_STAGES: gl.constexpr, ROWSUM_N: gl.constexpr, num_warps: gl.constexpr,
-    ):  # fmt: skip
-        dtype: gl.constexpr = q_desc.dtype
-        pid_m = gl.program_id(0)
-        if CAUSAL:  # longest rows first: fewer idle SMs at the tail
-            pid_m = gl.cdiv(T_Q, BLOCK_M) - 1 - pid_m
-        pid_bh = gl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        hk = h // GROUP
-        m0 = pid_m * BLOCK_M
-
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
-        )
-        l_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, max(ROWSUM_N, 8), 16]
-        )
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
-
-        q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(
-            dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout
-        )
-        v_smem = gl.allocate_shared_memory(
-            dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout
-        )
-        if ROWSUM_N > 0:
-            ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-                [BLOCK_N, ROWSUM_N], dtype
-            )
-            ones_smem = gl.allocate_shared_memory(
-                dtype, [BLOCK_N, ROWSUM_N], ones_layout,
-                gl.full([BLOCK_N, ROWSUM_N], 1.0, dtype, layout=l_layout),
-            )  # fmt: skip
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(k_bars.index(i), count=1)
-            mbarrier.init(v_bars.index(i), count=1)
-        fence_async_shared()  # the barriers and the ones tile, before TMA and wgmma use them
-        gl.thread_barrier()
-
-        hi = T_K
-        full_hi = (T_K // BLOCK_N) * BLOCK_N
-        if CAUSAL:
-            hi = gl.minimum(T_K, m0 + BLOCK_M)
-            full_hi = gl.minimum(full_hi, m0)
-        n_blocks = gl.cdiv(hi, BLOCK_N)
-
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], q_bar, q_smem)
-        for i in gl.static_range(NUM_STAGES):
-            _load_kv(k_desc, k_bars.index(i), k_smem.index(i), b, hk, i * BLOCK_N, i < n_blocks)
-            _load_kv(v_desc, v_bars.index(i), v_smem.index(i), b, hk, i * BLOCK_N, i < n_blocks)
-        q2 = q_smem.reshape([BLOCK_M, HEAD_DIM])
-
-        m_raw = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-        m_sh = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-        cnt = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-        if ROWSUM_N > 0:
-            l_acc = gl.zeros([BLOCK_M, ROWSUM_N], gl.float32, layout=l_layout)
-        else:
-            l_acc = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-
-        # Block 0: S_0 and its softmax, nothing to overlap with yet.
-        mbarrier.wait(q_bar, 0)
-        mbarrier.wait(k_bars.index(0), 0)
-        k_t = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-        s = warpgroup_mma(q2, k_t, s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        gl.thread_barrier()
-        _load_kv(
-            k_desc, k_bars.index(0), k_smem.index(0), b, hk, NUM_STAGES * BLOCK_N,
-            NUM_STAGES < n_blocks,
-        )  # fmt: skip
-        p, alpha, m_raw, m_sh, cnt = _softmax_block(
-            s, 0, m0, m_raw, m_sh, cnt, T_K, qk_scale, beta_m1, dmin2, dmax2,
-            SAT2, STABILIZE, CAUSAL, BLOCK_M, BLOCK_N, s_layout, full_hi,
-        )  # fmt: skip
-        p_lo = p.to(dtype)
-        if ROWSUM_N == 0:
-            l_acc = gl.sum(p_lo.to(gl.float32), 1)
-
-        for j in range(1, n_blocks):
-            slot = j % NUM_STAGES
-            prev = (j - 1) % NUM_STAGES
-            mbarrier.wait(k_bars.index(slot), (j // NUM_STAGES) & 1)
-            k_t = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-            s = warpgroup_mma(q2, k_t, s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(v_bars.index(prev), ((j - 1) // NUM_STAGES) & 1)
-            v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
-            p_op = gl.convert_layout(p_lo, p_layout)
-            acc = warpgroup_mma(p_op, v_t, acc, is_async=True)
-            if ROWSUM_N > 0:
-                p_l = gl.convert_layout(p_lo, pl_layout)
-                l_acc = warpgroup_mma(p_l, ones_smem, l_acc, is_async=True)
-                s = warpgroup_mma_wait(2, deps=(s,))
-            else:
-                p_l = p_op
-                s = warpgroup_mma_wait(1, deps=(s,))
-            p, alpha, m_raw, m_sh, cnt = _softmax_block(
-                s, j * BLOCK_N, m0, m_raw, m_sh, cnt, T_K, qk_scale, beta_m1, dmin2, dmax2,
-                SAT2, STABILIZE, CAUSAL, BLOCK_M, BLOCK_N, s_layout, full_hi,
-            )  # fmt: skip
-            if ROWSUM_N > 0:
-                acc, l_acc, p_op, p_l = warpgroup_mma_wait(0, deps=(acc, l_acc, p_op, p_l))
-            else:
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            # Both warpgroups are done with K_j and V_{j-1}: their slots take blocks ahead.
-            gl.thread_barrier()
-            _load_kv(
-                k_desc, k_bars.index(slot), k_smem.index(slot), b, hk,
-                (j + NUM_STAGES) * BLOCK_N, j + NUM_STAGES < n_blocks,
-            )  # fmt: skip
-            _load_kv(
-                v_desc, v_bars.index(prev), v_smem.index(prev), b, hk,
-                (j - 1 + NUM_STAGES) * BLOCK_N, j - 1 + NUM_STAGES < n_blocks,
-            )  # fmt: skip
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            p_lo = p.to(dtype)
-            if ROWSUM_N > 0:
-                l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, row_l), 1)
-            else:
-                l_acc = l_acc * alpha + gl.sum(p_lo.to(gl.float32), 1)
-
-        last = (n_blocks - 1) % NUM_STAGES
-        mbarrier.wait(v_bars.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
-        v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-        acc = warpgroup_mma(gl.convert_layout(p_lo, p_layout), v_t, acc, is_async=True)
-        if ROWSUM_N > 0:
-            l_acc = warpgroup_mma(
-                gl.convert_layout(p_lo, pl_layout), ones_smem, l_acc, is_async=True
-            )
-            acc, l_acc = warpgroup_mma_wait(0, deps=(acc, l_acc))
-            l_r = gl.convert_layout(gl.max(l_acc, 1), row_l)  # ROWSUM_N equal columns
-        else:
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            l_r = gl.convert_layout(l_acc, row_l)
-
-        mbarrier.invalidate(q_bar)
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.invalidate(k_bars.index(i))
-            mbarrier.invalidate(v_bars.index(i))
-
-        inv = gl.div_rn(gl.full([BLOCK_M], 1.0, gl.float32, layout=row_l), l_r)
-        o = acc * gl.expand_dims(gl.convert_layout(inv, row_o), 1)
-        q_smem.reshape([BLOCK_M, HEAD_DIM]).store(o.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()  # every warpgroup's rows, before the one TMA store of the tile
-        tma.async_copy_shared_to_global(o_desc, [b, h, m0, 0], q_smem)
-
-        m_fin = gl.convert_layout(m_sh, row_l)
-        lse = m_fin + gl.log2(l_r)
-        offs = m0 + gl.arange(0, BLOCK_M, layout=row_l)
-        gl.store(LSE + pid_bh.to(gl.int64) * T_Q + offs, lse, mask=offs < T_Q)
-        tma.store_wait(0)
+        _tma_load(desc, [b, hk, n0, 0], bar, smem, pred=pred)
 
 
 def _desc(x: Tensor, block_t: int) -> TensorDescriptor:
@@ -304,6 +151,210 @@ def _desc(x: Tensor, block_t: int) -> TensorDescriptor:
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if AVAILABLE else {}
+
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _ws_producer(
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty,
+        v_empty, b, h, hk, m0, n_blocks,
+        BLOCK_WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        for w in gl.static_range(2):
+            mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, h, m0 + w * BLOCK_WG, 0], q_bars.index(w), q_smem.index(w))
+        for j in range(n_blocks):
+            slot = j % NUM_STAGES
+            use = j // NUM_STAGES
+            mbarrier.wait(k_empty.index(slot), (use + 1) & 1, pred=j >= NUM_STAGES)
+            mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [b, hk, j * BLOCK_N, 0], k_full.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), (use + 1) & 1, pred=j >= NUM_STAGES)
+            mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [b, hk, j * BLOCK_N, 0], v_full.index(slot), v_smem.index(slot))
+
+    @gluon.jit
+    def _ws_consumer(
+        WG: gl.constexpr, o_desc, LSE, q_smem, k_smem, v_smem, ones_smem, q_bars, k_full,
+        v_full, k_empty, v_empty, turns, b, h, pid_bh, m0, n_blocks, full_hi, T_Q, T_K, qk_scale,
+        beta_m1, dmin2, dmax2,
+        SAT2: gl.constexpr, STABILIZE: gl.constexpr, CAUSAL: gl.constexpr,
+        BLOCK_WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """64 query rows (warpgroup WG of 2): the online softmax over all key blocks. The two
+        warpgroups take turns to issue their wgmma (``turns``), so one's softmax runs while
+        the tensor cores work for the other (FA3's ping-pong)."""
+        dtype: gl.constexpr = o_desc.dtype
+        RN: gl.constexpr = 16
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        l_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, RN, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
+        r0 = m0 + WG * BLOCK_WG
+
+        ones = ones_smem.index(WG)
+        ones.store(gl.full([BLOCK_N, RN], 1.0, dtype, layout=l_layout))
+        fence_async_shared()
+        _barrier()
+
+        m_raw = gl.full([BLOCK_WG], float("-inf"), gl.float32, layout=row_s)
+        m_sh = gl.full([BLOCK_WG], float("-inf"), gl.float32, layout=row_s)
+        cnt = gl.full([BLOCK_WG], 0.0, gl.float32, layout=row_s)
+        acc = gl.full([BLOCK_WG, HEAD_DIM], 0.0, gl.float32, layout=o_layout)
+        l_acc = gl.full([BLOCK_WG, RN], 0.0, gl.float32, layout=l_layout)
+        s_zero = gl.full([BLOCK_WG, BLOCK_N], 0.0, gl.float32, layout=s_layout)
+        q4 = q_smem.index(WG)
+        q2 = q4.reshape([BLOCK_WG, HEAD_DIM])
+        mbarrier.wait(q_bars.index(WG), 0)
+
+        # Block 0
+        mbarrier.wait(k_full.index(0), 0)
+        k_t = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+        mbarrier.wait(turns.index(WG), 0)
+        s = warpgroup_mma(q2, k_t, s_zero, use_acc=False, is_async=True)
+        mbarrier.arrive(turns.index(1 - WG))
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0))
+        p, alpha, m_raw, m_sh, cnt = _softmax_block(
+            s, 0, r0, m_raw, m_sh, cnt, T_K, qk_scale, beta_m1, dmin2, dmax2,
+            SAT2, STABILIZE, CAUSAL, BLOCK_WG, BLOCK_N, s_layout, full_hi,
+        )  # fmt: skip
+        p_lo = p.to(dtype)
+
+        for j in range(1, n_blocks):
+            slot = j % NUM_STAGES
+            prev = (j - 1) % NUM_STAGES
+            mbarrier.wait(k_full.index(slot), (j // NUM_STAGES) & 1)
+            mbarrier.wait(v_full.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            k_t = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+            v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+            p_op = gl.convert_layout(p_lo, p_layout)
+            p_l = gl.convert_layout(p_lo, pl_layout)
+            mbarrier.wait(turns.index(WG), j & 1)
+            s = warpgroup_mma(q2, k_t, s_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_op, v_t, acc, is_async=True)
+            l_acc = warpgroup_mma(p_l, ones, l_acc, is_async=True)
+            mbarrier.arrive(turns.index(1 - WG))
+            s = warpgroup_mma_wait(2, deps=(s,))
+            mbarrier.arrive(k_empty.index(slot))
+            p, alpha, m_raw, m_sh, cnt = _softmax_block(
+                s, j * BLOCK_N, r0, m_raw, m_sh, cnt, T_K, qk_scale, beta_m1, dmin2, dmax2,
+                SAT2, STABILIZE, CAUSAL, BLOCK_WG, BLOCK_N, s_layout, full_hi,
+            )  # fmt: skip
+            acc, l_acc, p_op, p_l = warpgroup_mma_wait(0, deps=(acc, l_acc, p_op, p_l))
+            mbarrier.arrive(v_empty.index(prev))
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, row_l), 1)
+            p_lo = p.to(dtype)
+
+        last = (n_blocks - 1) % NUM_STAGES
+        mbarrier.wait(v_full.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
+        v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+        mbarrier.wait(turns.index(WG), n_blocks & 1)
+        acc = warpgroup_mma(gl.convert_layout(p_lo, p_layout), v_t, acc, is_async=True)
+        l_acc = warpgroup_mma(gl.convert_layout(p_lo, pl_layout), ones, l_acc, is_async=True)
+        mbarrier.arrive(turns.index(1 - WG))
+        acc, l_acc = warpgroup_mma_wait(0, deps=(acc, l_acc))
+        mbarrier.arrive(v_empty.index(last))
+
+        l_r = gl.convert_layout(gl.reduce(l_acc, 1, _max_op), row_l)
+        inv = gl.div_rn(gl.full([BLOCK_WG], 1.0, gl.float32, layout=row_l), l_r)
+        o = acc * gl.expand_dims(gl.convert_layout(inv, row_o), 1)
+        q2.store(o.to(dtype))
+        fence_async_shared()
+        _barrier()
+        _tma_store(o_desc, [b, h, r0, 0], q4)
+        lse = gl.convert_layout(m_sh, row_l) + gl.log2(l_r)
+        offs = r0 + gl.arange(0, BLOCK_WG, layout=row_l)
+        gl.store(LSE + pid_bh.to(gl.int64) * T_Q + offs, lse, mask=offs < T_Q)
+        tma.store_wait(0)
+
+    @gluon.jit(do_not_specialize=["H", "GROUP", "T_Q", "T_K"])
+    def _fwd_ws_kernel(
+        q_desc, k_desc, v_desc, o_desc, LSE,
+        H, GROUP, T_Q, T_K, qk_scale, beta_m1, dmin2, dmax2,
+        SAT2: gl.constexpr, STABILIZE: gl.constexpr, CAUSAL: gl.constexpr,
+        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        """128 query rows per program: two consumer warpgroups of 64 rows (the default
+        partition and a worker) and a producer warpgroup that streams Q, K and V by TMA."""
+        dtype: gl.constexpr = q_desc.dtype
+        BLOCK_WG: gl.constexpr = 64
+        BLOCK_M: gl.constexpr = 128
+        pid_m = gl.program_id(0)
+        if CAUSAL:
+            pid_m = (T_Q + BLOCK_M - 1) // BLOCK_M - 1 - pid_m
+        pid_bh = gl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        hk = h // GROUP
+        m0 = pid_m * BLOCK_M
+        hi = T_K
+        full_hi = (T_K // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            hi = gl.minimum(T_K, m0 + BLOCK_M)
+            full_hi = gl.minimum(full_hi, m0)
+        n_blocks = (hi + BLOCK_N - 1) // BLOCK_N
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_WG, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(
+            dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout
+        )
+        v_smem = gl.allocate_shared_memory(
+            dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout
+        )
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 16], dtype)
+        ones_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 16], ones_layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        k_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        v_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+        for i in gl.static_range(2):
+            mbarrier.init(q_bars.index(i), count=1)
+            mbarrier.init(turns.index(i), count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_full.index(i), count=1)
+            mbarrier.init(v_full.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.arrive(turns.index(0))  # warpgroup 0 issues first
+        fence_async_shared()
+
+        gl.warp_specialize(
+            [
+                (_ws_consumer, (0, o_desc, LSE, q_smem, k_smem, v_smem, ones_smem, q_bars,
+                 k_full, v_full, k_empty, v_empty, turns, b, h, pid_bh, m0, n_blocks, full_hi,
+                 T_Q, T_K, qk_scale, beta_m1, dmin2, dmax2, SAT2, STABILIZE, CAUSAL, BLOCK_WG,
+                 BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                (_ws_consumer, (1, o_desc, LSE, q_smem, k_smem, v_smem, ones_smem, q_bars,
+                 k_full, v_full, k_empty, v_empty, turns, b, h, pid_bh, m0, n_blocks, full_hi,
+                 T_Q, T_K, qk_scale, beta_m1, dmin2, dmax2, SAT2, STABILIZE, CAUSAL, BLOCK_WG,
+                 BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                (
+                    _ws_producer,
+                    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_full, v_full,
+                     k_empty, v_empty, b, h, hk, m0, n_blocks, BLOCK_WG, BLOCK_N, NUM_STAGES),
+                ),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
 def gluon_forward(
@@ -318,21 +369,16 @@ def gluon_forward(
     """O like q and the row log2-sum-exp (B, H, Tq) fp32, as triton_forward returns them."""
     b, h, tq, d = q.shape
     hk, tk = k.shape[1], k.shape[2]
-    cfg = config(d, causal)
+    cfg = CONFIG_OVERRIDES.get(causal, DEFAULT_CONFIG)
     o = torch.empty_like(q)
     lse = torch.empty((b, h, tq), device=q.device, dtype=torch.float32)
     beta_m1, dmin2, dmax2, sat2 = stab_args
-    grid = (triton_cdiv(tq, cfg.block_m), b * h)
-    _fwd_kernel[grid](
-        _desc(q, cfg.block_m), _desc(k, cfg.block_n), _desc(v, cfg.block_n),
-        _desc(o, cfg.block_m), lse, h, h // hk, tq, tk, sm_scale * 1.4426950408889634,
-        beta_m1, dmin2, dmax2, SAT2=sat2, STABILIZE=stabilize, CAUSAL=causal,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, NUM_STAGES=cfg.num_stages,
-        ROWSUM_N=cfg.rowsum_n,
-        num_warps=cfg.block_m // 16,
+    grid = (cdiv(tq, 128), b * h)
+    _fwd_ws_kernel[grid](
+        _desc(q, 64), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(o, 64), lse, h,
+        h // hk, tq, tk, sm_scale * 1.4426950408889634, beta_m1, dmin2, dmax2, SAT2=sat2,
+        STABILIZE=stabilize, CAUSAL=causal, BLOCK_N=cfg.block_n, HEAD_DIM=d,
+        NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
+        PRODUCER_REGS=cfg.producer_regs, num_warps=4,
     )  # fmt: skip
     return o, lse
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

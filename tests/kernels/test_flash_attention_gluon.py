@@ -1,0 +1,190 @@
+"""The warp-specialized Gluon forward (kernels/flash_attention_gluon.py).
+
+Gluon has no interpreter. On a CPU these tests compile the kernel to sm_90 code (Triton's
+bundled ptxas), which catches what a Triton upgrade breaks in its API; on a Hopper GPU they run
+it against the Triton forward and a float64 reference, and check which calls it serves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from numwatch.kernels import flash_attention as fa
+from numwatch.kernels import flash_attention_gluon as fag
+from numwatch.kernels.flash_attention import flash_attention
+from numwatch.testing import planted_tie_attention
+
+needs_gluon = pytest.mark.skipif(not fag.AVAILABLE, reason="this Triton has no Gluon Hopper API")
+needs_hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+    reason="needs a Hopper GPU",
+)
+
+
+@needs_gluon
+@pytest.mark.parametrize(("stabilize", "causal"), [(False, False), (True, True)])
+def test_compiles_to_sm90_code(stabilize, causal):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(rows):
+        layout = fag.gl.NVMMASharedLayout.get_default_for([1, 1, rows, 128], fag.gl.bfloat16)
+        return f"tensordesc<bf16[1, 1, {rows}, 128],{layout!r}>"
+
+    cfg = fag.DEFAULT_CONFIG
+    constants = {
+        "SAT2": -0.0028, "STABILIZE": stabilize, "CAUSAL": causal, "BLOCK_N": cfg.block_n,
+        "HEAD_DIM": 128, "NUM_STAGES": cfg.num_stages, "CONSUMER_REGS": cfg.consumer_regs,
+        "PRODUCER_REGS": cfg.producer_regs,
+    }  # fmt: skip
+    signature = {
+        "q_desc": desc(64), "k_desc": desc(cfg.block_n), "v_desc": desc(cfg.block_n),
+        "o_desc": desc(64), "LSE": "*fp32", "H": "i32", "GROUP": "i32", "T_Q": "i32",
+        "T_K": "i32", "qk_scale": "fp32", "beta_m1": "fp32", "dmin2": "fp32", "dmax2": "fp32",
+        **dict.fromkeys(constants, "constexpr"),
+    }  # fmt: skip
+    src = GluonASTSource(fag._fwd_ws_kernel, signature, constants)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    assert kernel.asm["cubin"]
+    # asynchronous wgmma, the register hand-over between partitions, TMA copies
+    assert "wgmma.mma_async" in ptx and "wgmma.wait_group" in ptx
+    assert "setmaxnreg" in ptx
+    assert "cp.async.bulk.tensor.4d" in ptx
+
+
+def test_serves_only_head_dim_128_without_mask_in_plain_and_stabilized_modes():
+    if not torch.cuda.is_available():
+        meta = torch.empty(1, 1, 4, 128, device="meta", dtype=torch.bfloat16)
+        assert not fag.supports(meta, meta, meta, None, 0)  # not on CUDA
+        return
+    q = torch.empty(1, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability()[0] == 9 and fag.AVAILABLE
+    assert fag.supports(q, q, q, None, 0) == hopper
+    assert fag.supports(q, q, q, None, 1) == hopper
+    assert not fag.supports(q, q, q, None, 2)  # paper_repro: the Triton kernel's emulation
+    assert not fag.supports(q, q, q, torch.ones(1, 1, 8, 8, device="cuda", dtype=torch.bool), 1)
+    assert not fag.supports(q[..., :64], q[..., :64], q[..., :64], None, 1)
+    assert not fag.supports(q.float(), q.float(), q.float(), None, 1)
+
+
+def _inputs(b, h, hk, tq, tk, dtype, seed=0, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, tq, 128, generator=g)
+    k = torch.randn(b, hk, tk, 128, generator=g)
+    v = torch.randn(b, hk, tk, 128, generator=g)
+    if ties:  # two identical keys aligned with the queries: repeated row maxima above 0
+        sink = q[:, :: h // hk].mean(2) * 3
+        k[:, :, 3] = sink
+        k[:, :, min(5, tk - 1)] = sink
+    return (x.to("cuda", dtype) for x in (q, k, v))
+
+
+def _oracle(q, k, v, causal):
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.double().repeat_interleave(group, 1) for x in (k, v))
+    return F.scaled_dot_product_attention(q.double(), k, v, is_causal=causal)
+
+
+def _both(monkeypatch, q, k, v, causal, mode):
+    """Our output with the Gluon forward, and with the Triton forward, on the same call."""
+    o_gluon = flash_attention(q, k, v, is_causal=causal, mode=mode, enable_gqa=True)
+    monkeypatch.setattr(fag, "ENABLED", False)
+    o_triton = flash_attention(q, k, v, is_causal=causal, mode=mode, enable_gqa=True)
+    monkeypatch.setattr(fag, "ENABLED", True)
+    return o_gluon, o_triton
+
+
+SHAPES = [  # b, h, hk, tq, tk, causal: odd lengths, Tq != Tk both ways, GQA/MQA, one query
+    (2, 4, 4, 1024, 1024, False),
+    (2, 4, 2, 777, 777, True),
+    (1, 3, 1, 300, 517, False),
+    (1, 2, 2, 517, 300, True),
+    (1, 2, 2, 1, 200, False),
+    (1, 2, 1, 129, 129, True),
+]
+
+
+@needs_hopper
+@needs_gluon
+@pytest.mark.parametrize("mode", ["plain", "stabilized"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_the_triton_forward_and_fp64(monkeypatch, shape, dtype, mode):
+    b, h, hk, tq, tk, causal = shape
+    q, k, v = _inputs(b, h, hk, tq, tk, dtype, ties=mode == "stabilized" and tk > 5)
+    calls = []
+    monkeypatch.setattr(fag, "gluon_forward", _spy(fag.gluon_forward, calls))
+    o_gluon, o_triton = _both(monkeypatch, q, k, v, causal, mode)
+    assert len(calls) == 1  # the first call ran the Gluon kernel, the second did not
+    o64 = _oracle(q, k, v, causal)
+    err_gluon = (o_gluon.double() - o64).abs().max().item()
+    err_triton = (o_triton.double() - o64).abs().max().item()
+    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    assert err_gluon <= err_triton + ulp * o64.abs().max().item(), (err_gluon, err_triton)
+    # Different key-block sizes (128 here, 64 in the Triton D128 tiles) round differently:
+    # at most a few units in the last place apart.
+    assert (o_gluon.float() - o_triton.float()).abs().max().item() <= 8 * ulp * max(
+        1.0, o64.abs().max().item()
+    )
+
+
+def _spy(fn, calls):
+    def wrapped(*args, **kwargs):
+        calls.append(args[0].shape)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@needs_hopper
+@needs_gluon
+def test_same_key_blocks_give_bitwise_the_triton_forward(monkeypatch):
+    """With the Triton forward's D128 key block (64) the two kernels add the same products in
+    the same order: bitwise equal outputs and LSEs, both modes, causal or not."""
+    monkeypatch.setattr(fag, "DEFAULT_CONFIG", fag.GluonConfig(64, 2))
+    tri = fa._tri
+    q, k, v = _inputs(1, 4, 2, 1000, 1000, torch.bfloat16, ties=True)
+    for causal in (False, True):
+        for mode in (0, 1):
+            cfg = tri.tile_config("fwd_stab" if mode else "fwd", 128, causal)
+            assert cfg.block_n == 64 and cfg.rowsum_mma
+            stab = tri._stab_args(q.dtype, 2.0)
+            o_g, lse_g = fag.gluon_forward(q, k, v, causal, 128**-0.5, mode == 1, stab)
+            o_t, lse_t = tri.triton_forward(q, k, v, None, causal, 128**-0.5, mode, 2.0)
+            assert torch.equal(o_g, o_t) and torch.equal(lse_g, lse_t), (causal, mode)
+
+
+@needs_hopper
+@needs_gluon
+def test_stabilized_bias_on_planted_ties_like_the_triton_kernel(monkeypatch):
+    """DESIGN.md's planted ties at head dim 128: the Gluon forward's bias ratio is the Triton
+    forward's (the same arithmetic), far from the paper kernel's strongly negative one."""
+    q, k, v = (x.cuda() for x in planted_tie_attention(2, 14.0, torch.bfloat16, 4, 8, 1024, 128))
+    o64 = _oracle(q, k, v, True)
+
+    def bias(o):
+        err = o.double() - o64
+        return (err.mean() / err.abs().mean()).item()
+
+    o_gluon, o_triton = _both(monkeypatch, q, k, v, True, "stabilized")
+    paper = flash_attention(q, k, v, is_causal=True, mode="paper_repro")
+    assert abs(bias(o_gluon) - bias(o_triton)) <= 0.05, (bias(o_gluon), bias(o_triton))
+    assert bias(paper) < -0.5 < bias(o_gluon)
+
+
+@needs_hopper
+@needs_gluon
+def test_gradients_flow_through_the_gluon_forward():
+    """The backward (Triton) takes the Gluon forward's O and LSE: gradients match float64."""
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 4, 2, 600, 600, torch.bfloat16))
+    do = torch.randn_like(q)
+    flash_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do)
+    grads = [x.grad.double() for x in (q, k, v)]
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    _oracle(q64, k64, v64, True).backward(do.double())
+    for g, x in zip(grads, (q64, k64, v64), strict=True):
+        assert (g - x.grad).norm() / x.grad.norm() < 2e-2
