@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from numwatch.kernels import flash_attention as fa
 from numwatch.kernels import flash_attention_gluon as fag
+from numwatch.kernels import flash_attention_triton as tri
 from numwatch.kernels.flash_attention import flash_attention
 from numwatch.testing import planted_tie_attention
 
@@ -146,7 +146,6 @@ def test_same_key_blocks_give_bitwise_the_triton_forward(monkeypatch):
     """With the Triton forward's D128 key block (64) the two kernels add the same products in
     the same order: bitwise equal outputs and LSEs, both modes, causal or not."""
     monkeypatch.setattr(fag, "DEFAULT_CONFIG", fag.GluonConfig(64, 2))
-    tri = fa._tri
     q, k, v = _inputs(1, 4, 2, 1000, 1000, torch.bfloat16, ties=True)
     for causal in (False, True):
         for mode in (0, 1):
