@@ -4,8 +4,10 @@ Why: when a row of attention logits has a repeated maximum (attention sinks, rep
 several P̄ = exp(S - m) are exactly 1.0, and a kernel that rounds P̄V or the O accumulation to
 bf16 rounds them in one direction; the error is biased, flows into dQ through
 delta = rowsum(dO * O) and can end in a loss explosion. This kernel keeps that from happening and
-runs at flash-attention speed on CUDA (Triton), in the Triton interpreter on CPU
-(``TRITON_INTERPRET=1``), or as the pure-torch blockwise reference on plain CPU.
+runs at flash-attention speed on CUDA (Triton; at head dim 128 on Hopper the forward is the
+warp-specialized Gluon kernel of flash_attention_gluon, same arithmetic), in the Triton
+interpreter on CPU (``TRITON_INTERPRET=1``), or as the pure-torch blockwise reference on plain
+CPU.
 
 Semantics are SDPA's: (B, H, T, D) layout, ``is_causal`` is the top-left aligned lower triangle,
 GQA/MQA when K/V have fewer heads (``enable_gqa=True``), ``attn_mask`` boolean (True = keep) or
