@@ -67,17 +67,25 @@ def test_compiled_model_is_monitored_like_the_eager_one(make_monitor):
     assert frames[6:] == [0, 0]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_gpu)])
-def test_routed_attention_under_compile_trains_as_in_eager(make_monitor, device):
+@pytest.mark.parametrize(
+    ("device", "n_embd"),
+    [
+        ("cpu", 32),
+        pytest.param("cuda", 32, marks=requires_gpu),
+        pytest.param("cuda", 256, marks=requires_gpu),  # head dim 128: the Gluon forward
+    ],
+)
+def test_routed_attention_under_compile_trains_as_in_eager(make_monitor, device, n_embd):
     """A layer routed to numwatch's kernel trains compiled as in eager mode: on the CPU the
     paper's emulation (in the Triton interpreter under the test suite), bitwise; on a GPU the
     compiled stabilized kernel, whose launches Dynamo cannot trace (they run between graphs),
     to 1e-5 (cuBLAS may pick other algorithms for the compiled graphs' layouts)."""
     mode = "paper_repro" if device == "cpu" else "stabilized"
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=n_embd)
 
     def losses(compiled: bool) -> list[float]:
         torch.manual_seed(0)
-        model = GPT(CFG).to(device)
+        model = GPT(cfg).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         monitor = make_monitor(model, flush_every=4, attention__every=2).attach(opt)
         monitor.swap_attention(mode=mode, stabilize=mode == "stabilized")
