@@ -205,18 +205,26 @@ def _use_triton(q: Tensor) -> bool:
     return q.is_cuda or _tri.INTERPRET
 
 
+def _forward(q, k, v, mask, causal, sm_scale, mode, beta, use_triton) -> tuple[Tensor, Tensor]:
+    """O and the row LSE: the Gluon forward where it serves the call, else the Triton one (or
+    the torch reference off the GPU without the interpreter)."""
+    if use_triton and _glu.supports(q, k, v, mask, mode):
+        stab = _tri._stab_args(q.dtype, beta)
+        try:
+            return _glu.gluon_forward(q, k, v, causal, sm_scale, mode == MODE_STABILIZED, stab)
+        except Exception as e:  # never break training over the experimental fast path
+            _glu.disable(e)
+    if use_triton:
+        return _tri.triton_forward(q, k, v, mask, causal, sm_scale, mode, beta)
+    return reference_forward(q, k, v, mask, causal, sm_scale, mode, beta)
+
+
 class _FlashFn(torch.autograd.Function):
     """Forward/backward of one call; ``use_triton`` picks the kernels or the torch reference."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, sm_scale, mode, beta, use_triton):  # type: ignore[override]
-        if use_triton and _glu.supports(q, k, v, mask, mode):
-            stab = _tri._stab_args(q.dtype, beta)
-            o, lse = _glu.gluon_forward(q, k, v, causal, sm_scale, mode == MODE_STABILIZED, stab)
-        elif use_triton:
-            o, lse = _tri.triton_forward(q, k, v, mask, causal, sm_scale, mode, beta)
-        else:
-            o, lse = reference_forward(q, k, v, mask, causal, sm_scale, mode, beta)
+        o, lse = _forward(q, k, v, mask, causal, sm_scale, mode, beta, use_triton)
         ctx.save_for_backward(q, k, v, o, lse, mask)
         ctx.causal, ctx.sm_scale, ctx.mode, ctx.use_triton = causal, sm_scale, mode, use_triton
         return o

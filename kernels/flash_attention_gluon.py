@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -67,11 +68,28 @@ class GluonConfig(NamedTuple):
 # H200, head dim 128: 128-key blocks in 2 slots beat 64-key blocks in 2 or 3 slots by 10-13 %
 # (bench/results/flash_attention_gluon_h200.json, the sweep at T 4096).
 DEFAULT_CONFIG = GluonConfig(128, 2)
+CONFIG_OVERRIDES: dict[bool, GluonConfig] = {}  # per causal
 HEAD_DIMS = (128,)
 # NUMWATCH_FLASH_GLUON=0 sends every call to the Triton forward (A/B runs, or a Triton whose
 # Gluon misbehaves); the benchmark flips ENABLED to time both in one process.
 ENABLED = os.environ.get("NUMWATCH_FLASH_GLUON", "1") != "0"
-CONFIG_OVERRIDES: dict[bool, GluonConfig] = {}
+# Why the kernel was switched off at run time (see disable), or None.
+DISABLED_BY: str | None = None
+
+
+def disable(error: BaseException) -> None:
+    """Switch the kernel off for this process after it failed (Gluon is experimental: another
+    Triton may not compile it). The Triton forward serves every call from then on; the
+    failure is warned about once and kept in DISABLED_BY."""
+    global ENABLED, DISABLED_BY
+    ENABLED = False
+    DISABLED_BY = f"{type(error).__name__}: {str(error)[:500]}"
+    warnings.warn(
+        f"numwatch: the Gluon flash-attention forward failed ({DISABLED_BY}); the Triton "
+        "forward serves every call from now on",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, mode: int) -> bool:
@@ -379,6 +397,6 @@ def gluon_forward(
         h // hk, tq, tk, sm_scale * 1.4426950408889634, beta_m1, dmin2, dmax2, SAT2=sat2,
         STABILIZE=stabilize, CAUSAL=causal, BLOCK_N=cfg.block_n, HEAD_DIM=d,
         NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs, num_warps=4,
+        PRODUCER_REGS=cfg.producer_regs, num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
     return o, lse

@@ -1144,6 +1144,8 @@ def _mask_key(mask_t: Tensor, mask_kind: int) -> tuple:
     return (mask_kind, mask_t.dtype, mask_t.data_ptr() % 16 == 0)
 
 
+# Every launch asks for FP fusion (a * b + c as one FMA) explicitly: Triton 3.9 warns that its
+# default turns it off in 3.10, which would change the kernels' rounding and speed.
 # The launches skip JITFunction.run once compiled (launch.Relauncher): its argument binding and
 # specialization were most of a call's host time, about 40 arguments per kernel. Each key holds
 # every integer argument's exact value, the dtypes, the mask pointer's alignment and the tile
@@ -1185,7 +1187,7 @@ def triton_forward(
         SAT2=sat2, MODE=mode, MASK_KIND=mask_kind, CAUSAL=causal,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         WARP_SPECIALIZE=cfg.warp_specialize, ROWSUM_MMA=cfg.rowsum_mma, INTERPRET=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True,
     )  # fmt: skip
     return o, lse
 
@@ -1214,6 +1216,7 @@ def triton_backward(
     _launch_delta(
         (o.dtype, do.dtype, o.data_ptr() % 16 == 0, do.data_ptr() % 16 == 0, block_d, ints),
         (cdiv(tq, 64), b * h), o, do, delta, *ints, BLOCK_M=64, BLOCK_D=block_d,
+        enable_fp_fusion=True,
     )  # fmt: skip
     mask_t, mask_kind, ms = _mask_args(mask, q)
     # The backward only needs to know whether S was rounded (paper_repro): plain and stabilized
@@ -1239,7 +1242,7 @@ def triton_backward(
         MODE=bwd_mode, MASK_KIND=mask_kind, CAUSAL=causal,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         EVEN_Q=tq % cfg.block_m == 0, INTERPRET=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True,
     )  # fmt: skip
     cfg = tile_config("dq", block_d, causal)
     bm, bn = cfg.block_m, cfg.block_n
@@ -1250,7 +1253,7 @@ def triton_backward(
         _tiles(do, bm, block_d), _tiles(dq, bm, block_d), lse, delta, mask_t, *ints, sm_scale,
         MODE=bwd_mode, MASK_KIND=mask_kind, CAUSAL=causal,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, INTERPRET=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True,
     )  # fmt: skip
     if group != 1:
         dk = dk.view(b, hk, group, tk, d).sum(2).to(k.dtype)

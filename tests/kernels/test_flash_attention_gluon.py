@@ -7,6 +7,8 @@ it against the Triton forward and a float64 reference, and check which calls it 
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,9 @@ from numwatch.kernels import flash_attention_gluon as fag
 from numwatch.kernels import flash_attention_triton as tri
 from numwatch.kernels.flash_attention import flash_attention
 from numwatch.testing import planted_tie_attention
+
+# the module (numwatch.kernels exports its function under the same name)
+fa = importlib.import_module("numwatch.kernels.flash_attention")
 
 needs_gluon = pytest.mark.skipif(not fag.AVAILABLE, reason="this Triton has no Gluon Hopper API")
 needs_hopper = pytest.mark.skipif(
@@ -69,6 +74,35 @@ def test_serves_only_head_dim_128_without_mask_in_plain_and_stabilized_modes():
     assert not fag.supports(q, q, q, torch.ones(1, 1, 8, 8, device="cuda", dtype=torch.bool), 1)
     assert not fag.supports(q[..., :64], q[..., :64], q[..., :64], None, 1)
     assert not fag.supports(q.float(), q.float(), q.float(), None, 1)
+
+
+@pytest.mark.skipif(fa._tri is None, reason="triton is not installed")
+def test_a_failing_gluon_forward_switches_to_the_triton_forward(monkeypatch):
+    """Gluon is experimental: if its kernel fails (another Triton's API, a compile error), the
+    call still returns the Triton forward's result, a warning says why once, and later calls
+    go straight to Triton. Planted on whatever device runs the Triton kernels here."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not fa._tri.INTERPRET:
+        pytest.skip("needs the Triton interpreter or a GPU")
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise AttributeError("module 'gluon' has no attribute 'thread_barrier'")
+
+    monkeypatch.setattr(fag, "supports", lambda *args: fag.ENABLED)
+    monkeypatch.setattr(fag, "gluon_forward", broken)
+    monkeypatch.setattr(fag, "ENABLED", True)
+    monkeypatch.setattr(fag, "DISABLED_BY", None)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 64, generator=g).to(device, torch.bfloat16) for _ in range(3))
+    want = fa._tri.triton_forward(q, k, v, None, True, 0.125, 1, 2.0)[0]
+    with pytest.warns(RuntimeWarning, match="Gluon flash-attention forward failed"):
+        got = flash_attention(q, k, v, is_causal=True)
+    assert torch.equal(got, want)
+    assert fag.DISABLED_BY.startswith("AttributeError") and not fag.ENABLED
+    flash_attention(q, k, v, is_causal=True)  # no second attempt, no second warning
+    assert calls == [1]
 
 
 def _inputs(b, h, hk, tq, tk, dtype, seed=0, ties=False):
