@@ -156,29 +156,14 @@ if AVAILABLE:
         return p, alpha, m_raw_new, m_new, cnt
 
     @gluon.jit
-    def _load_kv(desc, bar, smem, b, hk, n0, pred):
-        mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-        _tma_load(desc, [b, hk, n0, 0], bar, smem, pred=pred)
-
-
-def _desc(x: Tensor, block_t: int) -> TensorDescriptor:
-    d = x.shape[-1]
-    block = [1, 1, block_t, d]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype])
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
-
-
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if AVAILABLE else {}
-
-
-if AVAILABLE:
-
-    @gluon.jit
     def _ws_producer(
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty,
         v_empty, b, h, hk, m0, n_blocks,
         BLOCK_WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
+        """Q's two 64-row halves once, then K and V block by block into the ring: a slot is
+        refilled once both consumers have arrived on its ``*_empty`` barrier (count 2), and
+        each load completes its ``*_full`` barrier (TMA transaction bytes)."""
         for w in gl.static_range(2):
             mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
             _tma_load(q_desc, [b, h, m0 + w * BLOCK_WG, 0], q_bars.index(w), q_smem.index(w))
@@ -205,6 +190,8 @@ if AVAILABLE:
         warpgroups take turns to issue their wgmma (``turns``), so one's softmax runs while
         the tensor cores work for the other (FA3's ping-pong)."""
         dtype: gl.constexpr = o_desc.dtype
+        # Columns of the ones tile for the row sum (8, wgmma's least N, gave wrong sums with
+        # 128-key blocks on triton 3.6; 16 are right)
         RN: gl.constexpr = 16
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -373,6 +360,16 @@ if AVAILABLE:
             [4, 4],
             [CONSUMER_REGS, PRODUCER_REGS],
         )  # fmt: skip
+
+
+def _desc(x: Tensor, block_t: int) -> TensorDescriptor:
+    d = x.shape[-1]
+    block = [1, 1, block_t, d]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype])
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if AVAILABLE else {}
 
 
 def gluon_forward(
