@@ -13,6 +13,7 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_power_iteration.py --out $R/power_iteration_h200.json
   $py bench/bench_attention_stats.py --out $R/attention_stats.json
   $py bench/bench_flash_attention.py --out $R/flash_attention.json
+  $py bench/sweep_flash_gluon.py --out $R/flash_attention_gluon_configs_h200.json
   $py bench/bench_flash_host.py --out $R/flash_attention_host_h200.json
   $py bench/bench_overhead.py --out $R/overhead_gpt2_h200.json
   $py bench/bench_overhead.py --interleave --steps 400 \

@@ -1,0 +1,88 @@
+"""Sweep: the Gluon flash-attention forward's launch settings at head dim 128, against the Triton
+forward and cuDNN SDPA on the same calls (one GPU, one process).
+
+For each T, causal and mode (plain, stabilized) it times the forward through
+``flash_attention`` with every candidate ``GluonConfig`` (keys per block, ring slots, consumer
+and producer registers), then the Triton forward (the Gluon kernel switched off) and cuDNN's
+forward, and reports each as cuDNN time / ours. bf16, B*T = 16k tokens, H 16. The defaults in
+kernels/flash_attention_gluon.py come from this sweep (session 15:
+bench/results/flash_attention_gluon_h200.json and flash_attention_gluon_configs_h200.json came
+from its exploratory predecessor, the same timings written against the kernel's launch
+arguments before they became GluonConfig). Usage (Hopper GPU):
+    python3 bench/sweep_flash_gluon.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from bench_flash_attention import bench_ms, make_inputs
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from numwatch.kernels import flash_attention_gluon as fag
+from numwatch.kernels.flash_attention import flash_attention
+
+CANDIDATES = [
+    fag.GluonConfig(128, 2),
+    fag.GluonConfig(64, 2),
+    fag.GluonConfig(64, 3),
+    fag.GluonConfig(128, 2, 232, 40),
+]
+
+
+def measure(t: int, causal: bool) -> dict:
+    """One shape: cuDNN, then each candidate and the Triton forward, per mode."""
+    q, k, v, _ = make_inputs(16384 // t, 16, t, 128)
+    q, k, v = (x.detach() for x in (q, k, v))
+    row = {"B": 16384 // t, "H": 16, "T": t, "D": 128, "causal": causal}
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        row["cudnn_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal))  # fmt: skip
+    for mode in ("stabilized", "plain"):
+
+        def fwd(mode=mode):
+            return flash_attention(q, k, v, is_causal=causal, mode=mode)
+
+        for cfg in CANDIDATES:
+            fag.CONFIG_OVERRIDES[causal] = cfg
+            try:
+                row[f"{mode} {tuple(cfg)}"] = round(row["cudnn_ms"] / bench_ms(fwd), 3)
+            except Exception as e:  # recorded; the other candidates still run
+                row[f"{mode} {tuple(cfg)}"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+        fag.CONFIG_OVERRIDES.clear()
+        fag.ENABLED = False
+        try:
+            row[f"{mode} triton forward"] = round(row["cudnn_ms"] / bench_ms(fwd), 3)
+        finally:
+            fag.ENABLED = True
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096])
+    args = ap.parse_args()
+    if not fag.AVAILABLE:
+        raise SystemExit("this Triton has no Gluon Hopper API")
+    rows = []
+    for t, causal in itertools.product(args.seqs, (False, True)):
+        rows.append(measure(t, causal))
+        print(json.dumps(rows[-1]), flush=True)
+    out = {
+        "benchmark": "Gluon forward settings at head dim 128 (cuDNN fwd time / ours)",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "config_fields": list(fag.GluonConfig._fields),
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
