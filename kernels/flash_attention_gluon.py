@@ -48,12 +48,12 @@ try:
     # A CTA-wide (or, inside a warp-specialized partition, a partition-wide) barrier: triton
     # 3.6 calls it thread_barrier, later versions barrier.
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    # TMA copies: async_copy_* in triton 3.6, async_load/async_store from 3.7 on.
+    # TMA copies: async_copy_* in triton 3.6, async_load/async_store in later versions (3.9).
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     AVAILABLE = True
-except ImportError:  # a Triton without Gluon's Hopper API: the Triton forward serves
-    AVAILABLE = False
+except (ImportError, AttributeError):  # a Triton without (this) Gluon Hopper API: the Triton
+    AVAILABLE = False  # forward serves every call
 
 
 class GluonConfig(NamedTuple):
