@@ -73,7 +73,6 @@ what BF16 accumulation costs by itself.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections import Counter
 
@@ -128,11 +127,6 @@ def _kernel_mode(mode: str, stabilize: bool, beta: float) -> int:
     return _MODES[mode]
 
 
-@functools.cache
-def _capability_major(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
-
-
 def _fallback_reason(
     q: Tensor,
     k: Tensor,
@@ -183,7 +177,7 @@ def _fallback_reason(
     if q.device.type == "cuda":
         if _tri is None:
             return "no_triton"
-        if _capability_major(q.device) < 9:
+        if _tri.capability_major(q.device) < 9:
             return "gpu_arch"  # tensor descriptors (TMA) are only tested on Hopper
     return None
 
@@ -209,9 +203,8 @@ def _forward(q, k, v, mask, causal, sm_scale, mode, beta, use_triton) -> tuple[T
     """O and the row LSE: the Gluon forward where it serves the call, else the Triton one (or
     the torch reference off the GPU without the interpreter)."""
     if use_triton and _glu.supports(q, k, v, mask, mode):
-        stab = _tri._stab_args(q.dtype, beta)
         try:
-            return _glu.gluon_forward(q, k, v, causal, sm_scale, mode == MODE_STABILIZED, stab)
+            return _glu.gluon_forward(q, k, v, causal, sm_scale, mode, beta)
         except Exception as e:  # never break training over the experimental fast path
             _glu.disable(e)
     if use_triton:

@@ -23,7 +23,6 @@ float64 reference); on CPU the tests compile it to sm_90 code.
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from typing import NamedTuple
@@ -31,6 +30,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .flash_attention_torch import LOG2E, MODE_PLAIN, MODE_STABILIZED
+from .flash_attention_triton import capability_major, stabilization_args
 from .launch import cdiv
 
 try:
@@ -93,26 +94,25 @@ def disable(error: BaseException) -> None:
 
 
 def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, mode: int) -> bool:
-    """Whether this kernel serves a call the Triton forward would run (mode 0 plain, 1
-    stabilized; the inputs are descriptor-ready). Reads shapes, dtypes and devices only."""
+    """Whether this kernel serves a call the Triton forward would run (plain or stabilized
+    mode; the inputs are descriptor-ready). Reads shapes, dtypes and devices only."""
     return (
         AVAILABLE
         and ENABLED
         and mask is None
-        and mode in (0, 1)
+        and mode in (MODE_PLAIN, MODE_STABILIZED)
         and q.shape[-1] in HEAD_DIMS
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.is_cuda
-        and _capability_major(q.device) == 9
+        and capability_major(q.device) == 9
     )
 
 
-@functools.cache
-def _capability_major(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
-
-
 if AVAILABLE:
+    # Columns of the ones tile that takes the row sum of P̄ (8, wgmma's least N, gave wrong sums
+    # with 128-key blocks on triton 3.6; 16 are right).
+    ROWSUM_N = gl.constexpr(16)
+
     # Reductions through gl.reduce with our own combine functions: gl.max/gl.sum are triton.jit
     # helpers, which the CPU tests' TRITON_INTERPRET=1 turns into interpreter functions that a
     # compiled Gluon kernel cannot call (the reductions are the same).
@@ -190,9 +190,7 @@ if AVAILABLE:
         warpgroups take turns to issue their wgmma (``turns``), so one's softmax runs while
         the tensor cores work for the other (FA3's ping-pong)."""
         dtype: gl.constexpr = o_desc.dtype
-        # Columns of the ones tile for the row sum (8, wgmma's least N, gave wrong sums with
-        # 128-key blocks on triton 3.6; 16 are right)
-        RN: gl.constexpr = 16
+        RN: gl.constexpr = ROWSUM_N
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -321,8 +319,8 @@ if AVAILABLE:
         v_smem = gl.allocate_shared_memory(
             dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout
         )
-        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 16], dtype)
-        ones_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 16], ones_layout)
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROWSUM_N], dtype)
+        ones_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROWSUM_N], ones_layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
@@ -378,21 +376,22 @@ def gluon_forward(
     v: Tensor,
     causal: bool,
     sm_scale: float,
-    stabilize: bool,
-    stab_args: tuple[float, float, float, float],
+    mode: int,
+    beta: float,
 ) -> tuple[Tensor, Tensor]:
-    """O like q and the row log2-sum-exp (B, H, Tq) fp32, as triton_forward returns them."""
+    """triton_forward's call without a mask (``supports`` says which calls): O like q and the
+    row log2-sum-exp (B, H, Tq) fp32."""
     b, h, tq, d = q.shape
     hk, tk = k.shape[1], k.shape[2]
     cfg = CONFIG_OVERRIDES.get(causal, DEFAULT_CONFIG)
     o = torch.empty_like(q)
     lse = torch.empty((b, h, tq), device=q.device, dtype=torch.float32)
-    beta_m1, dmin2, dmax2, sat2 = stab_args
+    beta_m1, dmin2, dmax2, sat2 = stabilization_args(q.dtype, beta)
     grid = (cdiv(tq, 128), b * h)
     _fwd_ws_kernel[grid](
         _desc(q, 64), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(o, 64), lse, h,
-        h // hk, tq, tk, sm_scale * 1.4426950408889634, beta_m1, dmin2, dmax2, SAT2=sat2,
-        STABILIZE=stabilize, CAUSAL=causal, BLOCK_N=cfg.block_n, HEAD_DIM=d,
+        h // hk, tq, tk, sm_scale * LOG2E, beta_m1, dmin2, dmax2, SAT2=sat2,
+        STABILIZE=mode == MODE_STABILIZED, CAUSAL=causal, BLOCK_N=cfg.block_n, HEAD_DIM=d,
         NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip

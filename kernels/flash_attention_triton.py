@@ -15,6 +15,7 @@ integer ops (the interpreter's cast truncates).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import NamedTuple
@@ -1105,6 +1106,12 @@ def _tiles(x: Tensor, block_t: int, block_d: int) -> Tensor | TensorDescriptor:
     return desc
 
 
+@functools.cache
+def capability_major(device: torch.device) -> int:
+    """The GPU's compute capability major (9: Hopper), cached: the dispatch asks on every call."""
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def descriptor_ready(x: Tensor) -> bool:
     """Whether ``x`` meets TMA's layout rules: unit last stride, 16-byte strides and base, and
     no broadcast (stride 0) dimension, which a tensor map cannot describe (``expand``ed K/V:
@@ -1129,7 +1136,7 @@ def _mask_args(mask: Tensor | None, like: Tensor) -> tuple[Tensor, int, tuple[in
     return mask, MASK_ADD, mask.stride()
 
 
-def _stab_args(dtype: torch.dtype, beta: float) -> tuple[float, float, float, float]:
+def stabilization_args(dtype: torch.dtype, beta: float) -> tuple[float, float, float, float]:
     """The forward's beta_m1, dmin2, dmax2 and SAT2 (log2 units)."""
     return (
         beta - 1.0,
@@ -1179,7 +1186,7 @@ def triton_forward(
     bm, bn = cfg.block_m, cfg.block_n
     ints = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *ms,
             h, h // hk, tq, tk, d)  # fmt: skip
-    beta_m1, dmin2, dmax2, sat2 = _stab_args(q.dtype, beta)
+    beta_m1, dmin2, dmax2, sat2 = stabilization_args(q.dtype, beta)
     _launch_fwd(
         (q.dtype, sat2, mode, causal, cfg, block_d, _mask_key(mask_t, mask_kind), ints), grid,
         _tiles(q, bm, block_d), _tiles(k, bn, block_d), _tiles(v, bn, block_d),
