@@ -283,7 +283,7 @@ def providers(causal: bool, d: int | None = None):
         "cudnn": (SDPBackend.CUDNN_ATTENTION, sdpa),
         "fa2": (SDPBackend.FLASH_ATTENTION, sdpa),
     }
-    if fag.AVAILABLE and d in fag.HEAD_DIMS:
+    if fag.AVAILABLE and d in fag.DEFAULT_CONFIGS:
         out["triton_stabilized"] = (None, ours("stabilized", gluon=False))
         out["triton_plain"] = (None, ours("plain", gluon=False))
     return out

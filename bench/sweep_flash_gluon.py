@@ -1,14 +1,15 @@
-"""Sweep: the Gluon flash-attention forward's launch settings at head dim 128, against the Triton
+"""Sweep: the Gluon flash-attention forward's launch settings per head dim, against the Triton
 forward and cuDNN SDPA on the same calls (one GPU, one process).
 
-For each T, causal and mode (plain, stabilized) it times the forward through
+For each head dim, T, causal and mode (plain, stabilized) it times the forward through
 ``flash_attention`` with every candidate ``GluonConfig`` (keys per block, ring slots, consumer
 and producer registers), then the Triton forward (the Gluon kernel switched off) and cuDNN's
 forward, and reports each as cuDNN time / ours. bf16, B*T = 16k tokens, H 16. The defaults in
 kernels/flash_attention_gluon.py come from this sweep (session 15:
 bench/results/flash_attention_gluon_h200.json and flash_attention_gluon_configs_h200.json came
 from its exploratory predecessor, the same timings written against the kernel's launch
-arguments before they became GluonConfig). Usage (Hopper GPU):
+arguments before they became GluonConfig). ``--head-dims 64`` tries the head dim the kernel
+does not serve (session 16: flash_attention_gluon_d64_rejected_h200.json). Usage (Hopper GPU):
     python3 bench/sweep_flash_gluon.py --out results.json
 """
 
@@ -27,19 +28,32 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from numwatch.kernels import flash_attention_gluon as fag
 from numwatch.kernels.flash_attention import flash_attention
 
-CANDIDATES = [
-    fag.GluonConfig(128, 2),
-    fag.GluonConfig(64, 2),
-    fag.GluonConfig(64, 3),
-    fag.GluonConfig(128, 2, 232, 40),
-]
+CANDIDATES = {
+    128: [
+        fag.GluonConfig(128, 2),
+        fag.GluonConfig(64, 2),
+        fag.GluonConfig(64, 3),
+        fag.GluonConfig(128, 2, 232, 40),
+    ],
+    # Not served (the Triton forward is as fast): swept by adding it to DEFAULT_CONFIGS for the
+    # run. Half the shared memory per slot leaves room for deeper rings; 256-key blocks spill.
+    64: [
+        fag.GluonConfig(128, 2),
+        fag.GluonConfig(128, 3),
+        fag.GluonConfig(128, 4),
+        fag.GluonConfig(64, 2),
+        fag.GluonConfig(64, 4),
+    ],
+}
 
 
-def measure(t: int, causal: bool) -> dict:
+def measure(d: int, t: int, causal: bool) -> dict:
     """One shape: cuDNN, then each candidate and the Triton forward, per mode."""
-    q, k, v, _ = make_inputs(16384 // t, 16, t, 128)
+    h = 2048 // d
+    q, k, v, _ = make_inputs(16384 // t, h, t, d)
     q, k, v = (x.detach() for x in (q, k, v))
-    row = {"B": 16384 // t, "H": 16, "T": t, "D": 128, "causal": causal}
+    row = {"B": 16384 // t, "H": h, "T": t, "D": d, "causal": causal}
+    fag.DEFAULT_CONFIGS.setdefault(d, CANDIDATES[d][0])
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         row["cudnn_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(
             q, k, v, is_causal=causal))  # fmt: skip
@@ -48,8 +62,8 @@ def measure(t: int, causal: bool) -> dict:
         def fwd(mode=mode):
             return flash_attention(q, k, v, is_causal=causal, mode=mode)
 
-        for cfg in CANDIDATES:
-            fag.CONFIG_OVERRIDES[causal] = cfg
+        for cfg in CANDIDATES[d]:
+            fag.CONFIG_OVERRIDES[(d, causal)] = cfg
             try:
                 row[f"{mode} {tuple(cfg)}"] = round(row["cudnn_ms"] / bench_ms(fwd), 3)
             except Exception as e:  # recorded; the other candidates still run
@@ -67,16 +81,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[128], choices=list(CANDIDATES))
     args = ap.parse_args()
     if not (fag.AVAILABLE and torch.cuda.get_device_capability()[0] == 9):
         print("skipped: the Gluon forward needs a Hopper GPU and Triton's Gluon Hopper API")
         return
     rows = []
-    for t, causal in itertools.product(args.seqs, (False, True)):
-        rows.append(measure(t, causal))
+    for d, t, causal in itertools.product(args.head_dims, args.seqs, (False, True)):
+        rows.append(measure(d, t, causal))
         print(json.dumps(rows[-1]), flush=True)
     out = {
-        "benchmark": "Gluon forward settings at head dim 128 (cuDNN fwd time / ours)",
+        "benchmark": "Gluon forward settings per head dim (cuDNN fwd time / ours)",
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "config_fields": list(fag.GluonConfig._fields),

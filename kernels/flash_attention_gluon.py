@@ -66,11 +66,13 @@ class GluonConfig(NamedTuple):
     producer_regs: int = 24
 
 
-# H200, head dim 128: 128-key blocks in 2 slots beat 64-key blocks in 2 or 3 slots by 10-13 %
-# (bench/results/flash_attention_gluon_h200.json, the sweep at T 4096).
-DEFAULT_CONFIG = GluonConfig(128, 2)
-CONFIG_OVERRIDES: dict[bool, GluonConfig] = {}  # per causal
-HEAD_DIMS = (128,)
+# Per head dim, on the H200. D 128: 128-key blocks in 2 slots beat 64-key blocks in 2 or 3 slots
+# by 10-13 % (bench/results/flash_attention_gluon_h200.json, the sweep at T 4096).
+# D 64 is left to the Triton forward, which is faster there at T 1k and within 4 % either way at
+# T 4k (flash_attention_gluon_d64_rejected_h200.json): one 12-warp program per SM does not
+# hide the latency of a softmax that outlasts its matrix products.
+DEFAULT_CONFIGS = {128: GluonConfig(128, 2)}
+CONFIG_OVERRIDES: dict[tuple[int, bool], GluonConfig] = {}  # per (head dim, causal)
 # NUMWATCH_FLASH_GLUON=0 sends every call to the Triton forward (A/B runs, or a Triton whose
 # Gluon misbehaves); the benchmark flips ENABLED to time both in one process.
 ENABLED = os.environ.get("NUMWATCH_FLASH_GLUON", "1") != "0"
@@ -101,7 +103,7 @@ def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, mode: int) ->
         and ENABLED
         and mask is None
         and mode in (MODE_PLAIN, MODE_STABILIZED)
-        and q.shape[-1] in HEAD_DIMS
+        and q.shape[-1] in DEFAULT_CONFIGS
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.is_cuda
         and capability_major(q.device) == 9
@@ -383,7 +385,7 @@ def gluon_forward(
     row log2-sum-exp (B, H, Tq) fp32."""
     b, h, tq, d = q.shape
     hk, tk = k.shape[1], k.shape[2]
-    cfg = CONFIG_OVERRIDES.get(causal, DEFAULT_CONFIG)
+    cfg = CONFIG_OVERRIDES.get((d, causal), DEFAULT_CONFIGS[d])
     o = torch.empty_like(q)
     lse = torch.empty((b, h, tq), device=q.device, dtype=torch.float32)
     beta_m1, dmin2, dmax2, sat2 = stabilization_args(q.dtype, beta)

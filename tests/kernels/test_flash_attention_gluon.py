@@ -39,7 +39,7 @@ def test_compiles_to_sm90_code(stabilize, causal):
         layout = fag.gl.NVMMASharedLayout.get_default_for([1, 1, rows, 128], fag.gl.bfloat16)
         return f"tensordesc<bf16[1, 1, {rows}, 128],{layout!r}>"
 
-    cfg = fag.DEFAULT_CONFIG
+    cfg = fag.DEFAULT_CONFIGS[128]
     constants = {
         "SAT2": -0.0028, "STABILIZE": stabilize, "CAUSAL": causal, "BLOCK_N": cfg.block_n,
         "HEAD_DIM": 128, "NUM_STAGES": cfg.num_stages, "CONSUMER_REGS": cfg.consumer_regs,
@@ -179,7 +179,7 @@ def _spy(fn, calls):
 def test_same_key_blocks_give_bitwise_the_triton_forward(monkeypatch):
     """With the Triton forward's D128 key block (64) the two kernels add the same products in
     the same order: bitwise equal outputs and LSEs, both modes, causal or not."""
-    monkeypatch.setattr(fag, "DEFAULT_CONFIG", fag.GluonConfig(64, 2))
+    monkeypatch.setitem(fag.DEFAULT_CONFIGS, 128, fag.GluonConfig(64, 2))
     q, k, v = _inputs(1, 4, 2, 1000, 1000, torch.bfloat16, ties=True)
     for causal in (False, True):
         for mode in (0, 1):
