@@ -6,7 +6,8 @@ training loop that routes every layer to our kernel (Monitor.swap_attention) pay
 host work of each call: argument checks, tensor descriptors, Triton's launcher. "before" is the
 launch path as it was (JITFunction.run binding and specializing ~40 arguments per launch, and
 TensorDescriptor's checked constructor); "after" is the current one (launch.Relauncher straight
-into the compiled launcher, descriptor fields filled in directly). bench_flash_attention.host_us
+into the compiled launcher, descriptor fields filled in directly). Head dim 128 on Hopper runs
+the Gluon forward, whose launch has the same two paths (session 16). bench_flash_attention.host_us
 does the timing: ``calls`` calls back to back, one sync.
 """
 
@@ -20,15 +21,19 @@ import bench_flash_attention as bfa  # bench/ is the script's folder, first on s
 import torch
 import triton
 
+from numwatch.kernels import flash_attention_gluon as fag
 from numwatch.kernels import flash_attention_triton as fat
 from numwatch.kernels import launch
 
 LAUNCHERS = (fat._launch_fwd, fat._launch_delta, fat._launch_dkdv, fat._launch_dq)
+LAUNCHERS += (fag._launch,) if fag.AVAILABLE else ()
 DIRECT = launch._direct_launch_supported
+GLUON_DESCRIPTOR_DEFAULTS = fag._DESCRIPTOR_DEFAULTS
 
 
 def use_path(after: bool) -> None:
     fat._DESCRIPTOR_FIELDS_KNOWN = after
+    fag._DESCRIPTOR_DEFAULTS = GLUON_DESCRIPTOR_DEFAULTS if after else None
     launch._direct_launch_supported = DIRECT if after else (lambda compiled: False)
     for launcher in LAUNCHERS:
         launcher._compiled.clear()
@@ -48,8 +53,9 @@ def main() -> None:
         ".host_us); fwd_bwd = forward + torch.autograd.backward",
         "rows": [],
     }
-    # GPT-2's attention: 12 heads of 64; T 128 leaves the GPU idle, T 1024 is the training shape
-    for shape in [(1, 12, 128, 64), (8, 12, 1024, 64)]:
+    # GPT-2's attention: 12 heads of 64; T 128 leaves the GPU idle, T 1024 is the training shape;
+    # 16 heads of 128 at T 128: the Gluon forward's launch
+    for shape in [(1, 12, 128, 64), (8, 12, 1024, 64), (1, 16, 128, 128)]:
         for rnd in range(args.rounds):
             for path in ("before", "after"):
                 use_path(path == "after")

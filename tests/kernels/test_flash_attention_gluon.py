@@ -105,6 +105,21 @@ def test_a_failing_gluon_forward_switches_to_the_triton_forward(monkeypatch):
     assert calls == [1]
 
 
+@needs_gluon
+def test_fast_descriptors_equal_the_checked_constructor():
+    """_desc fills the descriptor's fields in without the constructor's checks: the same
+    fields, including those a later Triton adds (with their defaults)."""
+    x = torch.empty(2, 3, 40, 128, dtype=torch.bfloat16)[:, :, 3:]  # an offset view
+    fast = fag._desc(x, 64)
+    checked = fag.TensorDescriptor(
+        x, list(x.shape), list(x.stride()), [1, 1, 64, 128], fag._smem_layout(64, 128, x.dtype)
+    )
+    assert fag._DESCRIPTOR_DEFAULTS is not None  # the fast path is the one in use
+    for field in fag.dataclasses.fields(fag.TensorDescriptor):
+        a, b = getattr(fast, field.name), getattr(checked, field.name)
+        assert a is b if field.name == "base" else a == b, field.name
+
+
 def _inputs(b, h, hk, tq, tk, dtype, seed=0, ties=False):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h, tq, 128, generator=g)
@@ -188,6 +203,25 @@ def test_same_key_blocks_give_bitwise_the_triton_forward(monkeypatch):
             o_g, lse_g = fag.gluon_forward(q, k, v, causal, 128**-0.5, mode, 2.0)
             o_t, lse_t = tri.triton_forward(q, k, v, None, causal, 128**-0.5, mode, 2.0)
             assert torch.equal(o_g, o_t) and torch.equal(lse_g, lse_t), (causal, mode)
+
+
+@needs_hopper
+@needs_gluon
+def test_relaunched_calls_are_bitwise_the_first():
+    """From a key's second call on, the launch goes straight into the compiled launcher
+    (launch.Relauncher), with the same results bit for bit; another layout of the same values
+    makes another key and the same results."""
+    q, k, v = _inputs(1, 4, 2, 333, 333, torch.bfloat16, ties=True)
+    first = fag.gluon_forward(q, k, v, True, 128**-0.5, 1, 2.0)
+    before = fag._launch.direct_launches
+    second = fag.gluon_forward(q, k, v, True, 128**-0.5, 1, 2.0)
+    assert fag._launch.direct_launches == before + 1
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, T, H, D) memory
+    keys = len(fag._launch._compiled)
+    third = fag.gluon_forward(q_t, k, v, True, 128**-0.5, 1, 2.0)
+    assert len(fag._launch._compiled) == keys + 1
+    for a, b, c in zip(first, second, third, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 @needs_hopper
