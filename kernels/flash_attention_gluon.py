@@ -70,9 +70,9 @@ class GluonConfig(NamedTuple):
 
 # Per head dim, on the H200. D 128: 128-key blocks in 2 slots beat 64-key blocks in 2 or 3 slots
 # by 10-13 % (bench/results/flash_attention_gluon_h200.json, the sweep at T 4096).
-# D 64 is left to the Triton forward, which is faster there at T 1k and within 4 % either way at
-# T 4k (flash_attention_gluon_d64_rejected_h200.json): one 12-warp program per SM does not
-# hide the latency of a softmax that outlasts its matrix products.
+# D 64 is left to the Triton forward: this kernel, and a variant with three consumer warpgroups
+# (FA3's D 64 tile), are slower there at T 1k and at most 3 % faster at T 4k
+# (flash_attention_gluon_d64_rejected_h200.json).
 DEFAULT_CONFIGS = {128: GluonConfig(128, 2)}
 CONFIG_OVERRIDES: dict[tuple[int, bool], GluonConfig] = {}  # per (head dim, causal)
 # NUMWATCH_FLASH_GLUON=0 sends every call to the Triton forward (A/B runs, or a Triton whose
