@@ -15,6 +15,10 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_flash_attention.py --out $R/flash_attention.json
   $py bench/sweep_flash_gluon.py --out $R/flash_attention_gluon_configs_h200.json
   $py bench/bench_flash_host.py --out $R/flash_attention_host_h200.json
+  # stall reasons and occupancy under Nsight Compute, where ncu is installed
+  if command -v ncu >/dev/null || [[ -x /usr/local/cuda/bin/ncu ]]; then
+    bash bench/profile_ncu.sh $R/ncu_stalls_h200.txt
+  fi
   $py bench/bench_overhead.py --out $R/overhead_gpt2_h200.json
   $py bench/bench_overhead.py --interleave --steps 400 \
     --configs baseline,default,attention_only,grads_spectral_every_step,everything_every_step,detect_anomaly,nan_check_hooks \
