@@ -28,12 +28,13 @@ from numwatch.kernels import launch
 LAUNCHERS = (fat._launch_fwd, fat._launch_delta, fat._launch_dkdv, fat._launch_dq)
 LAUNCHERS += (fag._launch,) if fag.AVAILABLE else ()
 DIRECT = launch._direct_launch_supported
-GLUON_DESCRIPTOR_DEFAULTS = fag._DESCRIPTOR_DEFAULTS
+MAKE_DESC = (fat._make_desc, fag._make_desc)
 
 
 def use_path(after: bool) -> None:
-    fat._DESCRIPTOR_FIELDS_KNOWN = after
-    fag._DESCRIPTOR_DEFAULTS = GLUON_DESCRIPTOR_DEFAULTS if after else None
+    fat._make_desc = MAKE_DESC[0] if after else fat.TensorDescriptor
+    if fag.AVAILABLE:
+        fag._make_desc = MAKE_DESC[1] if after else fag.TensorDescriptor
     launch._direct_launch_supported = DIRECT if after else (lambda compiled: False)
     for launcher in LAUNCHERS:
         launcher._compiled.clear()

@@ -23,7 +23,6 @@ float64 reference); on CPU the tests compile it to sm_90 code.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import warnings
@@ -34,7 +33,7 @@ from torch import Tensor
 
 from .flash_attention_torch import LOG2E, MODE_PLAIN, MODE_STABILIZED
 from .flash_attention_triton import capability_major, stabilization_args
-from .launch import Relauncher, cdiv
+from .launch import Relauncher, cdiv, direct_constructor
 
 try:
     from triton.experimental import gluon
@@ -367,42 +366,29 @@ if AVAILABLE:
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if AVAILABLE else {}
 
 
-def _fast_descriptor_defaults() -> dict[str, Any] | None:
-    """The descriptor fields past the six _desc fills in, with their defaults (later Tritons add
-    some), or None where the fields are not the known ones: then the checked constructor."""
-    fields = dataclasses.fields(TensorDescriptor)
-    known = ["base", "shape", "strides", "block_shape", "layout", "padding"]
-    if [f.name for f in fields[: len(known)]] != known:
-        return None
-    rest = fields[len(known) :]
-    if any(f.default is dataclasses.MISSING for f in rest):
-        return None
-    return {f.name: f.default for f in rest}
-
-
-_DESCRIPTOR_DEFAULTS = _fast_descriptor_defaults() if AVAILABLE else None
-
-
 @functools.cache
 def _smem_layout(block_t: int, d: int, dtype: torch.dtype) -> Any:
     return gl.NVMMASharedLayout.get_default_for([1, 1, block_t, d], _GL_DTYPES[dtype])
 
 
+# TensorDescriptor without its checks (launch.direct_constructor), as flash_attention_triton's
+_make_desc = (
+    direct_constructor(
+        TensorDescriptor, ("base", "shape", "strides", "block_shape", "layout", "padding")
+    )
+    if AVAILABLE
+    else None
+)
+
+
 def _desc(x: Tensor, block_t: int) -> TensorDescriptor:
-    """A (1, 1, block_t, D)-tile TMA descriptor of x. The inputs passed descriptor_ready (see
-    ``supports``), which is what the constructor asserts; filling the fields in directly skips
-    those checks, which are most of a descriptor's host time (as flash_attention_triton._tiles)."""
+    """A (1, 1, block_t, D)-tile TMA descriptor of x (its inputs passed descriptor_ready: see
+    ``supports``)."""
     d = x.shape[-1]
-    block = [1, 1, block_t, d]
-    layout = _smem_layout(block_t, d, x.dtype)
-    if _DESCRIPTOR_DEFAULTS is None:
-        return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
-    desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides = x, list(x.shape), list(x.stride())
-    desc.block_shape, desc.layout, desc.padding = block, layout, "zero"
-    for name, value in _DESCRIPTOR_DEFAULTS.items():
-        setattr(desc, name, value)
-    return desc
+    return _make_desc(
+        base=x, shape=list(x.shape), strides=list(x.stride()), block_shape=[1, 1, block_t, d],
+        layout=_smem_layout(block_t, d, x.dtype), padding="zero",
+    )  # fmt: skip
 
 
 # Calls after a key's first skip JITFunction.run (launch.Relauncher), like the Triton forward's.
@@ -428,9 +414,10 @@ def gluon_forward(
     beta_m1, dmin2, dmax2, sat2 = stabilization_args(q.dtype, beta)
     grid = (cdiv(tq, 128), b * h)
     # The key holds all a launch specializes on (dtypes, constexprs, the descriptors' blocks),
-    # and every shape and stride besides, as the Triton forward's does.
+    # and every shape and stride besides, as the Triton forward's does (o = empty_like(q): its
+    # strides follow q's).
     key = (q.dtype, sat2, mode, causal, cfg, q.shape, q.stride(), k.shape, k.stride(),
-           v.stride(), o.stride())  # fmt: skip
+           v.stride())  # fmt: skip
     _launch(
         key, grid, _desc(q, 64), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(o, 64),
         lse, h, h // hk, tq, tk, sm_scale * LOG2E, beta_m1, dmin2, dmax2, SAT2=sat2,

@@ -14,7 +14,6 @@ integer ops (the interpreter's cast truncates).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -36,7 +35,7 @@ from .flash_attention_torch import (
     SHIFT_MIN_LN,
     STABILIZED_MODES,
 )
-from .launch import Relauncher, cdiv, next_power_of_2
+from .launch import Relauncher, cdiv, direct_constructor, next_power_of_2
 
 # triton.jit reads TRITON_INTERPRET when it decorates, so this is fixed at import time too.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -1083,10 +1082,10 @@ def tile_config(kernel: str, block_d: int, causal: bool) -> TileConfig:
 # ----------------------------------------------------------------------------- host wrappers
 
 
-# TensorDescriptor's fields, when they are the ones _tiles fills in directly
-_DESCRIPTOR_FIELDS_KNOWN = [f.name for f in dataclasses.fields(TensorDescriptor)] == [
-    "base", "shape", "strides", "block_shape", "padding",
-]  # fmt: skip
+# TensorDescriptor without its checks (launch.direct_constructor)
+_make_desc = direct_constructor(
+    TensorDescriptor, ("base", "shape", "strides", "block_shape", "padding")
+)
 
 
 def _tiles(x: Tensor, block_t: int, block_d: int) -> Tensor | TensorDescriptor:
@@ -1094,16 +1093,14 @@ def _tiles(x: Tensor, block_t: int, block_d: int) -> Tensor | TensorDescriptor:
     (1, 1, block_t, block_d) tiles on a GPU, the tensor itself in the interpreter.
 
     Every tensor that gets here passed descriptor_ready and has no 0 dimension, which is what
-    the descriptor's constructor asserts; its fields are filled in directly, without those
-    checks, which were two thirds of its cost (a call makes 4 to 15 descriptors)."""
+    the descriptor's constructor asserts; _make_desc skips those checks, which were two thirds
+    of its cost (a call makes 4 to 15 descriptors)."""
     if INTERPRET:
         return x
-    if not _DESCRIPTOR_FIELDS_KNOWN:  # another Triton's descriptor: its own constructor
-        return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block_t, block_d])
-    desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides = x, list(x.shape), list(x.stride())
-    desc.block_shape, desc.padding = [1, 1, block_t, block_d], "zero"
-    return desc
+    return _make_desc(
+        base=x, shape=list(x.shape), strides=list(x.stride()),
+        block_shape=[1, 1, block_t, block_d], padding="zero",
+    )  # fmt: skip
 
 
 @functools.cache

@@ -21,6 +21,7 @@ time per call but measured slower end to end, see tensor_stats.)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
@@ -40,6 +41,7 @@ __all__ = [
     "capture",
     "capture_when_due",
     "cdiv",
+    "direct_constructor",
     "graphs_allowed",
     "next_power_of_2",
     "replay",
@@ -131,6 +133,31 @@ def _direct_launch_supported(compiled: Any) -> bool:
 
 
 MAX_KEYS = 1024  # a Relauncher's remembered keys
+
+
+def direct_constructor(cls: type[T], fields: tuple[str, ...]) -> Callable[..., T]:
+    """``cls(**values)`` for keyword values of ``fields``, without the checks of its constructor
+    (a host TMA descriptor's: most of its cost, and a call makes up to 15) where ``cls`` is a
+    dataclass whose fields start with ``fields`` and whose other fields have defaults (later
+    Tritons add some: they get those). Otherwise ``cls`` itself, checked. The callers' inputs
+    have passed what the checks assert."""
+    all_fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    rest = all_fields[len(fields) :]
+    if (
+        tuple(f.name for f in all_fields[: len(fields)]) != fields
+        or any(f.default is dataclasses.MISSING for f in rest)
+        or "__slots__" in vars(cls)
+    ):
+        return cls
+    defaults = {f.name: f.default for f in rest}
+
+    def make(**values: Any) -> T:
+        obj = object.__new__(cls)
+        obj.__dict__.update(defaults)
+        obj.__dict__.update(values)
+        return obj
+
+    return make
 
 
 def cdiv(a: int, b: int) -> int:

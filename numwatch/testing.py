@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "PlantedCounts",
     "devices",
+    "hook_state",
     "kernel_devices",
     "planted_tensor",
     "planted_tie_attention",
@@ -24,6 +25,15 @@ __all__ = [
 ]
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def hook_state(model: torch.nn.Module) -> list:
+    """Every forward, forward-pre and backward hook of ``model``'s modules and every
+    post-accumulate-grad hook of its parameters: equal before attach and after detach."""
+    return [
+        (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks))
+        for m in model.modules()
+    ] + [dict(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters()]
 
 
 def triton_interpreting() -> bool:

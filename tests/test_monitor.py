@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 import numwatch
 from numwatch.sinks.console import ConsoleSink
 from numwatch.sinks.jsonl import read_jsonl
-from numwatch.testing import planted_tensor, requires_gpu
+from numwatch.testing import hook_state, planted_tensor, requires_gpu
 
 
 class Emit(nn.Module):
@@ -396,22 +396,11 @@ def test_gradient_accumulation_reads_the_accumulated_gradient(make_monitor):
     assert monitor.snapshot().value("grad_absmax", param="weight") == 5.0
 
 
-def _hook_state(model):
-    return [
-        (
-            dict(m._forward_hooks),
-            dict(m._forward_pre_hooks),
-            dict(m._backward_hooks),
-        )
-        for m in model.modules()
-    ] + [dict(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters()]
-
-
 def test_detach_restores_model_exactly(make_monitor):
     torch.manual_seed(0)
     model = Net()
     x = torch.randn(3, 4)
-    before_hooks = _hook_state(model)
+    before_hooks = hook_state(model)
     before_state = {k: v.clone() for k, v in model.state_dict().items()}
     before_out = model(x)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -420,7 +409,7 @@ def test_detach_restores_model_exactly(make_monitor):
         assert monitor.attach() is monitor  # idempotent
         train_steps(model, monitor, 3, opt=opt)
     assert not monitor.attached
-    assert _hook_state(model) == before_hooks
+    assert hook_state(model) == before_hooks
     assert all(torch.equal(before_state[k], v) for k, v in model.state_dict().items())
     assert torch.equal(model(x), before_out)
     assert not opt._optimizer_step_pre_hooks
@@ -530,9 +519,9 @@ def test_bad_inputs_get_clear_errors(make_monitor):
 
 def test_disabled_monitor_adds_nothing(make_monitor):
     model = Net()
-    before = _hook_state(model)
+    before = hook_state(model)
     monitor = make_monitor(model, enabled=False).attach()
-    assert _hook_state(model) == before
+    assert hook_state(model) == before
     train_steps(model, monitor, 2)
     assert monitor.flush() is None
 

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from numwatch.testing import hook_state
+
 VOCAB = 11
 
 
@@ -111,13 +113,6 @@ class RandomNet(nn.Module):
         return self.head(self.norm(x))
 
 
-def _hooks(model: nn.Module) -> list:
-    return [
-        (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks))
-        for m in model.modules()
-    ] + [dict(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters()]
-
-
 # Seeds 25, 47 and 71 add what the first eight lack: a GRU, eager attention, GQA, add_bias_kv,
 # BatchNorm and bf16 attention.
 @pytest.mark.parametrize("seed", [*range(8), 25, 47, 71])
@@ -127,7 +122,7 @@ def test_a_monitored_run_trains_bitwise_like_its_unmonitored_twin(make_monitor, 
     torch.manual_seed(seed)
     model = RandomNet(rng, d).to(rng.choice([torch.float32, torch.bfloat16]))
     twin = copy.deepcopy(model)
-    hooks_before = _hooks(model)
+    hooks_before = hook_state(model)
 
     def optimizer(m):
         params = [p for p in m.parameters() if p.requires_grad]
@@ -164,7 +159,7 @@ def test_a_monitored_run_trains_bitwise_like_its_unmonitored_twin(make_monitor, 
         assert torch.equal(losses[0], losses[1]), (step, losses)
     assert monitor.snapshot().step >= 0 and len(list(monitor.snapshot())) > 0
     monitor.detach()
-    assert _hooks(model) == hooks_before
+    assert hook_state(model) == hooks_before
     for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q), name
     for (name, buf), twin_buf in zip(model.named_buffers(), twin.buffers(), strict=True):

@@ -7,6 +7,7 @@ it against the Triton forward and a float64 reference, and check which calls it 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -107,15 +108,16 @@ def test_a_failing_gluon_forward_switches_to_the_triton_forward(monkeypatch):
 
 @needs_gluon
 def test_fast_descriptors_equal_the_checked_constructor():
-    """_desc fills the descriptor's fields in without the constructor's checks: the same
-    fields, including those a later Triton adds (with their defaults)."""
+    """_desc fills the descriptor's fields in without the constructor's checks
+    (launch.direct_constructor): the same fields, including those a later Triton adds (with
+    their defaults)."""
     x = torch.empty(2, 3, 40, 128, dtype=torch.bfloat16)[:, :, 3:]  # an offset view
     fast = fag._desc(x, 64)
     checked = fag.TensorDescriptor(
         x, list(x.shape), list(x.stride()), [1, 1, 64, 128], fag._smem_layout(64, 128, x.dtype)
     )
-    assert fag._DESCRIPTOR_DEFAULTS is not None  # the fast path is the one in use
-    for field in fag.dataclasses.fields(fag.TensorDescriptor):
+    assert fag._make_desc is not fag.TensorDescriptor  # the fast path is the one in use
+    for field in dataclasses.fields(fag.TensorDescriptor):
         a, b = getattr(fast, field.name), getattr(checked, field.name)
         assert a is b if field.name == "base" else a == b, field.name
 

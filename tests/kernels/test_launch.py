@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import OrderedDict
 
@@ -155,3 +156,30 @@ def test_cdiv_rounds_up() -> None:
     from numwatch.kernels.launch import cdiv
 
     assert [cdiv(n, 64) for n in (0, 1, 63, 64, 65, 128, 129)] == [0, 1, 1, 1, 2, 2, 3]
+
+
+def test_direct_constructor_skips_checks_only_for_known_fields() -> None:
+    """Known leading fields (later ones defaulted): an object without __post_init__'s checks;
+    other field lists: the class itself, checks and all."""
+
+    @dataclasses.dataclass
+    class Checked:
+        a: int
+        b: list
+        extra: str = "default"
+
+        def __post_init__(self) -> None:
+            raise AssertionError("checked")
+
+    make = launch.direct_constructor(Checked, ("a", "b"))
+    obj = make(a=1, b=[2])
+    assert isinstance(obj, Checked) and (obj.a, obj.b, obj.extra) == (1, [2], "default")
+    assert launch.direct_constructor(Checked, ("b", "a")) is Checked
+    assert launch.direct_constructor(Checked, ("a", "b", "extra", "more")) is Checked
+
+    @dataclasses.dataclass
+    class Required:
+        a: int
+        later: int
+
+    assert launch.direct_constructor(Required, ("a",)) is Required
