@@ -3,13 +3,16 @@ forward and cuDNN SDPA on the same calls (one GPU, one process).
 
 For each head dim, T, causal and mode (plain, stabilized) it times the forward through
 ``flash_attention`` with every candidate ``GluonConfig`` (keys per block, ring slots, consumer
-and producer registers), then the Triton forward (the Gluon kernel switched off) and cuDNN's
-forward, and reports each as cuDNN time / ours. bf16, B*T = 16k tokens, H 16. The defaults in
-kernels/flash_attention_gluon.py come from this sweep (session 15:
+and producer registers, persistent programs per mode), then the Triton forward (the Gluon
+kernel switched off) and cuDNN's forward, and reports each as cuDNN time / ours. bf16,
+B*T = 16k tokens, H 16. The defaults in kernels/flash_attention_gluon.py come from this sweep
+(session 15:
 bench/results/flash_attention_gluon_h200.json and flash_attention_gluon_configs_h200.json came
 from its exploratory predecessor, the same timings written against the kernel's launch
 arguments before they became GluonConfig). ``--head-dims 64`` tries the head dim the kernel
-does not serve (session 16: flash_attention_gluon_d64_rejected_h200.json). Usage (Hopper GPU):
+does not serve (session 16: flash_attention_gluon_d64_rejected_h200.json; session 17, with
+persistent programs: flash_attention_gluon_d64_persistent_rejected_h200.json). ``--configs``
+replaces the candidates. Usage (Hopper GPU):
     python3 bench/sweep_flash_gluon.py --out results.json
 """
 
@@ -31,6 +34,7 @@ from numwatch.kernels.flash_attention import flash_attention
 CANDIDATES = {
     128: [
         fag.GluonConfig(128, 2),
+        fag.GluonConfig(128, 2, persistent_plain=False, persistent_stabilized=True),
         fag.GluonConfig(64, 2),
         fag.GluonConfig(64, 3),
         fag.GluonConfig(128, 2, 232, 40),
@@ -47,13 +51,13 @@ CANDIDATES = {
 }
 
 
-def measure(d: int, t: int, causal: bool) -> dict:
+def measure(d: int, t: int, causal: bool, candidates: list) -> dict:
     """One shape: cuDNN, then each candidate and the Triton forward, per mode."""
     h = 2048 // d
     q, k, v, _ = make_inputs(16384 // t, h, t, d)
     q, k, v = (x.detach() for x in (q, k, v))
     row = {"B": 16384 // t, "H": h, "T": t, "D": d, "causal": causal}
-    fag.DEFAULT_CONFIGS.setdefault(d, CANDIDATES[d][0])
+    fag.DEFAULT_CONFIGS.setdefault(d, candidates[0])
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         row["cudnn_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(
             q, k, v, is_causal=causal))  # fmt: skip
@@ -62,7 +66,7 @@ def measure(d: int, t: int, causal: bool) -> dict:
         def fwd(mode=mode):
             return flash_attention(q, k, v, is_causal=causal, mode=mode)
 
-        for cfg in CANDIDATES[d]:
+        for cfg in candidates:
             fag.CONFIG_OVERRIDES[(d, causal)] = cfg
             try:
                 row[f"{mode} {tuple(cfg)}"] = round(row["cudnn_ms"] / bench_ms(fwd), 3)
@@ -82,13 +86,25 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128], choices=list(CANDIDATES))
+    ap.add_argument(
+        "--configs", nargs="+", metavar="FIELDS",
+        help="candidates instead of CANDIDATES, as comma-separated GluonConfig fields "
+        "(the persistent ones as 0/1), e.g. 128,2,240,24,1,0 128,2,240,24,0,1",
+    )  # fmt: skip
     args = ap.parse_args()
     if not (fag.AVAILABLE and torch.cuda.get_device_capability()[0] == 9):
         print("skipped: the Gluon forward needs a Hopper GPU and Triton's Gluon Hopper API")
         return
     rows = []
     for d, t, causal in itertools.product(args.head_dims, args.seqs, (False, True)):
-        rows.append(measure(d, t, causal))
+        candidates = CANDIDATES[d]
+        if args.configs:
+            candidates = [fag.GluonConfig(*(int(x) for x in c.split(","))) for c in args.configs]
+            candidates = [
+                cf._replace(persistent_plain=bool(cf[4]), persistent_stabilized=bool(cf[5]))
+                for cf in candidates
+            ]
+        rows.append(measure(d, t, causal, candidates))
         print(json.dumps(rows[-1]), flush=True)
     out = {
         "benchmark": "Gluon forward settings per head dim (cuDNN fwd time / ours)",

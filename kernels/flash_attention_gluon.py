@@ -4,12 +4,23 @@ Why a second forward: Triton's ``tl.dot`` waits for each wgmma where it is issue
 Triton forward (flash_attention_triton) runs a key block's softmax and its two matrix products
 one after the other, and its warpgroups run in step: the tensor cores idle while the ALU works.
 Gluon exposes what Triton hides: asynchronous wgmma with explicit waits, mbarriers and warp
-specialization. Here a program takes 128 query rows in two consumer warpgroups of 64 rows and
-one producer warpgroup that streams Q, K and V through TMA into a ring of ``NUM_STAGES`` slots.
-The consumers take turns to issue their wgmma (FA3's ping-pong, on the ``turns`` mbarriers), so
-one's softmax runs while the tensor cores work for the other; within a consumer, block j's
-softmax also overlaps the P̄V product of block j-1, and the row sum of the rounded P̄ runs on
-the tensor cores against a ones tile, as in the Triton forward's ROWSUM_MMA.
+specialization. Here a program works on row blocks of 128 query rows, in two consumer
+warpgroups of 64 rows and one producer warpgroup that streams Q, K and V through TMA into a
+ring of ``NUM_STAGES`` slots. The consumers take turns to issue their wgmma (FA3's ping-pong,
+on the ``turns`` mbarriers), so one's softmax runs while the tensor cores work for the other;
+within a consumer, block j's softmax also overlaps the P̄V product of block j-1, and the row
+sum of the rounded P̄ runs on the tensor cores against a ones tile, as in the Triton forward's
+ROWSUM_MMA.
+
+Plain-mode programs are persistent: one per SM (a program's shared memory leaves room for no
+second), each looping over work units, so that the next row block's Q and first K/V blocks load
+while this one ends, where a program per row block starts with an empty ring. A causal unit is
+two row blocks of one head, the n-1-i-th and the i-th, so that units hold equal work. On the
+H200 (bench/results/flash_attention_gluon_persistent_h200.json, one process) this makes the
+plain forward 3-11 % faster at T 1k-4k and changes nothing at 16k. The stabilized forward keeps
+one program per row block: persistent, it gains 0-3 % at T 1k-4k but loses 4-5 % at 16k, where
+the persistent loop costs the key-block loop uniform registers (14 R2UR per key block in the
+sm_90 SASS) and, when causal, spills. ``GluonConfig`` chooses per mode.
 
 It computes what the Triton forward computes in the plain and stabilized modes: same logits,
 the same stabilizing count and bounded shift, O normalized by the sum of the rounded P̄, the
@@ -59,12 +70,16 @@ except (ImportError, AttributeError):  # a Triton without (this) Gluon Hopper AP
 
 
 class GluonConfig(NamedTuple):
-    """Launch parameters: keys per block, ring slots, registers per consumer/producer thread."""
+    """Launch parameters: keys per block, ring slots, registers per consumer/producer thread,
+    and per mode whether programs are persistent (one per SM, each looping over work units;
+    causal units pair a long row block with a short one) or one per row block."""
 
     block_n: int
     num_stages: int
     consumer_regs: int = 240
     producer_regs: int = 24
+    persistent_plain: bool = True
+    persistent_stabilized: bool = False
 
 
 # Per head dim, on the H200. D 128: 128-key blocks in 2 slots beat 64-key blocks in 2 or 3 slots
@@ -159,39 +174,103 @@ if AVAILABLE:
         return p, alpha, m_raw_new, m_new, cnt
 
     @gluon.jit
-    def _ws_producer(
-        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_full, v_full, k_empty,
-        v_empty, b, h, hk, m0, n_blocks,
-        BLOCK_WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    ):  # fmt: skip
-        """Q's two 64-row halves once, then K and V block by block into the ring: a slot is
-        refilled once both consumers have arrived on its ``*_empty`` barrier (count 2), and
-        each load completes its ``*_full`` barrier (TMA transaction bytes)."""
-        for w in gl.static_range(2):
-            mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [b, h, m0 + w * BLOCK_WG, 0], q_bars.index(w), q_smem.index(w))
-        for j in range(n_blocks):
-            slot = j % NUM_STAGES
-            use = j // NUM_STAGES
-            mbarrier.wait(k_empty.index(slot), (use + 1) & 1, pred=j >= NUM_STAGES)
-            mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [b, hk, j * BLOCK_N, 0], k_full.index(slot), k_smem.index(slot))
-            mbarrier.wait(v_empty.index(slot), (use + 1) & 1, pred=j >= NUM_STAGES)
-            mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [b, hk, j * BLOCK_N, 0], v_full.index(slot), v_smem.index(slot))
+    def _unit_rows(u, units_per_head, n_row_blocks, PAIRED: gl.constexpr):
+        """Work unit u: its (batch x head) index, its first row block and how many it holds.
+
+        Row blocks go longest first. PAIRED (causal): a unit is row block n-1-i, then row block
+        i, so that every unit of a head holds about the same number of key blocks."""
+        i = u % units_per_head
+        first = n_row_blocks - 1 - i
+        count = 1
+        if PAIRED:
+            count = gl.minimum(first - i + 1, 2)
+        return u // units_per_head, first, count, i
 
     @gluon.jit
-    def _ws_consumer(
-        WG: gl.constexpr, o_desc, LSE, q_smem, k_smem, v_smem, ones_smem, q_bars, k_full,
-        v_full, k_empty, v_empty, turns, b, h, pid_bh, m0, n_blocks, full_hi, T_Q, T_K, qk_scale,
-        beta_m1, dmin2, dmax2,
-        SAT2: gl.constexpr, STABILIZE: gl.constexpr, CAUSAL: gl.constexpr,
-        BLOCK_WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    def _row_block_span(m0, T_K, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr):  # fmt: skip
+        """Key blocks of the row block at m0, and where the causal diagonal or tail starts."""
+        hi = T_K
+        full_hi = (T_K // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            hi = gl.minimum(T_K, m0 + BLOCK_M)
+            full_hi = gl.minimum(full_hi, m0)
+        return (hi + BLOCK_N - 1) // BLOCK_N, full_hi
+
+    @gluon.jit
+    def _produce_row_block(
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
+        k_empty, v_empty, bh, H, GROUP, m0, T_K, kv, r,
+        CAUSAL: gl.constexpr, BLOCK_WG: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
-        """64 query rows (warpgroup WG of 2): the online softmax over all key blocks. The two
-        warpgroups take turns to issue their wgmma (``turns``), so one's softmax runs while
-        the tensor cores work for the other (FA3's ping-pong)."""
+        """Q's two 64-row halves (each once its consumer is done with the last row block's),
+        then K and V block by block into the ring: a slot is refilled once both consumers have
+        arrived on its ``*_empty`` barrier (count 2), and each load completes its ``*_full``
+        barrier (TMA transaction bytes). kv key blocks and r row blocks came before this one
+        in the program: the ring's slots and phases carry on from them."""
+        b = bh // H
+        h = bh % H
+        hk = h // GROUP
+        n_blocks, _ = _row_block_span(m0, T_K, CAUSAL, 2 * BLOCK_WG, BLOCK_N)
+        for w in gl.static_range(2):
+            mbarrier.wait(q_empty.index(w), (r + 1) & 1, pred=r > 0)
+            mbarrier.expect(q_full.index(w), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, h, m0 + w * BLOCK_WG, 0], q_full.index(w), q_smem.index(w))
+        for j in range(n_blocks):
+            g = kv + j
+            slot = g % NUM_STAGES
+            use = g // NUM_STAGES
+            mbarrier.wait(k_empty.index(slot), (use + 1) & 1, pred=g >= NUM_STAGES)
+            mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [b, hk, j * BLOCK_N, 0], k_full.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), (use + 1) & 1, pred=g >= NUM_STAGES)
+            mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [b, hk, j * BLOCK_N, 0], v_full.index(slot), v_smem.index(slot))
+        return n_blocks
+
+    @gluon.jit
+    def _ws_producer(
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full,
+        k_empty, v_empty, H, GROUP, T_K, n_units, units_per_head, n_row_blocks,
+        CAUSAL: gl.constexpr, PAIRED: gl.constexpr, PERSISTENT: gl.constexpr,
+        BLOCK_WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """The loads of the program's row blocks, in the consumers' order."""
+        if PERSISTENT:
+            kv = 0  # key blocks loaded by this program
+            r = 0  # row blocks started by this program
+            for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
+                bh, first, count, i = _unit_rows(u, units_per_head, n_row_blocks, PAIRED)
+                for part in range(count):
+                    m0 = (first - part * (first - i)) * (2 * BLOCK_WG)
+                    kv += _produce_row_block(
+                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty,
+                        k_full, v_full, k_empty, v_empty, bh, H, GROUP, m0, T_K, kv, r,
+                        CAUSAL, BLOCK_WG, BLOCK_N, NUM_STAGES,
+                    )  # fmt: skip
+                    r += 1
+        else:
+            bh, first, _, _ = _unit_rows(gl.program_id(0), units_per_head, n_row_blocks, False)
+            _produce_row_block(
+                q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full,
+                v_full, k_empty, v_empty, bh, H, GROUP, first * (2 * BLOCK_WG), T_K, 0, 0,
+                CAUSAL, BLOCK_WG, BLOCK_N, NUM_STAGES,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _consume_row_block(
+        WG: gl.constexpr, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, ones_smem, q_full,
+        q_empty, k_full, v_full, k_empty, v_empty, turns, bh, H, m0, T_Q, T_K, kv, r,
+        qk_scale, beta_m1, dmin2, dmax2,
+        SAT2: gl.constexpr, STABILIZE: gl.constexpr, CAUSAL: gl.constexpr,
+        PERSISTENT: gl.constexpr, BLOCK_WG: gl.constexpr, BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """64 query rows (warpgroup WG of 2) of the row block at m0: the online softmax over
+        all key blocks, O and the LSE. The two warpgroups take turns to issue their wgmma
+        (``turns``), so one's softmax runs while the tensor cores work for the other (FA3's
+        ping-pong). kv key blocks and r row blocks (kv + r turns) came before this one."""
         dtype: gl.constexpr = o_desc.dtype
         RN: gl.constexpr = ROWSUM_N
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -208,12 +287,12 @@ if AVAILABLE:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
-        r0 = m0 + WG * BLOCK_WG
-
         ones = ones_smem.index(WG)
-        ones.store(gl.full([BLOCK_N, RN], 1.0, dtype, layout=l_layout))
-        fence_async_shared()
-        _barrier()
+        q4 = q_smem.index(WG)
+        q2 = q4.reshape([BLOCK_WG, HEAD_DIM])
+        o4 = o_smem.index(WG)
+        n_blocks, full_hi = _row_block_span(m0, T_K, CAUSAL, 2 * BLOCK_WG, BLOCK_N)
+        r0 = m0 + WG * BLOCK_WG
 
         m_raw = gl.full([BLOCK_WG], float("-inf"), gl.float32, layout=row_s)
         m_sh = gl.full([BLOCK_WG], float("-inf"), gl.float32, layout=row_s)
@@ -221,18 +300,17 @@ if AVAILABLE:
         acc = gl.full([BLOCK_WG, HEAD_DIM], 0.0, gl.float32, layout=o_layout)
         l_acc = gl.full([BLOCK_WG, RN], 0.0, gl.float32, layout=l_layout)
         s_zero = gl.full([BLOCK_WG, BLOCK_N], 0.0, gl.float32, layout=s_layout)
-        q4 = q_smem.index(WG)
-        q2 = q4.reshape([BLOCK_WG, HEAD_DIM])
-        mbarrier.wait(q_bars.index(WG), 0)
+        mbarrier.wait(q_full.index(WG), r & 1)
 
-        # Block 0
-        mbarrier.wait(k_full.index(0), 0)
-        k_t = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-        mbarrier.wait(turns.index(WG), 0)
+        # Key block 0
+        slot = kv % NUM_STAGES
+        mbarrier.wait(k_full.index(slot), (kv // NUM_STAGES) & 1)
+        k_t = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+        mbarrier.wait(turns.index(WG), (kv + r) & 1)
         s = warpgroup_mma(q2, k_t, s_zero, use_acc=False, is_async=True)
         mbarrier.arrive(turns.index(1 - WG))
         s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0))
+        mbarrier.arrive(k_empty.index(slot))
         p, alpha, m_raw, m_sh, cnt = _softmax_block(
             s, 0, r0, m_raw, m_sh, cnt, T_K, qk_scale, beta_m1, dmin2, dmax2,
             SAT2, STABILIZE, CAUSAL, BLOCK_WG, BLOCK_N, s_layout, full_hi,
@@ -240,15 +318,16 @@ if AVAILABLE:
         p_lo = p.to(dtype)
 
         for j in range(1, n_blocks):
-            slot = j % NUM_STAGES
-            prev = (j - 1) % NUM_STAGES
-            mbarrier.wait(k_full.index(slot), (j // NUM_STAGES) & 1)
-            mbarrier.wait(v_full.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            g = kv + j
+            slot = g % NUM_STAGES
+            prev = (g - 1) % NUM_STAGES
+            mbarrier.wait(k_full.index(slot), (g // NUM_STAGES) & 1)
+            mbarrier.wait(v_full.index(prev), ((g - 1) // NUM_STAGES) & 1)
             k_t = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
             v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
             p_op = gl.convert_layout(p_lo, p_layout)
             p_l = gl.convert_layout(p_lo, pl_layout)
-            mbarrier.wait(turns.index(WG), j & 1)
+            mbarrier.wait(turns.index(WG), (g + r) & 1)
             s = warpgroup_mma(q2, k_t, s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_t, acc, is_async=True)
             l_acc = warpgroup_mma(p_l, ones, l_acc, is_async=True)
@@ -265,10 +344,13 @@ if AVAILABLE:
             l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, row_l), 1)
             p_lo = p.to(dtype)
 
-        last = (n_blocks - 1) % NUM_STAGES
-        mbarrier.wait(v_full.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
+        if PERSISTENT:  # every QK^T of this row block is done: the next Q may load
+            mbarrier.arrive(q_empty.index(WG))
+        g = kv + n_blocks - 1
+        last = g % NUM_STAGES
+        mbarrier.wait(v_full.index(last), (g // NUM_STAGES) & 1)
         v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-        mbarrier.wait(turns.index(WG), n_blocks & 1)
+        mbarrier.wait(turns.index(WG), (g + 1 + r) & 1)
         acc = warpgroup_mma(gl.convert_layout(p_lo, p_layout), v_t, acc, is_async=True)
         l_acc = warpgroup_mma(gl.convert_layout(p_lo, pl_layout), ones, l_acc, is_async=True)
         mbarrier.arrive(turns.index(1 - WG))
@@ -278,44 +360,78 @@ if AVAILABLE:
         l_r = gl.convert_layout(gl.reduce(l_acc, 1, _max_op), row_l)
         inv = gl.div_rn(gl.full([BLOCK_WG], 1.0, gl.float32, layout=row_l), l_r)
         o = acc * gl.expand_dims(gl.convert_layout(inv, row_o), 1)
-        q2.store(o.to(dtype))
+        if PERSISTENT:
+            tma.store_wait(0)  # the previous row block's O has left o4
+        o4.reshape([BLOCK_WG, HEAD_DIM]).store(o.to(dtype))
         fence_async_shared()
         _barrier()
-        _tma_store(o_desc, [b, h, r0, 0], q4)
+        _tma_store(o_desc, [bh // H, bh % H, r0, 0], o4)
         lse = gl.convert_layout(m_sh, row_l) + gl.log2(l_r)
         offs = r0 + gl.arange(0, BLOCK_WG, layout=row_l)
-        gl.store(LSE + pid_bh.to(gl.int64) * T_Q + offs, lse, mask=offs < T_Q)
+        gl.store(LSE + bh.to(gl.int64) * T_Q + offs, lse, mask=offs < T_Q)
+        return n_blocks
+
+    @gluon.jit
+    def _ws_consumer(
+        WG: gl.constexpr, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, ones_smem, q_full,
+        q_empty, k_full, v_full, k_empty, v_empty, turns, H, T_Q, T_K, n_units,
+        units_per_head, n_row_blocks, qk_scale, beta_m1, dmin2, dmax2,
+        SAT2: gl.constexpr, STABILIZE: gl.constexpr, CAUSAL: gl.constexpr,
+        PAIRED: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_WG: gl.constexpr,
+        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """Warpgroup WG's 64 rows of each of the program's row blocks."""
+        l_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWSUM_N, 16]
+        )
+        ones_smem.index(WG).store(gl.full([BLOCK_N, ROWSUM_N], 1.0, o_desc.dtype, l_layout))
+        fence_async_shared()
+        _barrier()
+        if PERSISTENT:
+            kv = 0  # key blocks consumed by this program
+            r = 0  # row blocks done
+            for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
+                bh, first, count, i = _unit_rows(u, units_per_head, n_row_blocks, PAIRED)
+                for part in range(count):
+                    m0 = (first - part * (first - i)) * (2 * BLOCK_WG)
+                    kv += _consume_row_block(
+                        WG, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, ones_smem, q_full,
+                        q_empty, k_full, v_full, k_empty, v_empty, turns, bh, H, m0, T_Q, T_K,
+                        kv, r, qk_scale, beta_m1, dmin2, dmax2, SAT2, STABILIZE, CAUSAL,
+                        PERSISTENT, BLOCK_WG, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                    )  # fmt: skip
+                    r += 1
+        else:
+            bh, first, _, _ = _unit_rows(gl.program_id(0), units_per_head, n_row_blocks, False)
+            _consume_row_block(
+                WG, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, ones_smem, q_full, q_empty,
+                k_full, v_full, k_empty, v_empty, turns, bh, H, first * (2 * BLOCK_WG), T_Q,
+                T_K, 0, 0, qk_scale, beta_m1, dmin2, dmax2, SAT2, STABILIZE, CAUSAL,
+                PERSISTENT, BLOCK_WG, BLOCK_N, HEAD_DIM, NUM_STAGES,
+            )  # fmt: skip
         tma.store_wait(0)
 
-    @gluon.jit(do_not_specialize=["H", "GROUP", "T_Q", "T_K"])
+    @gluon.jit(do_not_specialize=["H", "GROUP", "T_Q", "T_K", "n_units", "units_per_head"])
     def _fwd_ws_kernel(
         q_desc, k_desc, v_desc, o_desc, LSE,
-        H, GROUP, T_Q, T_K, qk_scale, beta_m1, dmin2, dmax2,
+        H, GROUP, T_Q, T_K, n_units, units_per_head, qk_scale, beta_m1, dmin2, dmax2,
         SAT2: gl.constexpr, STABILIZE: gl.constexpr, CAUSAL: gl.constexpr,
-        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        PAIRED: gl.constexpr, PERSISTENT: gl.constexpr, BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
     ):  # fmt: skip
-        """128 query rows per program: two consumer warpgroups of 64 rows (the default
+        """Work units of 128 query rows (two when PAIRED), one per program or, PERSISTENT, a
+        grid of programs that loops over them: two consumer warpgroups of 64 rows (the default
         partition and a worker) and a producer warpgroup that streams Q, K and V by TMA."""
         dtype: gl.constexpr = q_desc.dtype
         BLOCK_WG: gl.constexpr = 64
-        BLOCK_M: gl.constexpr = 128
-        pid_m = gl.program_id(0)
-        if CAUSAL:
-            pid_m = (T_Q + BLOCK_M - 1) // BLOCK_M - 1 - pid_m
-        pid_bh = gl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        hk = h // GROUP
-        m0 = pid_m * BLOCK_M
-        hi = T_K
-        full_hi = (T_K // BLOCK_N) * BLOCK_N
-        if CAUSAL:
-            hi = gl.minimum(T_K, m0 + BLOCK_M)
-            full_hi = gl.minimum(full_hi, m0)
-        n_blocks = (hi + BLOCK_N - 1) // BLOCK_N
+        n_row_blocks = (T_Q + 2 * BLOCK_WG - 1) // (2 * BLOCK_WG)
 
         q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_WG, HEAD_DIM], q_desc.layout)
+        if PERSISTENT:  # O staged apart from Q, so that the next Q loads during this block's end
+            o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_WG, HEAD_DIM], o_desc.layout)
+        else:
+            o_smem = q_smem
         k_smem = gl.allocate_shared_memory(
             dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout
         )
@@ -325,14 +441,16 @@ if AVAILABLE:
         ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROWSUM_N], dtype)
         ones_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROWSUM_N], ones_layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        q_full = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
         k_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
         v_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
         for i in gl.static_range(2):
-            mbarrier.init(q_bars.index(i), count=1)
+            mbarrier.init(q_full.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)
             mbarrier.init(turns.index(i), count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_full.index(i), count=1)
@@ -344,18 +462,21 @@ if AVAILABLE:
 
         gl.warp_specialize(
             [
-                (_ws_consumer, (0, o_desc, LSE, q_smem, k_smem, v_smem, ones_smem, q_bars,
-                 k_full, v_full, k_empty, v_empty, turns, b, h, pid_bh, m0, n_blocks, full_hi,
-                 T_Q, T_K, qk_scale, beta_m1, dmin2, dmax2, SAT2, STABILIZE, CAUSAL, BLOCK_WG,
-                 BLOCK_N, HEAD_DIM, NUM_STAGES)),
-                (_ws_consumer, (1, o_desc, LSE, q_smem, k_smem, v_smem, ones_smem, q_bars,
-                 k_full, v_full, k_empty, v_empty, turns, b, h, pid_bh, m0, n_blocks, full_hi,
-                 T_Q, T_K, qk_scale, beta_m1, dmin2, dmax2, SAT2, STABILIZE, CAUSAL, BLOCK_WG,
-                 BLOCK_N, HEAD_DIM, NUM_STAGES)),
+                (_ws_consumer, (0, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, ones_smem,
+                 q_full, q_empty, k_full, v_full, k_empty, v_empty, turns, H, T_Q, T_K,
+                 n_units, units_per_head, n_row_blocks, qk_scale, beta_m1, dmin2, dmax2, SAT2,
+                 STABILIZE, CAUSAL, PAIRED, PERSISTENT, BLOCK_WG, BLOCK_N, HEAD_DIM,
+                 NUM_STAGES)),
+                (_ws_consumer, (1, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, ones_smem,
+                 q_full, q_empty, k_full, v_full, k_empty, v_empty, turns, H, T_Q, T_K,
+                 n_units, units_per_head, n_row_blocks, qk_scale, beta_m1, dmin2, dmax2, SAT2,
+                 STABILIZE, CAUSAL, PAIRED, PERSISTENT, BLOCK_WG, BLOCK_N, HEAD_DIM,
+                 NUM_STAGES)),
                 (
                     _ws_producer,
-                    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_full, v_full,
-                     k_empty, v_empty, b, h, hk, m0, n_blocks, BLOCK_WG, BLOCK_N, NUM_STAGES),
+                    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_full,
+                     v_full, k_empty, v_empty, H, GROUP, T_K, n_units, units_per_head,
+                     n_row_blocks, CAUSAL, PAIRED, PERSISTENT, BLOCK_WG, BLOCK_N, NUM_STAGES),
                 ),
             ],
             [4, 4],
@@ -391,6 +512,11 @@ def _desc(x: Tensor, block_t: int) -> TensorDescriptor:
     )  # fmt: skip
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 # Calls after a key's first skip JITFunction.run (launch.Relauncher), like the Triton forward's.
 _launch = Relauncher(_fwd_ws_kernel) if AVAILABLE else None
 
@@ -412,7 +538,13 @@ def gluon_forward(
     o = torch.empty_like(q)
     lse = torch.empty((b, h, tq), device=q.device, dtype=torch.float32)
     beta_m1, dmin2, dmax2, sat2 = stabilization_args(q.dtype, beta)
-    grid = (cdiv(tq, 128), b * h)
+    persistent = cfg.persistent_stabilized if mode == MODE_STABILIZED else cfg.persistent_plain
+    row_blocks = cdiv(tq, 128)
+    paired = causal and persistent
+    units_per_head = cdiv(row_blocks, 2) if paired else row_blocks
+    n_units = b * h * units_per_head
+    # persistent: one program per SM (a program's shared memory and registers fit no second)
+    grid = (min(n_units, _sm_count(q.device)) if persistent else n_units,)
     # The key holds all a launch specializes on (dtypes, constexprs, the descriptors' blocks),
     # and every shape and stride besides, as the Triton forward's does (o = empty_like(q): its
     # strides follow q's).
@@ -420,9 +552,10 @@ def gluon_forward(
            v.stride())  # fmt: skip
     _launch(
         key, grid, _desc(q, 64), _desc(k, cfg.block_n), _desc(v, cfg.block_n), _desc(o, 64),
-        lse, h, h // hk, tq, tk, sm_scale * LOG2E, beta_m1, dmin2, dmax2, SAT2=sat2,
-        STABILIZE=mode == MODE_STABILIZED, CAUSAL=causal, BLOCK_N=cfg.block_n, HEAD_DIM=d,
-        NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs, num_warps=4, enable_fp_fusion=True,
+        lse, h, h // hk, tq, tk, n_units, units_per_head, sm_scale * LOG2E, beta_m1, dmin2,
+        dmax2, SAT2=sat2, STABILIZE=mode == MODE_STABILIZED, CAUSAL=causal, PAIRED=paired,
+        PERSISTENT=persistent, BLOCK_N=cfg.block_n, HEAD_DIM=d, NUM_STAGES=cfg.num_stages,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4,
+        enable_fp_fusion=True,
     )  # fmt: skip
     return o, lse

@@ -30,8 +30,11 @@ needs_hopper = pytest.mark.skipif(
 
 
 @needs_gluon
-@pytest.mark.parametrize(("stabilize", "causal"), [(False, False), (True, True)])
-def test_compiles_to_sm90_code(stabilize, causal):
+@pytest.mark.parametrize(
+    ("stabilize", "causal", "persistent"),
+    [(False, True, True), (False, False, True), (True, True, False), (True, False, False)],
+)
+def test_compiles_to_sm90_code(stabilize, causal, persistent):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -42,14 +45,16 @@ def test_compiles_to_sm90_code(stabilize, causal):
 
     cfg = fag.DEFAULT_CONFIGS[128]
     constants = {
-        "SAT2": -0.0028, "STABILIZE": stabilize, "CAUSAL": causal, "BLOCK_N": cfg.block_n,
+        "SAT2": -0.0028, "STABILIZE": stabilize, "CAUSAL": causal,
+        "PAIRED": causal and persistent, "PERSISTENT": persistent, "BLOCK_N": cfg.block_n,
         "HEAD_DIM": 128, "NUM_STAGES": cfg.num_stages, "CONSUMER_REGS": cfg.consumer_regs,
         "PRODUCER_REGS": cfg.producer_regs,
     }  # fmt: skip
     signature = {
         "q_desc": desc(64), "k_desc": desc(cfg.block_n), "v_desc": desc(cfg.block_n),
         "o_desc": desc(64), "LSE": "*fp32", "H": "i32", "GROUP": "i32", "T_Q": "i32",
-        "T_K": "i32", "qk_scale": "fp32", "beta_m1": "fp32", "dmin2": "fp32", "dmax2": "fp32",
+        "T_K": "i32", "n_units": "i32", "units_per_head": "i32", "qk_scale": "fp32",
+        "beta_m1": "fp32", "dmin2": "fp32", "dmax2": "fp32",
         **dict.fromkeys(constants, "constexpr"),
     }  # fmt: skip
     src = GluonASTSource(fag._fwd_ws_kernel, signature, constants)
@@ -205,6 +210,35 @@ def test_same_key_blocks_give_bitwise_the_triton_forward(monkeypatch):
             o_g, lse_g = fag.gluon_forward(q, k, v, causal, 128**-0.5, mode, 2.0)
             o_t, lse_t = tri.triton_forward(q, k, v, None, causal, 128**-0.5, mode, 2.0)
             assert torch.equal(o_g, o_t) and torch.equal(lse_g, lse_t), (causal, mode)
+
+
+@needs_hopper
+@needs_gluon
+@pytest.mark.parametrize("programs", [None, 3])
+def test_persistent_programs_give_bitwise_one_program_per_row_block(monkeypatch, programs):
+    """Persistent programs (causal ones pairing a long row block with a short one) compute
+    every row block as a program of its own does. With 3 programs, each loops over dozens of
+    units: the ring's slots, the turns and the Q buffers carry their phases across them."""
+    if programs is not None:
+        monkeypatch.setattr(fag, "_sm_count", lambda device: programs)
+    # 8 and 9 row blocks (an odd count leaves a causal unit of one row block), GQA, T_q != T_k
+    for b, h, hk, tq, tk in [(2, 4, 2, 1000, 1000), (1, 3, 1, 1100, 1100), (1, 2, 2, 1100, 700)]:
+        q, k, v = _inputs(b, h, hk, tq, tk, torch.bfloat16, ties=True)
+        for causal in (False, True):
+            for mode in (0, 1):
+                outs = []
+                for persistent in (False, True):
+                    cfg = fag.DEFAULT_CONFIGS[128]._replace(
+                        persistent_plain=persistent, persistent_stabilized=persistent
+                    )
+                    monkeypatch.setitem(fag.CONFIG_OVERRIDES, (128, causal), cfg)
+                    outs.append(fag.gluon_forward(q, k, v, causal, 128**-0.5, mode, 2.0))
+                (o_one, lse_one), (o_per, lse_per) = outs
+                assert torch.equal(o_one, o_per) and torch.equal(lse_one, lse_per), (
+                    (b, h, hk, tq, tk),
+                    causal,
+                    mode,
+                )
 
 
 @needs_hopper
