@@ -130,6 +130,12 @@ if AVAILABLE:
     # Columns of the ones tile that takes the row sum of P̄ (8, wgmma's least N, gave wrong sums
     # with 128-key blocks on triton 3.6; 16 are right).
     ROWSUM_N = gl.constexpr(16)
+    # Register layout of that row sum (a warpgroup's 64 rows by ROWSUM_N columns)
+    ROWSUM_LAYOUT = gl.constexpr(
+        gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWSUM_N.value, 16]
+        )
+    )
 
     # Reductions through gl.reduce with our own combine functions: gl.max/gl.sum are triton.jit
     # helpers, which the CPU tests' TRITON_INTERPRET=1 turns into interpreter functions that a
@@ -185,6 +191,11 @@ if AVAILABLE:
         if PAIRED:
             count = gl.minimum(first - i + 1, 2)
         return u // units_per_head, first, count, i
+
+    @gluon.jit
+    def _unit_part_start(first, i, part, BLOCK_M: gl.constexpr):
+        """First query row of part ``part`` of a unit: its first row block, then row block i."""
+        return (first - part * (first - i)) * BLOCK_M
 
     @gluon.jit
     def _row_block_span(m0, T_K, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -243,7 +254,7 @@ if AVAILABLE:
             for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
                 bh, first, count, i = _unit_rows(u, units_per_head, n_row_blocks, PAIRED)
                 for part in range(count):
-                    m0 = (first - part * (first - i)) * (2 * BLOCK_WG)
+                    m0 = _unit_part_start(first, i, part, 2 * BLOCK_WG)
                     kv += _produce_row_block(
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty,
                         k_full, v_full, k_empty, v_empty, bh, H, GROUP, m0, T_K, kv, r,
@@ -279,9 +290,7 @@ if AVAILABLE:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
         )
-        l_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, RN, 16]
-        )
+        l_layout: gl.constexpr = ROWSUM_LAYOUT
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -381,10 +390,7 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
         """Warpgroup WG's 64 rows of each of the program's row blocks."""
-        l_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWSUM_N, 16]
-        )
-        ones_smem.index(WG).store(gl.full([BLOCK_N, ROWSUM_N], 1.0, o_desc.dtype, l_layout))
+        ones_smem.index(WG).store(gl.full([BLOCK_N, ROWSUM_N], 1.0, o_desc.dtype, ROWSUM_LAYOUT))
         fence_async_shared()
         _barrier()
         if PERSISTENT:
@@ -393,7 +399,7 @@ if AVAILABLE:
             for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
                 bh, first, count, i = _unit_rows(u, units_per_head, n_row_blocks, PAIRED)
                 for part in range(count):
-                    m0 = (first - part * (first - i)) * (2 * BLOCK_WG)
+                    m0 = _unit_part_start(first, i, part, 2 * BLOCK_WG)
                     kv += _consume_row_block(
                         WG, o_desc, LSE, q_smem, o_smem, k_smem, v_smem, ones_smem, q_full,
                         q_empty, k_full, v_full, k_empty, v_empty, turns, bh, H, m0, T_Q, T_K,
