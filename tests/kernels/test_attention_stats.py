@@ -276,6 +276,28 @@ def test_row_max_near_zero(impl):
     assert_stats(got, want)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("sat", [torch.bfloat16, torch.float32])
+def test_zero_and_subnormal_row_maxima(impl, sat):
+    """Rows whose max is 0 (zero queries: every entry tied, in every tile) or about 2^-123 (a
+    max within 2|thr| of 0, whose ulp is subnormal: recounted entry by entry); the other rows
+    of the same blocks keep their counts."""
+    g = torch.Generator().manual_seed(6)
+    q = (torch.randint(-4, 5, (2, 3, 70, 16), generator=g) / 4).to(torch.float32)
+    k = (torch.randint(-4, 5, (2, 3, 90, 16), generator=g) / 4).to(torch.float32)
+    q[:, 0, 5:40] = 0.0  # S == 0 everywhere in these rows
+    q[:, 1, ::3] = 0.0
+    q[:, 2, :, 1:] = 0.0  # head 2: S = q0 * k0 / 4, multiples of 2^-124 (normal floats)
+    q[:, 2, :, 0] = 2.0**-60
+    k[:, 2, :, 0] *= 2.0**-60
+    for causal in (False, True):
+        got = stats(impl, q, k, is_causal=causal, saturation_dtype=sat)
+        want = oracle(q, k, causal=causal, sat=sat)
+        zero_row_entries = sum(i + 1 for i in range(5, 40)) if causal else 35 * 90
+        assert want[0, A.TIE_ENTRIES] >= 2 * zero_row_entries
+        assert_stats(got, want)
+
+
 def _next_up(x: torch.Tensor, n: int = 1) -> torch.Tensor:
     for _ in range(abs(n)):
         x = torch.nextafter(x, torch.tensor(math.copysign(math.inf, n), dtype=x.dtype))
