@@ -3,8 +3,8 @@ forward and cuDNN SDPA on the same calls (one GPU, one process).
 
 For each head dim, T, causal and mode (plain, stabilized) it times the forward through
 ``flash_attention`` with every candidate ``GluonConfig`` (keys per block, ring slots, consumer
-and producer registers, persistent programs per mode), then the Triton forward (the Gluon
-kernel switched off) and cuDNN's forward, and reports each as cuDNN time / ours. bf16,
+and producer registers, up to how many keys programs are persistent), then the Triton forward
+(the Gluon kernel switched off) and cuDNN's forward, and reports each as cuDNN time / ours. bf16,
 B*T = 16k tokens, H 16. The defaults in kernels/flash_attention_gluon.py come from this sweep
 (session 15:
 bench/results/flash_attention_gluon_h200.json and flash_attention_gluon_configs_h200.json came
@@ -34,7 +34,7 @@ from numwatch.kernels.flash_attention import flash_attention
 CANDIDATES = {
     128: [
         fag.GluonConfig(128, 2),
-        fag.GluonConfig(128, 2, persistent_plain=False, persistent_stabilized=True),
+        fag.GluonConfig(128, 2, persistent_max_t_k=0),
         fag.GluonConfig(64, 2),
         fag.GluonConfig(64, 3),
         fag.GluonConfig(128, 2, 232, 40),
@@ -88,8 +88,8 @@ def main() -> None:
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128], choices=list(CANDIDATES))
     ap.add_argument(
         "--configs", nargs="+", metavar="FIELDS",
-        help="candidates instead of CANDIDATES, as comma-separated GluonConfig fields "
-        "(the persistent ones as 0/1), e.g. 128,2,240,24,1,0 128,2,240,24,0,1",
+        help="candidates instead of CANDIDATES, as comma-separated GluonConfig fields, "
+        "e.g. 128,2,240,24,4096 128,2,240,24,0",
     )  # fmt: skip
     args = ap.parse_args()
     if not (fag.AVAILABLE and torch.cuda.get_device_capability()[0] == 9):
@@ -100,10 +100,6 @@ def main() -> None:
         candidates = CANDIDATES[d]
         if args.configs:
             candidates = [fag.GluonConfig(*(int(x) for x in c.split(","))) for c in args.configs]
-            candidates = [
-                cf._replace(persistent_plain=bool(cf[4]), persistent_stabilized=bool(cf[5]))
-                for cf in candidates
-            ]
         rows.append(measure(d, t, causal, candidates))
         print(json.dumps(rows[-1]), flush=True)
     out = {

@@ -12,15 +12,18 @@ within a consumer, block j's softmax also overlaps the P̄V product of block j-1
 sum of the rounded P̄ runs on the tensor cores against a ones tile, as in the Triton forward's
 ROWSUM_MMA.
 
-Plain-mode programs are persistent: one per SM (a program's shared memory leaves room for no
-second), each looping over work units, so that the next row block's Q and first K/V blocks load
-while this one ends, where a program per row block starts with an empty ring. A causal unit is
-two row blocks of one head, the n-1-i-th and the i-th, so that units hold equal work. On the
-H200 (bench/results/flash_attention_gluon_persistent_h200.json, one process) this makes the
-plain forward 3-11 % faster at T 1k-4k and changes nothing at 16k. The stabilized forward keeps
-one program per row block: persistent, it gains 0-3 % at T 1k-4k but loses 4-5 % at 16k, where
-the persistent loop costs the key-block loop uniform registers (14 R2UR per key block in the
-sm_90 SASS) and, when causal, spills. ``GluonConfig`` chooses per mode.
+Programs are persistent up to 4096 keys: one per SM (a program's shared memory leaves room for
+no second), each looping over work units, so that the next row block's Q and first K/V blocks
+load while this one ends, where a program per row block starts with an empty ring. A causal
+unit is two row blocks of one head, the n-1-i-th and the i-th, so that units hold equal work.
+Q sits in registers (loaded once per row block), which frees the Q buffer for the next row
+block at once and leaves ptxas the uniform registers the K, V and ones descriptors need. On the
+H200 (bench/results/flash_attention_gluon_qreg_explore_h200.json, one process) persistent
+programs are up to 10 % faster than one program per row block at T 1k-4k, but 1-3 % slower at
+16k, where one program per row block is kept (``GluonConfig.persistent_max_t_k``). Against the
+previous kernel (Q in shared memory, persistent in the plain mode only;
+flash_attention_gluon_qreg_h200.json): stabilized +1 to +9 % at T 1k-4k, equal at 16k; plain
+-2 to +4 %; outputs and LSEs bitwise equal.
 
 It computes what the Triton forward computes in the plain and stabilized modes: same logits,
 the same stabilizing count and bounded shift, O normalized by the sum of the rounded P̄, the
@@ -71,15 +74,15 @@ except (ImportError, AttributeError):  # a Triton without (this) Gluon Hopper AP
 
 class GluonConfig(NamedTuple):
     """Launch parameters: keys per block, ring slots, registers per consumer/producer thread,
-    and per mode whether programs are persistent (one per SM, each looping over work units;
-    causal units pair a long row block with a short one) or one per row block."""
+    and up to how many keys programs are persistent (one per SM, each looping over work units;
+    causal units pair a long row block with a short one); longer calls, and every call when 0,
+    run one program per row block."""
 
     block_n: int
     num_stages: int
     consumer_regs: int = 240
     producer_regs: int = 24
-    persistent_plain: bool = True
-    persistent_stabilized: bool = False
+    persistent_max_t_k: int = 4096
 
 
 # Per head dim, on the H200. D 128: 128-key blocks in 2 slots beat 64-key blocks in 2 or 3 slots
@@ -310,13 +313,19 @@ if AVAILABLE:
         l_acc = gl.full([BLOCK_WG, RN], 0.0, gl.float32, layout=l_layout)
         s_zero = gl.full([BLOCK_WG, BLOCK_N], 0.0, gl.float32, layout=s_layout)
         mbarrier.wait(q_full.index(WG), r & 1)
+        # Q from registers: the QK^T wgmma then needs no shared-memory descriptors for it, which
+        # leaves ptxas enough uniform registers for the K, V and ones descriptors (with Q in
+        # shared memory it shuttled them through regular registers: 14 R2UR per key block).
+        q_op = q2.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        if PERSISTENT:  # Q is in registers: the next row block's Q may load
+            mbarrier.arrive(q_empty.index(WG))
 
         # Key block 0
         slot = kv % NUM_STAGES
         mbarrier.wait(k_full.index(slot), (kv // NUM_STAGES) & 1)
         k_t = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
         mbarrier.wait(turns.index(WG), (kv + r) & 1)
-        s = warpgroup_mma(q2, k_t, s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
         mbarrier.arrive(turns.index(1 - WG))
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(slot))
@@ -337,7 +346,7 @@ if AVAILABLE:
             p_op = gl.convert_layout(p_lo, p_layout)
             p_l = gl.convert_layout(p_lo, pl_layout)
             mbarrier.wait(turns.index(WG), (g + r) & 1)
-            s = warpgroup_mma(q2, k_t, s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_op, k_t, s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_t, acc, is_async=True)
             l_acc = warpgroup_mma(p_l, ones, l_acc, is_async=True)
             mbarrier.arrive(turns.index(1 - WG))
@@ -353,8 +362,6 @@ if AVAILABLE:
             l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, row_l), 1)
             p_lo = p.to(dtype)
 
-        if PERSISTENT:  # every QK^T of this row block is done: the next Q may load
-            mbarrier.arrive(q_empty.index(WG))
         g = kv + n_blocks - 1
         last = g % NUM_STAGES
         mbarrier.wait(v_full.index(last), (g // NUM_STAGES) & 1)
@@ -544,7 +551,7 @@ def gluon_forward(
     o = torch.empty_like(q)
     lse = torch.empty((b, h, tq), device=q.device, dtype=torch.float32)
     beta_m1, dmin2, dmax2, sat2 = stabilization_args(q.dtype, beta)
-    persistent = cfg.persistent_stabilized if mode == MODE_STABILIZED else cfg.persistent_plain
+    persistent = tk <= cfg.persistent_max_t_k
     row_blocks = cdiv(tq, 128)
     paired = causal and persistent
     units_per_head = cdiv(row_blocks, 2) if paired else row_blocks

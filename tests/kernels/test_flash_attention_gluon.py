@@ -244,7 +244,7 @@ def test_persistent_programs_give_bitwise_one_program_per_row_block(monkeypatch,
                 outs = []
                 for persistent in (False, True):
                     cfg = fag.DEFAULT_CONFIGS[128]._replace(
-                        persistent_plain=persistent, persistent_stabilized=persistent
+                        persistent_max_t_k=tk if persistent else 0
                     )
                     monkeypatch.setitem(fag.CONFIG_OVERRIDES, (128, causal), cfg)
                     outs.append(fag.gluon_forward(q, k, v, causal, 128**-0.5, mode, 2.0))
