@@ -153,6 +153,25 @@ if AVAILABLE:
         return a + b
 
     @gluon.jit
+    def _to_lo(p, dtype: gl.constexpr):
+        """P̄ rounded to dtype, one cvt per pair of values (round to nearest even, as
+        ``p.to(dtype)``). From scalar cvts ptxas packed the pairs in the opposite order in the
+        worker partition and swapped every register's halves back: 32 PRMT per key block in
+        the second consumer's loop, 3-5 % of the stabilized forward
+        (bench/results/flash_attention_gluon_packed_cvt_h200.json)."""
+        if dtype == gl.bfloat16:
+            out = gl.inline_asm_elementwise(
+                "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                is_pure=True, pack=2,
+            )  # fmt: skip
+        else:
+            out = gl.inline_asm_elementwise(
+                "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
+                is_pure=True, pack=2,
+            )  # fmt: skip
+        return out
+
+    @gluon.jit
     def _softmax_block(
         s, n0, m0, m_raw, m_sh, cnt, T_K, qk_scale, beta_m1, dmin2, dmax2,
         SAT2: gl.constexpr, STABILIZE: gl.constexpr, CAUSAL: gl.constexpr,
@@ -333,7 +352,7 @@ if AVAILABLE:
             s, 0, r0, m_raw, m_sh, cnt, T_K, qk_scale, beta_m1, dmin2, dmax2,
             SAT2, STABILIZE, CAUSAL, BLOCK_WG, BLOCK_N, s_layout, full_hi,
         )  # fmt: skip
-        p_lo = p.to(dtype)
+        p_lo = _to_lo(p, dtype)
 
         for j in range(1, n_blocks):
             g = kv + j
@@ -360,7 +379,7 @@ if AVAILABLE:
             mbarrier.arrive(v_empty.index(prev))
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             l_acc = l_acc * gl.expand_dims(gl.convert_layout(alpha, row_l), 1)
-            p_lo = p.to(dtype)
+            p_lo = _to_lo(p, dtype)
 
         g = kv + n_blocks - 1
         last = g % NUM_STAGES
