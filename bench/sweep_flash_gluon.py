@@ -9,10 +9,11 @@ B*T = 16k tokens, H 16. The defaults in kernels/flash_attention_gluon.py come fr
 (session 15:
 bench/results/flash_attention_gluon_h200.json and flash_attention_gluon_configs_h200.json came
 from its exploratory predecessor, the same timings written against the kernel's launch
-arguments before they became GluonConfig). ``--head-dims 64`` tries the head dim the kernel
-does not serve (session 16: flash_attention_gluon_d64_rejected_h200.json; session 17, with
-persistent programs: flash_attention_gluon_d64_persistent_rejected_h200.json). ``--configs``
-replaces the candidates. Usage (Hopper GPU):
+arguments before they became GluonConfig). ``--head-dims 64`` sweeps head dim 64, which the
+kernel did not serve before session 18 (session 16:
+flash_attention_gluon_d64_rejected_h200.json; session 17, with persistent programs:
+flash_attention_gluon_d64_persistent_rejected_h200.json). ``--configs`` replaces the
+candidates. Usage (Hopper GPU):
     python3 bench/sweep_flash_gluon.py --out results.json
 """
 
@@ -39,8 +40,9 @@ CANDIDATES = {
         fag.GluonConfig(64, 3),
         fag.GluonConfig(128, 2, 232, 40),
     ],
-    # Not served (the Triton forward is as fast): swept by adding it to DEFAULT_CONFIGS for the
-    # run. Half the shared memory per slot leaves room for deeper rings; 256-key blocks spill.
+    # Served since session 18 (plain; stabilized from 8192 keys); these candidates serve every
+    # length, so that both modes are compared. Half the shared memory per slot leaves room for
+    # deeper rings; 256-key blocks spill.
     64: [
         fag.GluonConfig(128, 2),
         fag.GluonConfig(128, 3),

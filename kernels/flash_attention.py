@@ -4,8 +4,8 @@ Why: when a row of attention logits has a repeated maximum (attention sinks, rep
 several P̄ = exp(S - m) are exactly 1.0, and a kernel that rounds P̄V or the O accumulation to
 bf16 rounds them in one direction; the error is biased, flows into dQ through
 delta = rowsum(dO * O) and can end in a loss explosion. This kernel keeps that from happening and
-runs at flash-attention speed on CUDA (Triton; at head dim 128 on Hopper the forward is the
-warp-specialized Gluon kernel of flash_attention_gluon, same arithmetic), in the Triton
+runs at flash-attention speed on CUDA (Triton; at head dims 128 and 64 on Hopper the forward is
+mostly the warp-specialized Gluon kernel of flash_attention_gluon, same arithmetic), in the Triton
 interpreter on CPU (``TRITON_INTERPRET=1``), or as the pure-torch blockwise reference on plain
 CPU.
 
@@ -202,7 +202,7 @@ def _use_triton(q: Tensor) -> bool:
 def _forward(q, k, v, mask, causal, sm_scale, mode, beta, use_triton) -> tuple[Tensor, Tensor]:
     """O and the row LSE: the Gluon forward where it serves the call, else the Triton one (or
     the torch reference off the GPU without the interpreter)."""
-    if use_triton and _glu.supports(q, k, v, mask, mode):
+    if use_triton and _glu.supports(q, k, v, mask, mode, causal):
         try:
             return _glu.gluon_forward(q, k, v, causal, sm_scale, mode, beta)
         except Exception as e:  # never break training over the experimental fast path

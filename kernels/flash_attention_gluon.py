@@ -29,7 +29,8 @@ It computes what the Triton forward computes in the plain and stabilized modes: 
 the same stabilizing count and bounded shift, O normalized by the sum of the rounded P̄, the
 same LSE (bitwise equal outputs where both use the same key-block size; measured on the H200).
 It serves the calls it is fastest for (bench/results/flash_attention_h200.json): head dim 128,
-bf16/fp16, no ``attn_mask`` (causal or not, any lengths, GQA), on Hopper. Every other call runs
+and head dim 64 in the plain mode and in the stabilized one from 8192 keys on; bf16/fp16, no
+``attn_mask`` (causal or not, any lengths, GQA), on Hopper. Every other call runs
 the Triton kernel; flash_attention.py chooses. Gluon has no interpreter: the kernel is tested
 on the GPU (tests/kernels/test_flash_attention_gluon.py, against the Triton forward and a
 float64 reference); on CPU the tests compile it to sm_90 code.
@@ -83,14 +84,18 @@ class GluonConfig(NamedTuple):
     consumer_regs: int = 240
     producer_regs: int = 24
     persistent_max_t_k: int = 4096
+    stabilized_min_t_k: int = 0  # shorter stabilized calls run the Triton forward
 
 
 # Per head dim, on the H200. D 128: 128-key blocks in 2 slots beat 64-key blocks in 2 or 3 slots
 # by 10-13 % (bench/results/flash_attention_gluon_h200.json, the sweep at T 4096).
-# D 64 is left to the Triton forward: this kernel, and a variant with three consumer warpgroups
-# (FA3's D 64 tile), are slower there at T 1k and at most 3 % faster at T 4k
-# (flash_attention_gluon_d64_rejected_h200.json).
-DEFAULT_CONFIGS = {128: GluonConfig(128, 2)}
+# D 64: until session 18 this kernel lost to the Triton forward there
+# (flash_attention_gluon_d64_rejected_h200.json). With Q in registers and packed P̄ it is 4-8 %
+# faster in the plain mode (5 of 6 shapes, even at T 1k causal) and, stabilized, 3-7 % faster at
+# T 16k, even at T 4k and 11 % slower at T 1k causal
+# (flash_attention_gluon_d64_qreg_explore_h200.json): the stabilized mode takes it from 8192
+# keys on. 3 ring slots fit at D 64 and measured -1 to +2 % against 2.
+DEFAULT_CONFIGS = {128: GluonConfig(128, 2), 64: GluonConfig(128, 3, stabilized_min_t_k=8192)}
 CONFIG_OVERRIDES: dict[tuple[int, bool], GluonConfig] = {}  # per (head dim, causal)
 # NUMWATCH_FLASH_GLUON=0 sends every call to the Triton forward (A/B runs, or a Triton whose
 # Gluon misbehaves); the benchmark flips ENABLED to time both in one process.
@@ -114,7 +119,12 @@ def disable(error: BaseException) -> None:
     )
 
 
-def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, mode: int) -> bool:
+def config(d: int, causal: bool) -> GluonConfig:
+    """The launch parameters for head dim d (one of DEFAULT_CONFIGS') and causality."""
+    return CONFIG_OVERRIDES.get((d, causal)) or DEFAULT_CONFIGS[d]
+
+
+def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, mode: int, causal: bool) -> bool:
     """Whether this kernel serves a call the Triton forward would run (plain or stabilized
     mode; the inputs are descriptor-ready). Reads shapes, dtypes and devices only."""
     return (
@@ -123,6 +133,7 @@ def supports(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, mode: int) ->
         and mask is None
         and mode in (MODE_PLAIN, MODE_STABILIZED)
         and q.shape[-1] in DEFAULT_CONFIGS
+        and (mode == MODE_PLAIN or k.shape[2] >= config(q.shape[-1], causal).stabilized_min_t_k)
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.is_cuda
         and capability_major(q.device) == 9
@@ -566,7 +577,7 @@ def gluon_forward(
     row log2-sum-exp (B, H, Tq) fp32."""
     b, h, tq, d = q.shape
     hk, tk = k.shape[1], k.shape[2]
-    cfg = CONFIG_OVERRIDES.get((d, causal), DEFAULT_CONFIGS[d])
+    cfg = config(d, causal)
     o = torch.empty_like(q)
     lse = torch.empty((b, h, tq), device=q.device, dtype=torch.float32)
     beta_m1, dmin2, dmax2, sat2 = stabilization_args(q.dtype, beta)

@@ -404,6 +404,7 @@ def test_stabilized_forward_is_the_same_for_any_tiling(monkeypatch, tiles):
 def test_tiles_that_do_not_nest_are_refused(monkeypatch, kernel, tiles):
     """64x128 causal forward tiles computed wrong results in a sweep: such configs raise."""
     device = _device()
+    monkeypatch.setattr(fa._glu, "ENABLED", False)  # the Triton forward's tiles (not Gluon's)
     cfg = fa._tri.TileConfig(*tiles, 4, 1)
     monkeypatch.setitem(fa._tri.CONFIG_OVERRIDES, (kernel, 64, True), cfg)
     qkv = planted_tie_attention(2, 4.0, torch.bfloat16, t=64)

@@ -38,13 +38,14 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from numwatch.kernels import flash_attention_gluon as fag
 stabilize, causal, persistent = (a == "1" for a in sys.argv[1:4])
+d = int(sys.argv[4])
 def desc(rows):
-    layout = fag.gl.NVMMASharedLayout.get_default_for([1, 1, rows, 128], fag.gl.bfloat16)
-    return f"tensordesc<bf16[1, 1, {rows}, 128],{layout!r}>"
-cfg = fag.DEFAULT_CONFIGS[128]
+    layout = fag.gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], fag.gl.bfloat16)
+    return f"tensordesc<bf16[1, 1, {rows}, {d}],{layout!r}>"
+cfg = fag.DEFAULT_CONFIGS[d]
 constants = {
     "SAT2": -0.0028, "STABILIZE": stabilize, "CAUSAL": causal, "PAIRED": causal and persistent,
-    "PERSISTENT": persistent, "BLOCK_N": cfg.block_n, "HEAD_DIM": 128,
+    "PERSISTENT": persistent, "BLOCK_N": cfg.block_n, "HEAD_DIM": d,
     "NUM_STAGES": cfg.num_stages, "CONSUMER_REGS": cfg.consumer_regs,
     "PRODUCER_REGS": cfg.producer_regs,
 }
@@ -63,14 +64,21 @@ sys.stdout.write(kernel.asm["ptx"])
 
 @needs_gluon
 @pytest.mark.parametrize(
-    ("stabilize", "causal", "persistent"),
-    [(False, True, True), (False, False, True), (True, True, False), (True, False, False)],
+    ("stabilize", "causal", "persistent", "d"),
+    [
+        (False, True, True, 128),
+        (False, False, True, 128),
+        (True, True, False, 128),
+        (True, False, True, 128),
+        (True, True, True, 64),
+        (False, False, False, 64),
+    ],
 )
-def test_compiles_to_sm90_code(stabilize, causal, persistent):
+def test_compiles_to_sm90_code(stabilize, causal, persistent, d):
     """In a fresh process: the interpreter that the CPU tests run Triton kernels in patches
     triton.language's tensor operators, which a compile in the same process would then use."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    flags = [str(int(x)) for x in (stabilize, causal, persistent)]
+    flags = [str(int(x)) for x in (stabilize, causal, persistent)] + [str(d)]
     run = subprocess.run(
         [sys.executable, "-c", _COMPILE, *flags], env=env, capture_output=True, text=True
     )
@@ -82,19 +90,28 @@ def test_compiles_to_sm90_code(stabilize, causal, persistent):
     assert "cp.async.bulk.tensor.4d" in ptx
 
 
-def test_serves_only_head_dim_128_without_mask_in_plain_and_stabilized_modes():
+def test_serves_head_dims_128_and_64_without_mask_in_plain_and_stabilized_modes():
+    """Head dim 64 in the stabilized mode only from 8192 keys (shorter: the Triton forward)."""
     if not torch.cuda.is_available():
         meta = torch.empty(1, 1, 4, 128, device="meta", dtype=torch.bfloat16)
-        assert not fag.supports(meta, meta, meta, None, 0)  # not on CUDA
+        assert not fag.supports(meta, meta, meta, None, 0, False)  # not on CUDA
         return
     q = torch.empty(1, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
     hopper = torch.cuda.get_device_capability()[0] == 9 and fag.AVAILABLE
-    assert fag.supports(q, q, q, None, 0) == hopper
-    assert fag.supports(q, q, q, None, 1) == hopper
-    assert not fag.supports(q, q, q, None, 2)  # paper_repro: the Triton kernel's emulation
-    assert not fag.supports(q, q, q, torch.ones(1, 1, 8, 8, device="cuda", dtype=torch.bool), 1)
-    assert not fag.supports(q[..., :64], q[..., :64], q[..., :64], None, 1)
-    assert not fag.supports(q.float(), q.float(), q.float(), None, 1)
+    mask = torch.ones(1, 1, 8, 8, device="cuda", dtype=torch.bool)
+    for causal in (False, True):
+        assert fag.supports(q, q, q, None, 0, causal) == hopper
+        assert fag.supports(q, q, q, None, 1, causal) == hopper
+        assert not fag.supports(q, q, q, None, 2, causal)  # paper_repro: the Triton emulation
+        assert not fag.supports(q, q, q, mask, 1, causal)
+        assert not fag.supports(q.float(), q.float(), q.float(), None, 1, causal)
+        assert not fag.supports(q[..., :32], q[..., :32], q[..., :32], None, 0, causal)
+        q64 = q[..., :64]
+        k64 = torch.empty(1, 2, 8192, 64, device="cuda", dtype=torch.bfloat16)
+        assert fag.supports(q64, q64, q64, None, 0, causal) == hopper
+        assert not fag.supports(q64, q64, q64, None, 1, causal)
+        assert not fag.supports(q64, k64[:, :, 1:], k64[:, :, 1:], None, 1, causal)
+        assert fag.supports(q64, k64, k64, None, 1, causal) == hopper
 
 
 @pytest.mark.skipif(fa._tri is None, reason="triton is not installed")
@@ -142,11 +159,11 @@ def test_fast_descriptors_equal_the_checked_constructor():
         assert a is b if field.name == "base" else a == b, field.name
 
 
-def _inputs(b, h, hk, tq, tk, dtype, seed=0, ties=False):
+def _inputs(b, h, hk, tq, tk, dtype, seed=0, ties=False, d=128):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, h, tq, 128, generator=g)
-    k = torch.randn(b, hk, tk, 128, generator=g)
-    v = torch.randn(b, hk, tk, 128, generator=g)
+    q = torch.randn(b, h, tq, d, generator=g)
+    k = torch.randn(b, hk, tk, d, generator=g)
+    v = torch.randn(b, hk, tk, d, generator=g)
     if ties:  # two identical keys aligned with the queries: repeated row maxima above 0
         sink = q[:, :: h // hk].mean(2) * 3
         k[:, :, 3] = sink
@@ -179,14 +196,23 @@ SHAPES = [  # b, h, hk, tq, tk, causal: odd lengths, Tq != Tk both ways, GQA/MQA
 ]
 
 
+def _serve_every_length(monkeypatch):
+    """Head dim 64's stabilized calls through the Gluon forward at any length (tests)."""
+    monkeypatch.setitem(
+        fag.DEFAULT_CONFIGS, 64, fag.DEFAULT_CONFIGS[64]._replace(stabilized_min_t_k=0)
+    )
+
+
 @needs_hopper
 @needs_gluon
+@pytest.mark.parametrize("d", [128, 64])
 @pytest.mark.parametrize("mode", ["plain", "stabilized"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_matches_the_triton_forward_and_fp64(monkeypatch, shape, dtype, mode):
+def test_matches_the_triton_forward_and_fp64(monkeypatch, shape, dtype, mode, d):
     b, h, hk, tq, tk, causal = shape
-    q, k, v = _inputs(b, h, hk, tq, tk, dtype, ties=mode == "stabilized" and tk > 5)
+    _serve_every_length(monkeypatch)
+    q, k, v = _inputs(b, h, hk, tq, tk, dtype, ties=mode == "stabilized" and tk > 5, d=d)
     calls = []
     monkeypatch.setattr(fag, "gluon_forward", _spy(fag.gluon_forward, calls))
     o_gluon, o_triton = _both(monkeypatch, q, k, v, causal, mode)
@@ -196,7 +222,7 @@ def test_matches_the_triton_forward_and_fp64(monkeypatch, shape, dtype, mode):
     err_triton = (o_triton.double() - o64).abs().max().item()
     ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
     assert err_gluon <= err_triton + ulp * o64.abs().max().item(), (err_gluon, err_triton)
-    # Different key-block sizes (128 here, 64 in the Triton D128 tiles) round differently:
+    # Different key-block sizes (128 here, 64 in the Triton tiles) round differently:
     # at most a few units in the last place apart.
     assert (o_gluon.float() - o_triton.float()).abs().max().item() <= 8 * ulp * max(
         1.0, o64.abs().max().item()
@@ -229,8 +255,8 @@ def test_same_key_blocks_give_bitwise_the_triton_forward(monkeypatch):
 
 @needs_hopper
 @needs_gluon
-@pytest.mark.parametrize("programs", [None, 3])
-def test_persistent_programs_give_bitwise_one_program_per_row_block(monkeypatch, programs):
+@pytest.mark.parametrize(("programs", "d"), [(None, 128), (3, 128), (3, 64)])
+def test_persistent_programs_give_bitwise_one_program_per_row_block(monkeypatch, programs, d):
     """Persistent programs (causal ones pairing a long row block with a short one) compute
     every row block as a program of its own does. With 3 programs, each loops over dozens of
     units: the ring's slots, the turns and the Q buffers carry their phases across them."""
@@ -238,16 +264,16 @@ def test_persistent_programs_give_bitwise_one_program_per_row_block(monkeypatch,
         monkeypatch.setattr(fag, "_sm_count", lambda device: programs)
     # 8 and 9 row blocks (an odd count leaves a causal unit of one row block), GQA, T_q != T_k
     for b, h, hk, tq, tk in [(2, 4, 2, 1000, 1000), (1, 3, 1, 1100, 1100), (1, 2, 2, 1100, 700)]:
-        q, k, v = _inputs(b, h, hk, tq, tk, torch.bfloat16, ties=True)
+        q, k, v = _inputs(b, h, hk, tq, tk, torch.bfloat16, ties=True, d=d)
         for causal in (False, True):
             for mode in (0, 1):
                 outs = []
                 for persistent in (False, True):
-                    cfg = fag.DEFAULT_CONFIGS[128]._replace(
+                    cfg = fag.DEFAULT_CONFIGS[d]._replace(
                         persistent_max_t_k=tk if persistent else 0
                     )
-                    monkeypatch.setitem(fag.CONFIG_OVERRIDES, (128, causal), cfg)
-                    outs.append(fag.gluon_forward(q, k, v, causal, 128**-0.5, mode, 2.0))
+                    monkeypatch.setitem(fag.CONFIG_OVERRIDES, (d, causal), cfg)
+                    outs.append(fag.gluon_forward(q, k, v, causal, d**-0.5, mode, 2.0))
                 (o_one, lse_one), (o_per, lse_per) = outs
                 assert torch.equal(o_one, o_per) and torch.equal(lse_one, lse_per), (
                     (b, h, hk, tq, tk),
@@ -295,11 +321,16 @@ def test_stabilized_bias_on_planted_ties_like_the_triton_kernel(monkeypatch):
 
 @needs_hopper
 @needs_gluon
-def test_gradients_flow_through_the_gluon_forward():
+@pytest.mark.parametrize("d", [128, 64])
+def test_gradients_flow_through_the_gluon_forward(monkeypatch, d):
     """The backward (Triton) takes the Gluon forward's O and LSE: gradients match float64."""
-    q, k, v = (x.requires_grad_() for x in _inputs(1, 4, 2, 600, 600, torch.bfloat16))
+    _serve_every_length(monkeypatch)
+    calls = []
+    monkeypatch.setattr(fag, "gluon_forward", _spy(fag.gluon_forward, calls))
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 4, 2, 600, 600, torch.bfloat16, d=d))
     do = torch.randn_like(q)
     flash_attention(q, k, v, is_causal=True, enable_gqa=True).backward(do)
+    assert len(calls) == 1  # the default mode (stabilized) ran the Gluon forward
     grads = [x.grad.double() for x in (q, k, v)]
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     _oracle(q64, k64, v64, True).backward(do.double())
