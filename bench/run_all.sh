@@ -14,6 +14,8 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_attention_stats.py --out $R/attention_stats.json
   $py bench/bench_flash_attention.py --out $R/flash_attention.json
   $py bench/sweep_flash_gluon.py --out $R/flash_attention_gluon_configs_h200.json
+  # the Gluon forward's last kernel change (packed P̄ cvt) against its predecessor, one process
+  $py bench/ab_flash_gluon.py --against 6a67384 --out $R/flash_attention_gluon_packed_cvt_h200.json
   $py bench/bench_flash_host.py --out $R/flash_attention_host_h200.json
   # stall reasons and occupancy under Nsight Compute, where ncu is installed
   if command -v ncu >/dev/null || [[ -x /usr/local/cuda/bin/ncu ]]; then

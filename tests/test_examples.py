@@ -145,6 +145,25 @@ def test_host_path_profile_harness(tmp_path):
     assert all(us > 0 for us in host.values())
 
 
+def test_flash_ab_loads_a_revisions_kernel_next_to_this_one():
+    """bench/ab_flash_gluon.py imports git's copy of the Gluon forward as a sibling module (its
+    relative imports resolve to this tree) and leaves no file behind."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import ab_flash_gluon as ab
+    finally:
+        sys.path.pop(0)
+    from numwatch.kernels import flash_attention_gluon as fag
+
+    old = ab.load_revision("HEAD")
+    assert old.__name__ == "numwatch.kernels._ab_flash_gluon_old" and old is not fag
+    assert callable(old.gluon_forward) and old.AVAILABLE == fag.AVAILABLE
+    assert not Path(fag.__file__).with_name("_ab_flash_gluon_old.py").exists()
+    with pytest.raises(subprocess.CalledProcessError):
+        ab.load_revision("no-such-revision")
+
+
 @pytest.mark.parametrize("script", ["hf_trainer", "lightning_train"])
 def test_framework_examples_train_with_the_monitor(tmp_path, script):
     pytest.importorskip("transformers" if script == "hf_trainer" else "lightning")
