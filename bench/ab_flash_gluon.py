@@ -27,6 +27,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 import triton
+from bench_flash_attention import bench_ms, make_inputs  # bench/ is first on sys.path
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from numwatch.kernels import flash_attention_gluon as fag
@@ -53,17 +54,9 @@ def load_revision(rev: str) -> ModuleType:
         path.unlink()
 
 
-def bench_ms(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
 def measure(old: ModuleType, d: int, t: int, causal: bool, rounds: int) -> dict:
-    h = 2048 // d
-    b = 16384 // t
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)
-    )
+    h, b = 2048 // d, 16384 // t
+    q, k, v, _ = (x.detach() for x in make_inputs(b, h, t, d))
     scale = d**-0.5
     row: dict = {"B": b, "H": h, "T": t, "D": d, "causal": causal}
 
