@@ -266,11 +266,11 @@ def providers(causal: bool, d: int | None = None):
 
     def ours(mode, gluon=True):
         def fn(q, k, v):
-            fag.ENABLED = gluon
+            fag.ENABLED = gluon and fag.DISABLED_BY is None
             try:
                 return flash_attention(q, k, v, is_causal=causal, mode=mode)
             finally:
-                fag.ENABLED = True
+                fag.ENABLED = fag.DISABLED_BY is None  # a failed Gluon forward stays off
 
         return fn
 
@@ -503,6 +503,8 @@ def main() -> None:
             except Exception as e:
                 res[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
         row = {"shape": s, "results": res}
+        if fag.DISABLED_BY is not None:  # ours_* ran the Triton forward: say so
+            row["gluon_forward_failed"] = fag.DISABLED_BY
         if all(isinstance(r, dict) for r in res.values()):
             row["ratios"] = ratios(res)
         rows.append(row)

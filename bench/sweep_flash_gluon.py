@@ -74,6 +74,9 @@ def measure(d: int, t: int, causal: bool, candidates: list) -> dict:
                 row[f"{mode} {tuple(cfg)}"] = round(row["cudnn_ms"] / bench_ms(fwd), 3)
             except Exception as e:  # recorded; the other candidates still run
                 row[f"{mode} {tuple(cfg)}"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+            if fag.DISABLED_BY is not None:  # flash_attention fell back to the Triton forward
+                row[f"{mode} {tuple(cfg)}"] = f"failed: {fag.DISABLED_BY}"
+                fag.ENABLED, fag.DISABLED_BY = True, None  # the next candidate gets its turn
         fag.CONFIG_OVERRIDES.clear()
         fag.ENABLED = False
         try:

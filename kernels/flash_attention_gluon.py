@@ -330,8 +330,7 @@ if AVAILABLE:
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
         ones = ones_smem.index(WG)
-        q4 = q_smem.index(WG)
-        q2 = q4.reshape([BLOCK_WG, HEAD_DIM])
+        q2 = q_smem.index(WG).reshape([BLOCK_WG, HEAD_DIM])
         o4 = o_smem.index(WG)
         n_blocks, full_hi = _row_block_span(m0, T_K, CAUSAL, 2 * BLOCK_WG, BLOCK_N)
         r0 = m0 + WG * BLOCK_WG

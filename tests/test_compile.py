@@ -93,7 +93,7 @@ def test_routed_attention_under_compile_trains_as_in_eager(make_monitor, device,
         g = torch.Generator().manual_seed(1)
         out = []
         for _ in range(5):
-            x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=g).to(device)
+            x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=g).to(device)
             out.append(train_step(run, opt, x, x.roll(-1, 1), monitor).item())
         assert not monitor._guard.errors
         assert monitor.snapshot().value("attn_kernel_stabilized", layer="h.0.attn") == (
