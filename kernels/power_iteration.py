@@ -584,7 +584,7 @@ class PowerIteration:
             if rest:
                 starts = [0, *itertools.accumulate(a.shape[0] for a in views)]
                 src = [j for i in held + rest for j in range(starts[i], starts[i + 1])]
-                order = torch.tensor(src, device=device).argsort()
+                order = to_device(src, torch.long, device).argsort()
         return _State(self._signature, plan, views, offsets, rest, order, cacheable, Counter(), {})
 
     def _ensure_vectors(self, entries: Sequence[_Entry], device: torch.device) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from numwatch.kernels.host_copy import to_device
 from numwatch.kernels.tensor_stats import (
     ABSMAX,
     MAX,
@@ -87,7 +88,7 @@ _MIN_MASKS: dict[torch.device, torch.Tensor] = {}
 def _min_mask(device: torch.device) -> torch.Tensor:
     mask = _MIN_MASKS.get(device)
     if mask is None:
-        mask = _MIN_MASKS[device] = torch.tensor([False, True, False], device=device)
+        mask = _MIN_MASKS[device] = to_device([False, True, False], torch.bool, device)
     return mask
 
 

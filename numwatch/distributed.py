@@ -32,6 +32,7 @@ import torch.distributed as dist
 from numwatch.buffers import NonfiniteOrigin, NonfiniteTracker, nonfinite_counts
 from numwatch.kernels import attention_stats as ats
 from numwatch.kernels import tensor_stats as ts
+from numwatch.kernels.host_copy import to_device
 
 try:
     from torch.distributed.tensor import DTensor
@@ -362,7 +363,7 @@ class Aggregator:
             first = dist.get_rank() == 0
             roles = [shard_role(p) for _, p in gradients.params]
             flags = [r == SHARD or (r == REPLICA and first) for r in roles]
-            counted = self._counted[device] = torch.tensor(flags, device=device)
+            counted = self._counted[device] = to_device(flags, torch.bool, device)
         return counted
 
     def _reduce(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -4,7 +4,8 @@ Life of a step: forward hooks and post-accumulate-grad hooks fire during the use
 backward; ``step()`` (called by the user after backward, or by the optimizer's step pre-hook)
 reads the accumulated gradients into device-side tables; every ``flush_every`` steps ``flush()``
 copies all tables to the host in one transfer per device, turns them into a ``Snapshot``, finds
-events, and hands both to the sinks. No host sync happens between flushes.
+events, and hands both to the sinks. No host sync happens between flushes, unless a step-level
+rule (``skip_step``) is configured: it reads two scalars per step to decide before the update.
 """
 
 from __future__ import annotations
@@ -187,6 +188,7 @@ class Monitor:
             return
         if self._window_steps and self.config.enabled:
             self.flush()
+        self._emit_late_events()
         for probe in self._probes:
             probe.detach()
         if self._activity_handle is not None:
@@ -310,10 +312,11 @@ class Monitor:
 
         SYNC: one read of two scalars per step, only when such a rule is configured (skip_step).
         """
-        norm_sq = self._gradients.step_norm_sq() if self._gradients is not None else None
-        named = {"grad_norm": norm_sq, "loss": self._loss}
         if self._dist.active:  # global values, so that every rank takes the same decision
             named = self._dist.step_values(self._loss)
+        else:
+            norm_sq = self._gradients.step_norm_sq() if self._gradients is not None else None
+            named = {"grad_norm": norm_sq, "loss": self._loss}
         on_device = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
         values = {k: float(v) for k, v in named.items() if isinstance(v, float)}
         if on_device:
@@ -447,6 +450,17 @@ class Monitor:
         if snapshot is not None:
             self._run_actions(fired)  # after the sinks: a halt leaves the log complete
         return snapshot
+
+    def _emit_late_events(self) -> None:
+        """The events no flush carried (what the last flush's actions did) to the sinks that
+        keep a record (``emit_events``): otherwise the log would end before them."""
+        unsent, self._unsent_events = self._unsent_events, []
+        if not unsent:
+            return
+        for sink in self._sinks:
+            emit_events = getattr(sink, "emit_events", None)
+            if emit_events is not None:
+                self._guard.run("sinks", emit_events, unsent)
 
     def _collect(self) -> tuple[Snapshot, list[tuple[Event, Rule | None]]]:
         ctx = self._ctx

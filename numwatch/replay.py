@@ -41,6 +41,8 @@ def replay(records: Iterable[dict[str, Any]], rules: RulesConfig | None = None) 
     engine = RuleEngine(configured_rules(rules or RulesConfig()).values())
     out: list[Event] = []
     for record in records:
+        if not record["metrics"]:  # late events of a detach: actions, nothing to evaluate
+            continue
         snapshot, logged = record_to_snapshot(record)
         nonfinite = [e for e in logged if e.kind == "nonfinite"]
         fired = [event for event, _ in engine.evaluate(snapshot.step, list(snapshot), nonfinite)]

@@ -13,6 +13,8 @@ from torch import nn
 import numwatch
 from numwatch.actions.library import qk_clip
 from numwatch.errors import NumwatchHalt
+from numwatch.replay import replay
+from numwatch.sinks.jsonl import read_jsonl
 
 
 class Attn(nn.Module):
@@ -212,3 +214,32 @@ def test_callback_action_and_bad_action_names():
     bad = only("threshold", "x", "loss", "reboot", threshold=1)
     with pytest.raises(numwatch.NumwatchConfigError, match="unknown action 'reboot'"):
         monitor_for(model, rules=bad)
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_what_the_last_flush_did_reaches_the_log_at_detach(tmp_path, every):
+    """Actions run after the sinks (a halt leaves the log complete), so the events of the last
+    flush's actions have no flush to ride on: detach writes them, once."""
+    path = tmp_path / "run.jsonl"
+    model = nn.Linear(2, 1)
+    call = {"type": "callback", "target": lambda e, m: None}
+    rules = only("threshold", "l", "loss", call, threshold=1)
+    monitor = monitor_for(
+        model, rules=rules, sinks__jsonl__enabled=True, sinks__jsonl__path=str(path),
+        sinks__jsonl__every=every,
+    ).attach()  # fmt: skip
+    for loss in (0.5, 0.5, 5.0):  # the last step's flush fires the rule and its action
+        monitor.step(loss)
+    monitor.detach()
+    records = read_jsonl(path)
+    events = [(r["step"], e["kind"], e["step"]) for r in records for e in r["events"]]
+    assert events == [(2, "precursor", 2), (2, "action", 2)]
+    assert records[-1]["events"][0]["message"].startswith("callback: called")
+    # every 4th flush is written, and any with events: steps 0 and 1 are not (nothing held)
+    written = [0, 1, 2] if every == 1 else [2]
+    assert [(r["step"], bool(r["metrics"])) for r in records] == [
+        *((s, True) for s in written),
+        (2, False),
+    ]
+    replayed = replay(records, monitor.config.rules)  # the record of late events is skipped
+    assert [(e.kind, e.step) for e in replayed] == [("precursor", 2)]

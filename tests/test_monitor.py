@@ -702,6 +702,47 @@ def test_no_host_sync_between_flushes_on_gpu(make_monitor):
     assert snap.series("attn_max_logit") and snap.series("weight_spectral_norm")
 
 
+@requires_gpu
+def test_new_gradient_and_module_layouts_do_not_sync_on_gpu(make_monitor):
+    """A mixture-of-experts step (one expert sits out: its gradients are None, its module does
+    not run) builds new index plans; their tables travel without a host sync."""
+
+    class TwoExperts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(16, 16)
+            self.experts = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+
+        def forward(self, x, use):
+            h = self.inp(x)
+            return sum(self.experts[i](h) for i in use)
+
+    torch.manual_seed(0)
+    model = TwoExperts().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = {"flush_every": 8, "activations__every": 1, "optimizer__every": 1}
+    monitor = make_monitor(model, **cfg).attach(opt)
+    x = torch.randn(4, 16, device="cuda")
+
+    def step(use):
+        loss = model(x, use).square().mean()
+        loss.backward()
+        monitor.step(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step((0, 1))  # both experts: kernels compiled, tables for the full layout
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step((0,))
+        step((1,))  # two layouts never seen before
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    monitor.flush()
+    assert monitor.snapshot().series("grad_absmax")
+
+
 def test_module_called_twice_and_several_outputs_merge_into_one_row(make_monitor):
     shared = Emit((torch.tensor([1.0, -3.0]), torch.tensor([float("nan"), 0.5, 2.0])))
 

@@ -90,3 +90,17 @@ def test_cli_prints_last_flushes_and_events(tmp_path, capsys):
     ]
     assert any("nonfinite step 4 nonfinite" in o and "NaN here" in o for o in out)
     assert cli(["tail", str(tmp_path / "missing.jsonl"), "--no-follow"]) == 1
+
+
+def test_a_record_of_late_events_prints_its_events_only(tmp_path, capsys):
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path, "t")
+    sink.emit(Snapshot(7, [MetricRecord("loss", {}, 0.5)], time=1.0), [])
+    sink.emit_events([Event(kind="action", step=7, message="lr_backoff: x0.5", rule="spike")])
+    sink.close()
+    assert cli(["tail", str(path), "--no-follow"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [o.split(" | ")[0] for o in out if o.startswith("numwatch")] == ["numwatch step 7"]
+    assert [o for o in out if not o.startswith("numwatch")] == [
+        "  action step 7 spike  — lr_backoff: x0.5"
+    ]

@@ -24,6 +24,7 @@ from numwatch.buffers import nonfinite_counts
 from numwatch.config import OptimizerProbeConfig
 from numwatch.distributed import local_tensor
 from numwatch.kernels import tensor_stats as ts
+from numwatch.kernels.host_copy import to_device
 from numwatch.probes.base import ProbeContext
 from numwatch.snapshot import MetricRecord
 
@@ -154,7 +155,7 @@ class OptimizerProbe:
         if index is None:
             if len(self._index_cache) > 64:
                 self._index_cache.clear()
-            index = self._index_cache[key] = torch.tensor(self._taken, device=device)
+            index = self._index_cache[key] = to_device(self._taken, torch.long, device)
         return index
 
     def _loss_scale(self) -> None:

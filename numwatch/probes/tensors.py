@@ -269,12 +269,12 @@ class GradientProbe:
             if len(indices) == len(self.params):
                 rows = table.full_index()
             else:
-                rows = torch.tensor(indices, dtype=torch.long, device=device)
+                rows = to_device(indices, torch.long, device)
             by_rank = sorted(indices, key=rank_of.__getitem__)
             local = {i: r for r, i in enumerate(by_rank)}
-            rank = torch.tensor([float(local[i]) for i in indices], dtype=torch.float64)
+            rank = to_device([float(local[i]) for i in indices], torch.float64, device)
             names = tuple(self.params[i][0] for i in by_rank)
-            plan.append((device, indices, rows, rank.to(device), names))
+            plan.append((device, indices, rows, rank, names))
         return plan
 
     @torch.no_grad()
@@ -445,11 +445,11 @@ class ActivationProbe:
             if len(self._plans) > 64:
                 self._plans.clear()
             uniq = list(dict.fromkeys(indices))
-            rows = torch.tensor(uniq, dtype=torch.long, device=device)
+            rows = to_device(uniq, torch.long, device)
             seg = None
             if len(uniq) != len(indices):
                 pos = {m: k for k, m in enumerate(uniq)}
-                seg = torch.tensor([pos[i] for i in indices], dtype=torch.long, device=device)
+                seg = to_device([pos[i] for i in indices], torch.long, device)
             plan = self._plans[key] = (rows, seg, len(uniq))
         return plan
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from numwatch.config import WeightsConfig
 from numwatch.distributed import ShardedPowerIteration, weight_blocks
+from numwatch.kernels.host_copy import to_device
 from numwatch.kernels.power_iteration import PowerIteration
 from numwatch.probes.base import ProbeContext
 from numwatch.probes.qk_layout import QKLayout, find_qk_layout
@@ -92,7 +93,7 @@ class WeightProbe:
                 # gathered on an accelerator where there is one: a non-blocking copy from it
                 # into CPU memory could still be running when the CPU concatenates
                 target = next((d for d in groups if d.type != "cpu"), out[0].device)
-                self._order = torch.tensor(concat, device=target).argsort()
+                self._order = to_device(concat, torch.long, target).argsort()
             self._views_key = key
         return self._groups
 

@@ -13,6 +13,9 @@ __all__ = ["Sink"]
 
 @runtime_checkable
 class Sink(Protocol):
+    """A sink may also define ``emit_events(events)``: at detach, it receives the events no
+    flush carried (what the last flush's actions did); sinks without it never see them."""
+
     name: str
 
     def emit(self, snapshot: Snapshot, events: Sequence[Event]) -> None: ...

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 
 from numwatch.events import Event
 from numwatch.snapshot import Snapshot
@@ -81,6 +82,11 @@ class ConsoleSink:
         self._flushes += 1
         if events or self._flushes % self.every == 0:
             self.console.print(summary_line(snapshot, events))
+
+    def emit_events(self, events: Sequence[Event]) -> None:
+        """Events raised after the last flush (what its actions did), at detach."""
+        for e in events:
+            self.console.print(f"[bold yellow]{e.kind}[/] step {e.step}: {escape(e.message)}")
 
     def close(self) -> None:
         """Nothing to release: the console belongs to the process."""

@@ -61,6 +61,7 @@ class JsonlSink:
         self.exclude = tuple(exclude)
         self._flushes = 0
         self._held: Snapshot | None = None  # the last skipped flush: written at close
+        self._rank = 0  # the last flush's, for records of late events
         self._kept: dict[str, bool] = {}  # metric name -> written (the globs tested once)
         self._file = self.path.open("a", encoding="utf-8")
         # '{"name": ..., "labels": {...}, "value": ' per series: the same every flush, so a flush
@@ -90,6 +91,7 @@ class JsonlSink:
         """Write the flush's record: every ``every``-th flush, any flush with events, and (at
         close) the last one, so the log always ends with the run's final state."""
         self._flushes += 1
+        self._rank = snapshot.rank
         if self._flushes % self.every and not events:
             self._held = snapshot
             return
@@ -132,6 +134,20 @@ class JsonlSink:
             # copies: a label dict changed in place later must not pass for the old series
             layout = self._layout = (list(names), [dict(x) for x in labels], template)
         return layout[2] % tuple(values)  # repr(float) is json's spelling of a finite float
+
+    def emit_events(self, events: Sequence[Event]) -> None:
+        """Events raised after the last flush (what its actions did), at detach, in a record of
+        their own with no metrics. (That flush had the rules' events: it was written, not held.)"""
+        head = {
+            "schema": SCHEMA_VERSION,
+            "run": self.run_name,
+            "step": max(e.step for e in events),
+            "time": max(e.time for e in events),
+            "rank": self._rank,
+        }
+        tail = json.dumps(_finite_or_str([e.to_dict() for e in events]), allow_nan=False)
+        self._file.write(f'{json.dumps(head)[:-1]}, "metrics": [], "events": {tail}}}\n')
+        self._file.flush()
 
     def close(self) -> None:
         if self._held is not None:

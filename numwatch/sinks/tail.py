@@ -90,7 +90,8 @@ def _replaced(path: Path, inode: int, position: int) -> bool:
 
 def print_record(console: Console, record: dict[str, Any], *, events: bool = True) -> None:
     snapshot, found = record_to_snapshot(record)
-    console.print(summary_line(snapshot, found))
+    if record["metrics"]:  # a record of late events has none: its events are the news
+        console.print(summary_line(snapshot, found))
     if events:
         for e in found:
             style = _SEVERITY_STYLE.get(e.severity, "")
