@@ -51,6 +51,8 @@ __all__ = [
     "ERR_SQ_SUM",
     "ERR_STAT_NAMES",
     "ERR_SUM",
+    "HEAD_MAX_COLUMNS",
+    "HEAD_MIN_COLUMNS",
     "HEAD_STAT_NAMES",
     "MAX_LOGIT",
     "MIN_LOGIT",
@@ -90,6 +92,10 @@ HEAD_STAT_NAMES = (
     "entropy_sum",
     "entropy_min",
 )
+# How rows of several calls, row blocks, steps or ranks merge: these by max, these by min, the
+# rest add.
+HEAD_MAX_COLUMNS = (MAX_LOGIT,)
+HEAD_MIN_COLUMNS = (MIN_LOGIT, ENTROPY_MIN)
 
 # Columns of attention_output_error: (Hq, N_ERR_STATS) float64, err = out - O_ref.
 ERR_SUM = 0
@@ -107,7 +113,6 @@ ERR_STAT_NAMES = (
     "err_sum", "err_abs_sum", "err_sq_sum", "err_count", "err_excess_coherent_sum"
 )  # fmt: skip
 
-_LOG2E = 1.4426950408889634
 # Bytes of temporaries per score entry in the chunked torch paths (S, exp, products, masks).
 _TORCH_BYTES_PER_ENTRY = 32
 _DEFAULT_MEMORY_BUDGET = 256 * 2**20
@@ -280,17 +285,16 @@ def _merge_head_partials(acc: torch.Tensor | None, part: torch.Tensor) -> torch.
     if acc is None:
         return part
     out = acc + part
-    out[:, MAX_LOGIT] = torch.maximum(acc[:, MAX_LOGIT], part[:, MAX_LOGIT])
-    out[:, MIN_LOGIT] = torch.minimum(acc[:, MIN_LOGIT], part[:, MIN_LOGIT])
-    out[:, ENTROPY_MIN] = torch.minimum(acc[:, ENTROPY_MIN], part[:, ENTROPY_MIN])
+    hi, lo = list(HEAD_MAX_COLUMNS), list(HEAD_MIN_COLUMNS)
+    out[:, hi] = torch.maximum(acc[:, hi], part[:, hi])
+    out[:, lo] = torch.minimum(acc[:, lo], part[:, lo])
     return out
 
 
 def _empty_head_stats(Hq: int, device: torch.device) -> torch.Tensor:
     out = torch.zeros(Hq, N_HEAD_STATS, dtype=torch.float64, device=device)
-    out[:, MAX_LOGIT] = float("-inf")
-    out[:, MIN_LOGIT] = float("inf")
-    out[:, ENTROPY_MIN] = float("inf")
+    out[:, list(HEAD_MAX_COLUMNS)] = float("-inf")
+    out[:, list(HEAD_MIN_COLUMNS)] = float("inf")
     return out
 
 
@@ -899,9 +903,9 @@ def _reduce_partials(part: torch.Tensor, n_blocks: int) -> torch.Tensor:
     Hq = part.shape[1]
     p = part[:, :, :n_blocks].transpose(0, 1).reshape(Hq, -1, N_HEAD_STATS)
     out = p.sum(1)
-    out[:, MAX_LOGIT] = p[:, :, MAX_LOGIT].amax(1)
-    out[:, MIN_LOGIT] = p[:, :, MIN_LOGIT].amin(1)
-    out[:, ENTROPY_MIN] = p[:, :, ENTROPY_MIN].amin(1)
+    hi, lo = list(HEAD_MAX_COLUMNS), list(HEAD_MIN_COLUMNS)
+    out[:, hi] = p[:, :, hi].amax(1)
+    out[:, lo] = p[:, :, lo].amin(1)
     return out
 
 
@@ -932,7 +936,8 @@ def attention_head_stats(
     (B, Hq, Tq, Tk), ``is_causal`` top-left aligned, ``scale`` default 1/sqrt(D). ``rows`` and
     ``batch`` are optional 1-D LongTensors of query rows and batch elements to sample (on q's
     device). ``saturation_dtype`` is the dtype the attention kernel rounds P̄ to.
-    ``memory_budget`` bounds the torch path's temporaries (bytes). No host sync.
+    ``memory_budget`` bounds the torch path's temporaries (bytes). No host sync, except the
+    Triton autotuner's timing runs at the first call of each shape class (once per process).
     """
     B, Hq, Tq, D, _, Tk = _check_qk(q, k)
     _check_mask(attn_mask, is_causal)

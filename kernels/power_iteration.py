@@ -81,7 +81,9 @@ def head_views(weight: torch.Tensor, n_heads: int, out_dim: int = 0) -> torch.Te
     return weight.view(weight.shape[0], n_heads, dh).permute(1, 0, 2)
 
 
-def qk_logit_bound(sigma_q: torch.Tensor, sigma_k: torch.Tensor, scale: float) -> torch.Tensor:
+def qk_logit_bound(
+    sigma_q: torch.Tensor | float, sigma_k: torch.Tensor | float, scale: float
+) -> torch.Tensor | float:
     """Bound on |q . k| * scale for unit-norm inputs: sigma(W_Q^h) * sigma(W_K^h) * scale."""
     return sigma_q * sigma_k * scale
 

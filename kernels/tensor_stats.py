@@ -28,7 +28,9 @@ from .launch import Relauncher
 __all__ = [
     "ABSMAX",
     "MAX",
+    "MAX_COLUMNS",
     "MIN",
+    "MIN_COLUMNS",
     "NAN",
     "NEGINF",
     "NUMEL",
@@ -65,9 +67,9 @@ STAT_NAMES = (
 )
 
 # How a row of an earlier call merges with the row of a later one (several forward calls of a
-# module, several steps between flushes): extremes take max/min, everything else adds.
-_MAX_COLUMNS = (ABSMAX, MAX)
-_MIN_COLUMNS = (MIN,)
+# module, several steps between flushes, several ranks): extremes take max/min, the rest adds.
+MAX_COLUMNS = (ABSMAX, MAX)
+MIN_COLUMNS = (MIN,)
 
 
 def empty_stats(n: int, device: torch.device | str) -> torch.Tensor:
@@ -80,11 +82,13 @@ def empty_stats(n: int, device: torch.device | str) -> torch.Tensor:
 
 def combine_stats(acc: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Merge rows ``new`` into ``acc`` (same shape), in place; returns ``acc``."""
-    torch.maximum(acc[..., ABSMAX], new[..., ABSMAX], out=acc[..., ABSMAX])
-    torch.maximum(acc[..., MAX], new[..., MAX], out=acc[..., MAX])
-    torch.minimum(acc[..., MIN], new[..., MIN], out=acc[..., MIN])
-    for col in (NUMEL, SUM, SUMSQ, NAN, POSINF, NEGINF, ZERO, SUBNORMAL, UNDERFLOW):
-        acc[..., col] += new[..., col]
+    for col in range(N_STATS):
+        if col in MAX_COLUMNS:
+            torch.maximum(acc[..., col], new[..., col], out=acc[..., col])
+        elif col in MIN_COLUMNS:
+            torch.minimum(acc[..., col], new[..., col], out=acc[..., col])
+        else:
+            acc[..., col] += new[..., col]
     return acc
 
 

@@ -17,7 +17,9 @@ from numwatch.kernels.host_copy import to_device
 from numwatch.kernels.tensor_stats import (
     ABSMAX,
     MAX,
+    MAX_COLUMNS,
     MIN,
+    MIN_COLUMNS,
     NAN,
     NEGINF,
     NUMEL,
@@ -29,6 +31,7 @@ from numwatch.kernels.tensor_stats import (
 
 # merge_rows slices the row by column ranges: NUMEL | ABSMAX MIN MAX | SUM ... (sums, counts).
 assert (NUMEL, ABSMAX, MIN, MAX, SUM) == (0, 1, 2, 3, 4)
+assert (MAX_COLUMNS, MIN_COLUMNS) == ((ABSMAX, MAX), (MIN,))
 
 __all__ = [
     "SETTLE_STEPS",
@@ -191,12 +194,6 @@ class NonfiniteTracker:
         self._batches.append((first, phase, label, names, step))
         self._next += len(names)
         return first
-
-    def observe(self, order: int, nonfinite: torch.Tensor) -> None:
-        """``nonfinite``: a 0-d count on the device of the observed tensor."""
-        first = self._slot(nonfinite.device)
-        cand = torch.full_like(first, float(order)).masked_fill_(nonfinite <= 0, INF)
-        torch.minimum(first, cand, out=first)
 
     def observe_many(self, orders: torch.Tensor, nonfinite: torch.Tensor) -> None:
         """``orders``: float64 order numbers on the device of the counts ``nonfinite`` (n,)."""

@@ -114,7 +114,11 @@ class AttentionConfig(_Section):
         description="Dtype the kernel rounds P to, which sets the saturation threshold; 'auto' "
         "= the attention input dtype (the autocast dtype under autocast).",
     )
-    sdpa: bool = Field(True, description="Intercept F.scaled_dot_product_attention.")
+    sdpa: bool = Field(
+        True,
+        description="Measure calls of F.scaled_dot_product_attention (False: they are still "
+        "intercepted, so that swap_attention can route them, but not measured).",
+    )
     eager_softmax: bool = Field(
         True,
         description="Intercept softmax over materialized scores: 4-D inputs over the last dim, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +92,9 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))  # (B, T, vocab)
 
 
-def bigram_batches(cfg: GPTConfig, batch: int, seed: int = 0, device: str = "cpu"):
+def bigram_batches(
+    cfg: GPTConfig, batch: int, seed: int = 0, device: str = "cpu"
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless batches of a random sparse bigram language; token 0 is BOS at every position 0."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(cfg.vocab, cfg.vocab, generator=g) * 3.0

@@ -120,9 +120,8 @@ def _columns(n: int, max_cols: Sequence[int], min_cols: Sequence[int]) -> torch.
     return ops
 
 
-# Merged as combine_stats and the attention probe merge calls: extremes max/min, the rest adds.
-_STAT_OPS = _columns(ts.N_STATS, (ts.ABSMAX, ts.MAX), (ts.MIN,))
-_HEAD_OPS = _columns(ats.N_HEAD_STATS, (ats.MAX_LOGIT,), (ats.MIN_LOGIT, ats.ENTROPY_MIN))
+_STAT_OPS = _columns(ts.N_STATS, ts.MAX_COLUMNS, ts.MIN_COLUMNS)
+_HEAD_OPS = _columns(ats.N_HEAD_STATS, ats.HEAD_MAX_COLUMNS, ats.HEAD_MIN_COLUMNS)
 # Full values every rank holds already, and the window's largest loss (of any rank's steps).
 _KNOWN_MAX = ("weights/", "opt/", "grad_norm_sq_", "loss_window_max")
 

@@ -26,7 +26,9 @@ class Snapshot:
     none without numwatch). Columns are three containers; records are made when iterated.
     """
 
-    def __init__(self, step: int, records: list[MetricRecord], *, time: float, rank: int = 0):
+    def __init__(
+        self, step: int, records: list[MetricRecord], *, time: float, rank: int = 0
+    ) -> None:
         self.step = step
         self.time = time
         self.rank = rank

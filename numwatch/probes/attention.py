@@ -86,9 +86,8 @@ class _LayerStats:
             self.errors = [merge_errors(self.errors)]
 
 
-# Columns merged with max/min; every other column adds.
-_MAX_COLS = [ats.MAX_LOGIT]
-_MIN_COLS = [ats.MIN_LOGIT, ats.ENTROPY_MIN]
+_MAX_COLS = list(ats.HEAD_MAX_COLUMNS)
+_MIN_COLS = list(ats.HEAD_MIN_COLUMNS)
 
 
 def merge_heads(rows: list[torch.Tensor]) -> torch.Tensor:

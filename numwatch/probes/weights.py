@@ -17,7 +17,7 @@ from torch import nn
 from numwatch.config import WeightsConfig
 from numwatch.distributed import ShardedPowerIteration, weight_blocks
 from numwatch.kernels.host_copy import to_device
-from numwatch.kernels.power_iteration import PowerIteration
+from numwatch.kernels.power_iteration import PowerIteration, qk_logit_bound
 from numwatch.probes.base import ProbeContext
 from numwatch.probes.qk_layout import QKLayout, find_qk_layout
 from numwatch.selection import matches, select_parameters
@@ -142,7 +142,7 @@ class WeightProbe:
                 kv = h // (nq // nk)
                 out.append(MetricRecord("attn_q_spectral_norm", labels, sq[h]))
                 out.append(MetricRecord("attn_k_spectral_norm", labels, sk[kv]))
-                bound = sq[h] * sk[kv] * head_dim**-0.5
+                bound = qk_logit_bound(sq[h], sk[kv], head_dim**-0.5)
                 out.append(MetricRecord("attn_qk_logit_bound", labels, bound))
         return out
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain, groupby, repeat
 from operator import itemgetter
 from socketserver import ThreadingMixIn
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry
@@ -41,6 +41,9 @@ from prometheus_client.registry import Collector
 from numwatch.errors import NumwatchError
 from numwatch.events import Event
 from numwatch.snapshot import MetricRecord, Snapshot
+
+if TYPE_CHECKING:
+    from numwatch.config import PrometheusSinkConfig
 
 __all__ = ["HEAD_REDUCTIONS", "PrometheusSink", "SnapshotCollector", "metric_help"]
 
@@ -575,9 +578,9 @@ class PrometheusSink:
 
     @classmethod
     def from_config(
-        cls, cfg: Any, *, rank: int, local_rank: int, run_name: str
+        cls, cfg: PrometheusSinkConfig, *, rank: int, local_rank: int, run_name: str
     ) -> PrometheusSink | None:
-        """The sink ``cfg`` (a ``PrometheusSinkConfig``) asks for on this rank, or None.
+        """The sink ``cfg`` asks for on this rank, or None.
 
         ``ranks='each'``: every process serves, on ``port + local_rank`` (ephemeral if port is 0).
         ``ranks='rank0'``: only global rank 0 serves.
