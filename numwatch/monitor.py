@@ -34,7 +34,7 @@ from numwatch.buffers import (
 )
 from numwatch.config import MonitorConfig
 from numwatch.distributed import Aggregator
-from numwatch.errors import NumwatchError
+from numwatch.errors import NumwatchConfigError, NumwatchError
 from numwatch.events import Event, EventBus
 from numwatch.gc_pause import gc_paused
 from numwatch.guard import Guard
@@ -130,6 +130,7 @@ class Monitor:
         self._dist = Aggregator(self.config.distributed)  # cross-rank values (distributed.py)
         self._local_snapshot: Snapshot | None = None  # this rank's own values (per-rank JSONL)
         self._control: OptimizerControl | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
         self._history: deque[Snapshot] = deque(maxlen=self.config.history)
         self._event_counts: Counter[tuple[str, str]] = Counter()
         self._unsent_events: list[Event] = []  # raised between flushes, for the next flush's sinks
@@ -149,46 +150,70 @@ class Monitor:
     ) -> Monitor:
         """Add the hooks (idempotent). With ``optimizer``, its step pre-hook closes each step
         and the optimizer probe measures updates; ``scaler`` (a GradScaler) adds its loss scale.
+        An attach that fails leaves the model and the optimizer as they were.
         """
-        if not self._attached:
-            self._attached = True
-            self._window_start = time.perf_counter()
-            if self.config.enabled:
-                launch.CUDA_GRAPHS = self.config.cuda_graphs
-                self._build_probes()
-                self._build_sinks()
-                # A step is under way once the model runs (step()/optimizer-hook logic needs it).
-                self._activity_handle = self.model.register_forward_pre_hook(self._mark_activity)
-        hooked = self._optimizer_handles or self._control is not None
-        if optimizer is not None and self.config.enabled and not hooked:
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise TypeError(
-                    "attach(optimizer=...) needs a torch.optim.Optimizer, "
-                    f"got {type(optimizer).__name__}"
-                )
-            if self.config.optimizer.enabled:
-                cfg = self.config.optimizer
-                probe = OptimizerProbe(self.model, optimizer, cfg, self._ctx, scaler)
-                probe.attach()
-                self._probes.append(probe)
-            uses_optimizer = any(
-                isinstance(a, _OPTIMIZER_ACTIONS) for acts in self._actions.values() for a in acts
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "attach(optimizer=...) needs a torch.optim.Optimizer, "
+                f"got {type(optimizer).__name__}"
             )
-            if uses_optimizer:  # the step wrapper closes steps itself, before deciding a skip
-                self._control = OptimizerControl(optimizer, self._before_optimizer_update)
-            else:
-                self._optimizer_handles = [
-                    optimizer.register_step_pre_hook(self._on_optimizer_step),
-                ]
+        if optimizer is not None and self._optimizer not in (None, optimizer):
+            raise NumwatchError(
+                "this monitor already watches another optimizer: numwatch closes steps on one "
+                "optimizer (detach() first to switch)"
+            )
+        first = not self._attached
+        self._attached = True
+        try:
+            if first:
+                self._window_start = time.perf_counter()
+                if self.config.enabled:
+                    launch.CUDA_GRAPHS = self.config.cuda_graphs
+                    self._build_probes()
+                    self._build_sinks()
+                    # A step is under way once the model runs (step()/optimizer hook need it).
+                    self._activity_handle = self.model.register_forward_pre_hook(
+                        self._mark_activity
+                    )
+            if optimizer is not None and self.config.enabled and self._optimizer is None:
+                self._attach_optimizer(optimizer, scaler)
+        except BaseException:
+            if first:
+                self._teardown()
+            raise
         return self
 
+    def _attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+        self._optimizer = optimizer
+        if self.config.optimizer.enabled:
+            probe = OptimizerProbe(self.model, optimizer, self.config.optimizer, self._ctx, scaler)
+            self._probes.append(probe)
+            probe.attach()
+        uses_optimizer = any(
+            isinstance(a, _OPTIMIZER_ACTIONS) for acts in self._actions.values() for a in acts
+        )
+        if uses_optimizer:  # the step wrapper closes steps itself, before deciding a skip
+            self._control = OptimizerControl(optimizer, self._before_optimizer_update)
+        else:
+            self._optimizer_handles = [
+                optimizer.register_step_pre_hook(self._on_optimizer_step),
+            ]
+
     def detach(self) -> None:
-        """Flush what is pending, remove every hook, close the sinks. The model is as before."""
+        """Flush what is pending, remove every hook, close the sinks. The model is as before,
+        also when that last flush raises (a halt rule): the hooks go first, then it propagates.
+        """
         if not self._attached:
             return
-        if self._window_steps and self.config.enabled:
-            self.flush()
-        self._emit_late_events()
+        try:
+            if self._window_steps and self.config.enabled:
+                self.flush()
+            self._emit_late_events()
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        """Remove whatever attach installed (all of it, or what a failed attach got to)."""
         for probe in self._probes:
             probe.detach()
         if self._activity_handle is not None:
@@ -203,6 +228,7 @@ class Monitor:
             self._guard.run("sinks", sink.close)
         self._probes, self._sinks, self._optimizer_handles = [], [], []
         self._attention = self._gradients = None
+        self._optimizer = None
         self._pending_routes.clear()
         self._attached = False
 
@@ -230,23 +256,25 @@ class Monitor:
     def _build_sinks(self) -> None:
         cfg = self.config.sinks
         if cfg.jsonl.enabled and (self.rank == 0 or self.config.distributed.jsonl == "per_rank"):
-            self._jsonl_path = cfg.jsonl.path.format(run_name=self.run_name, rank=self.rank)
+            try:
+                self._jsonl_path = cfg.jsonl.path.format(run_name=self.run_name, rank=self.rank)
+            except (KeyError, IndexError, ValueError) as e:
+                raise NumwatchConfigError(
+                    f"sinks.jsonl.path {cfg.jsonl.path!r}: {type(e).__name__} {e}; the path may "
+                    "use {run_name} and {rank} (write {{ and }} for literal braces)"
+                ) from None
             self._sinks.append(
                 JsonlSink(self._jsonl_path, self.run_name, cfg.jsonl.every, cfg.jsonl.exclude)
             )
         if cfg.console.enabled and self.rank == 0:
             self._sinks.append(ConsoleSink(every=cfg.console.every))
-        # --- sinks.prometheus: a taken port raises NumwatchError; attach() is undone first
-        try:
-            exporter = PrometheusSink.from_config(
-                cfg.prometheus,
-                rank=self.rank,
-                local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                run_name=self.run_name,
-            )
-        except NumwatchError:
-            self.detach()
-            raise
+        # a taken port raises NumwatchError (attach() undoes itself)
+        exporter = PrometheusSink.from_config(
+            cfg.prometheus,
+            rank=self.rank,
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            run_name=self.run_name,
+        )
         if exporter is not None:
             self._sinks.append(exporter)
 
@@ -279,16 +307,38 @@ class Monitor:
         self._last_close = "user"  # before closing: a halt raised by the flush leaves it right
         self._close_step(loss)
 
-    def _on_optimizer_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        self._before_optimizer_update()
+    def _on_optimizer_step(self, _optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        # args: (optimizer, closure?) as torch passes them to step pre-hooks
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._before_optimizer_update()
+            return None
+        # step(closure) computes the gradients inside: close after the closure's first call
+        # (later ones, as LBFGS makes, probe other points), with the loss it returned.
+        closed = False
 
-    def _before_optimizer_update(self) -> None:
+        def closure_then_close() -> Any:
+            nonlocal closed
+            loss = closure()
+            if not closed:
+                closed = True
+                self._before_optimizer_update(loss if isinstance(loss, torch.Tensor) else None)
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_close}
+        return (args[0], closure_then_close, *args[2:]), kwargs
+
+    def _before_optimizer_update(self, loss: torch.Tensor | None = None) -> None:
         if self._last_close == "user" and not self._ctx.activity:
             return  # the user closed this step already
         self._last_close = "optimizer"
-        self._close_step(None)
+        self._close_step(loss)
 
+    @torch.inference_mode(False)
     def _close_step(self, loss: torch.Tensor | float | None) -> None:
+        # Never in inference mode (a step closed in an evaluation pass): the tables made lazily
+        # here must stay normal tensors, or every later in-place update of them fails.
         self._guard.run("step", self._close_step_body, loss)
         self._ctx.activity = False
         self._apply_routes()
@@ -350,6 +400,14 @@ class Monitor:
         else:
             self._loss = float(loss)
             self._loss_window.add_float(self._loss)
+            if not math.isfinite(self._loss):  # a host value: knowing it costs nothing
+                order = self._ctx.tracker.next_order(
+                    NonfiniteOrigin("loss", "", "loss", self._ctx.step)
+                )
+                self._ctx.tracker.observe_many(
+                    torch.tensor([float(order)], dtype=torch.float64),
+                    torch.ones(1, dtype=torch.float64),
+                )
 
     @torch.no_grad()
     def _settle_losses(self) -> None:

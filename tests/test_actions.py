@@ -136,6 +136,30 @@ def test_lr_backoff_composes_with_a_scheduler_and_restores():
     assert monitor.snapshot().value("mitigation_lr_factor") == 1.0
 
 
+@pytest.mark.parametrize("before", ["scheduler", "user wrapper", "none"])
+def test_detach_restores_the_step_that_was_installed_before(before):
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    if before == "scheduler":
+        torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps opt.step on the instance
+    elif before == "user wrapper":
+        inner = opt.step
+        opt.step = lambda *a, **k: (calls.append(1), inner(*a, **k))[1]
+    installed = opt.__dict__.get("step")
+    assert (installed is None) == (before == "none")
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
+    monitor = monitor_for(model, rules=rules).attach(opt)
+    assert opt.__dict__["step"] is not installed  # ours, over what was there
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    monitor.detach()
+    assert opt.__dict__.get("step") is installed
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert len(calls) == (2 if before == "user wrapper" else 0)
+
+
 def test_qk_clip_brings_max_logit_under_tau():
     torch.manual_seed(0)
     attn = Attn(d=16, heads=2)

@@ -12,6 +12,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import numwatch
+from numwatch.errors import NumwatchHalt
 from numwatch.sinks.console import ConsoleSink
 from numwatch.sinks.jsonl import read_jsonl
 from numwatch.testing import hook_state, planted_tensor, requires_gpu
@@ -515,6 +516,113 @@ def test_bad_inputs_get_clear_errors(make_monitor):
         monitor.on("nan", print)
     with pytest.raises(ValueError, match="scalar loss"):
         make_monitor(Net(), strict=True).attach().step(torch.ones(3))
+
+
+@pytest.mark.parametrize("failure", ["optimizer", "path placeholder", "unwritable path"])
+def test_an_attach_that_fails_leaves_nothing_behind(make_monitor, failure):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = hook_state(model)
+    kw, arg = {}, opt
+    if failure == "optimizer":
+        arg = object()  # e.g. a wrapper that is not a torch.optim.Optimizer
+    elif failure == "path placeholder":
+        kw["sinks__jsonl__path"] = "runs/{run}.jsonl"  # the placeholder is {run_name}
+    else:
+        kw["sinks__jsonl__path"] = "/proc/numwatch-nowhere/run.jsonl"
+    monitor = make_monitor(model, **kw)
+    error = {"optimizer": TypeError, "path placeholder": numwatch.NumwatchConfigError}
+    with pytest.raises(error.get(failure, OSError), match=r"Optimizer|run_name|nowhere"):
+        monitor.attach(arg)
+    assert not monitor.attached
+    assert hook_state(model) == before
+    assert not opt._optimizer_step_pre_hooks and "step" not in opt.__dict__
+
+
+def test_one_optimizer_per_monitor(make_monitor):
+    model = Net()
+    opt, other = (torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(2))
+    monitor = make_monitor(model).attach(opt)
+    hooks = len(opt._optimizer_step_pre_hooks)
+    assert hooks > 0
+    assert monitor.attach(opt) is monitor  # the same one again: nothing to do
+    with pytest.raises(numwatch.NumwatchError, match="another optimizer"):
+        monitor.attach(other)
+    assert len(opt._optimizer_step_pre_hooks) == hooks and not other._optimizer_step_pre_hooks
+    monitor.detach()
+    monitor.attach(other)  # after a detach, another optimizer is fine
+    assert len(other._optimizer_step_pre_hooks) == hooks and not opt._optimizer_step_pre_hooks
+    monitor.detach()
+
+
+def test_a_halt_at_detach_still_detaches(make_monitor):
+    model = Net()
+    before = hook_state(model)
+    halt = {"type": "threshold", "name": "big", "metric": "loss", "threshold": 10.0}
+    rules = {"defaults": False, "add": [{**halt, "actions": ["halt"]}]}
+    monitor = make_monitor(model, flush_every=50, rules=rules).attach()
+    for loss in (1.0, 100.0):
+        monitor.step(loss)
+    with pytest.raises(NumwatchHalt):
+        monitor.detach()  # its final flush sees loss 100 and halts
+    assert not monitor.attached
+    assert hook_state(model) == before
+
+
+def test_a_first_step_closed_in_inference_mode_does_not_stop_monitoring(make_monitor):
+    """An evaluation pass first: state the monitor makes lazily must not be inference tensors,
+    which later in-place updates outside inference mode cannot touch."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = make_monitor(model, flush_every=2, activations__every=1).attach(opt)
+    with torch.inference_mode():
+        monitor.step(model(torch.randn(5, 4)).square().mean())
+    train_steps(model, monitor, 5, opt=opt)
+    assert not any(monitor.errors.values()), monitor.errors
+    assert [s.step for s in monitor.history] == [1, 3, 5]
+    assert monitor.snapshot().value("grad_numel", param="a.weight") == 2 * 32  # 2 steps
+
+
+def test_a_nonfinite_float_loss_is_named_like_a_tensor_one(make_monitor):
+    model = nn.Linear(2, 1)
+    monitor = make_monitor(model, flush_every=1).attach()
+    model(torch.ones(1, 2)).sum().mul(float("nan")).backward()  # NaN gradients too
+    monitor.step(float("nan"))  # e.g. loss.item(): the loss came first, it is the origin
+    nonfinite = [e for e in monitor.events if e.kind == "nonfinite"]
+    assert [(e.metric, e.step) for e in nonfinite] == [("loss", 0)]
+    assert "in the loss" in nonfinite[0].message
+
+
+@pytest.mark.parametrize("make_opt", ["sgd", "lbfgs"])
+def test_step_with_a_closure_measures_the_gradients_the_closure_made(make_monitor, make_opt):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    if make_opt == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        opt = torch.optim.LBFGS(model.parameters(), max_iter=3)  # 3+ closure calls per step
+    monitor = make_monitor(model, flush_every=1).attach(opt)
+    first_grads, losses, calls = [], [], []
+
+    def closure():
+        opt.zero_grad()
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        if not calls:  # the first call of this step
+            first_grads.append(model.bias.grad.abs().max().item())
+            losses.append(loss.item())
+        calls.append(1)
+        return loss
+
+    for _ in range(3):
+        calls.clear()
+        opt.step(closure)
+        assert len(calls) >= (1 if make_opt == "sgd" else 2)
+    monitor.detach()
+    assert [s.value("grad_absmax", param="bias") for s in monitor.history] == first_grads
+    assert [s.value("loss") for s in monitor.history] == pytest.approx(losses)
 
 
 def test_disabled_monitor_adds_nothing(make_monitor):

@@ -1,9 +1,9 @@
 """The optimizer as actions see it: a wrapper around ``optimizer.step`` installed on demand.
 
 Installed only when a configured action needs it (skip_step, lr_backoff, qk_clip). It
-replaces the instance attribute ``optimizer.step``; ``uninstall`` restores the original unless
-something (an LR scheduler, say) wrapped it after us, in which case the wrapper stays as a
-pass-through.
+replaces the instance attribute ``optimizer.step``; ``uninstall`` restores what was there (the
+class's method, or a wrapper a user or an LR scheduler had installed before us) unless something
+wrapped ours after us, in which case ours stays as a pass-through.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class OptimizerControl:
         self.skipped_steps = 0
         self._before_step = before_step
         self._original = optimizer.step
+        self._instance_step = optimizer.__dict__.get("step")  # a wrapper installed before us
         self._skip = False
         self._backoffs: list[tuple[float, int]] = []  # (factor, steps left)
         self._after_step: list[Callable[[], None]] = []
@@ -98,5 +99,8 @@ class OptimizerControl:
 
     def uninstall(self) -> None:
         if self.optimizer.__dict__.get("step") is self._wrapper:
-            del self.optimizer.step
+            if self._instance_step is None:
+                del self.optimizer.step
+            else:
+                self.optimizer.step = self._instance_step  # type: ignore[method-assign]
         self.active = False
