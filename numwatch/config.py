@@ -3,16 +3,19 @@
 Precedence, lowest first: built-in defaults < ``config`` (a ``MonitorConfig``, a dict or a YAML
 file) < ``NUMWATCH_*`` environment variables < keyword overrides. Nested fields are reached with a
 double underscore in both env names and keywords: ``NUMWATCH_SINKS__JSONL__PATH=run.jsonl`` or
-``Monitor(model, sinks__jsonl__path="run.jsonl")``. Env values are parsed as YAML scalars or
-lists, so ``NUMWATCH_FLUSH_EVERY=5`` is an int and ``NUMWATCH_GRADIENTS__PARAMS="[h.*]"`` a list.
+``Monitor(model, sinks__jsonl__path="run.jsonl")``. An env value for a text field is taken as is
+(``NUMWATCH_RUN_NAME=0042``); others are parsed as YAML, so ``NUMWATCH_FLUSH_EVERY=5`` is an int
+and ``NUMWATCH_GRADIENTS__PARAMS="[h.*]"`` a list. Section objects (``GradientConfig(every=7)``)
+count for the fields they were given, like the equivalent dict.
 """
 
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
@@ -351,7 +354,7 @@ class MonitorConfig(_Section):
         if config is None:
             base: dict[str, Any] = {}
         elif isinstance(config, MonitorConfig):
-            base = config.model_dump(exclude_unset=True)
+            base = _given(config)
         elif isinstance(config, Mapping):
             base = dict(config)
         elif isinstance(config, (str, os.PathLike)):
@@ -382,18 +385,56 @@ class MonitorConfig(_Section):
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
+    where = f"config file {str(path)!r}"
     if not path.is_file():
-        raise NumwatchConfigError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+        raise NumwatchConfigError(f"{where} does not exist")
+    try:
+        data = yaml.safe_load(path.read_bytes().decode()) or {}
+    except UnicodeDecodeError as exc:
+        raise NumwatchConfigError(f"{where} is not UTF-8 text: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise NumwatchConfigError(f"{where} is not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(data, dict):
-        raise NumwatchConfigError(f"config file {str(path)!r} must hold a mapping at top level")
+        raise NumwatchConfigError(f"{where} must hold a mapping at top level")
     return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """pyyaml's message on one line, without the '<unicode string>' it names the text by."""
+    if isinstance(exc, yaml.reader.ReaderError):  # a control character; other errors are marked
+        return f"{exc.reason} (character #x{exc.character:04x} at offset {exc.position})"
+    return "; ".join(
+        f"{text} (line {mark.line + 1}, column {mark.column + 1})" if mark else text
+        for text, mark in ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark))
+        if text
+    )
+
+
+def _given(model: BaseModel) -> dict[str, Any]:
+    """The fields ``model`` was given, at any depth, as plain data. Not
+    ``model_dump(exclude_unset=True)``: a nested section assigned to (``cfg.gradients.every = 10``)
+    is not marked as set in its parent, a list edited in place is not marked at all, and a rule's
+    default ``type`` (its discriminator) would be dropped."""
+    dumped = model.model_dump()
+    out: dict[str, Any] = {}
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if isinstance(value, _Section):
+            if given := _given(value):
+                out[name] = given
+        elif name in model.model_fields_set or value != field.get_default(
+            call_default_factory=True
+        ):
+            out[name] = dumped[name]
+    return out
 
 
 def _expand_dunder(flat: Mapping[str, Any]) -> dict[str, Any]:
     """{'sinks__jsonl__path': x} -> {'sinks': {'jsonl': {'path': x}}}."""
     out: dict[str, Any] = {}
     for key, value in flat.items():
+        if isinstance(value, _Section):
+            value = _given(value)
         parts = key.split("__")
         node = out
         for part in parts[:-1]:
@@ -409,15 +450,37 @@ def _expand_dunder(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    flat = {}
+    flat: dict[str, Any] = {}
     for name, raw in env.items():
         if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX):
             key = name[len(ENV_PREFIX) :].lower()
+            if _takes_text(key) or not raw.strip():
+                flat[key] = raw
+                continue
             try:
-                flat[key] = yaml.safe_load(raw) if raw.strip() else raw
+                flat[key] = yaml.safe_load(raw)
             except yaml.YAMLError:
                 flat[key] = raw
     return _expand_dunder(flat)
+
+
+def _takes_text(key: str) -> bool:
+    """Whether the field ``key`` (``sinks__jsonl__path``) names accepts a str: YAML would turn a
+    job id ``0042`` into 34, a host ``::`` into a mapping and cut a path at `` #``. Unknown keys
+    are parsed as before, so validation still reports them."""
+    model: type[BaseModel] = MonitorConfig
+    *sections, leaf = key.split("__")
+    for part in sections:
+        field = model.model_fields.get(part)
+        section = field.annotation if field else None
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            return False
+        model = section
+    field = model.model_fields.get(leaf)
+    if field is None:
+        return False
+    union = get_origin(field.annotation) in (Union, types.UnionType)
+    return str in (get_args(field.annotation) if union else (field.annotation,))
 
 
 def _deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:

@@ -75,3 +75,77 @@ def test_cuda_graphs_switch_from_env_reaches_the_kernels(monkeypatch):
     monitor.attach()
     assert launch.CUDA_GRAPHS is False
     monitor.detach()
+
+
+def test_config_object_edited_after_construction_is_honoured():
+    """Nested assignments and in-place edits do not mark the section as set in its parent."""
+    from pydantic import ValidationError
+
+    from numwatch.rules import ThresholdRule
+
+    cfg = MonitorConfig()
+    cfg.gradients.every = 10
+    cfg.sinks.console.enabled = False
+    cfg.activations.exclude.append("head")
+    cfg.rules.add = [ThresholdRule(name="big_loss", metric="loss", threshold=9.0)]
+    loaded = MonitorConfig.load(cfg, env={"NUMWATCH_SINKS__JSONL__EVERY": "3"})
+    assert loaded.gradients.every == 10
+    assert loaded.sinks.console.enabled is False
+    assert loaded.activations.exclude == ["head"]
+    assert [(r.type, r.name, r.threshold) for r in loaded.rules.add] == [
+        ("threshold", "big_loss", 9.0)
+    ]
+    assert loaded.sinks.jsonl.every == 3  # env still beats the object
+    assert MonitorConfig.load(cfg, env={}, gradients__every=4).gradients.every == 4
+    with pytest.raises(ValidationError):
+        cfg.gradients.every = 0
+
+
+def test_section_objects_merge_field_by_field():
+    """A section object counts for the fields it was given, like the equivalent dict."""
+    from numwatch.config import GradientConfig
+
+    cfg = MonitorConfig.load(
+        {"gradients": GradientConfig(every=7)}, env={"NUMWATCH_GRADIENTS__EXCLUDE": "[bias]"}
+    )
+    assert (cfg.gradients.every, cfg.gradients.exclude) == (7, ["bias"])
+    env = {"NUMWATCH_GRADIENTS__EVERY": "5", "NUMWATCH_GRADIENTS__PARAMS": "[h.*]"}
+    cfg = MonitorConfig.load(
+        None, env=env, gradients=GradientConfig(every=1), gradients__exclude=["bias"]
+    )
+    assert cfg.gradients.every == 1  # given explicitly, so it beats env even at its default
+    assert (cfg.gradients.params, cfg.gradients.exclude) == (["h.*"], ["bias"])
+
+
+def test_env_text_fields_are_taken_verbatim():
+    env = {
+        "NUMWATCH_RUN_NAME": "0042",
+        "NUMWATCH_SINKS__PROMETHEUS__HOST": "::",
+        "NUMWATCH_SINKS__JSONL__PATH": "/data/run #3.jsonl",
+        "NUMWATCH_UNDERFLOW_DTYPE": "null",
+        "NUMWATCH_SINKS__JSONL__ENABLED": "no",
+    }
+    cfg = MonitorConfig.load({"underflow_dtype": "float16"}, env=env)
+    assert cfg.run_name == "0042"
+    assert cfg.sinks.prometheus.host == "::"
+    assert cfg.sinks.jsonl.path == "/data/run #3.jsonl"
+    assert cfg.underflow_dtype is None  # not a str field: still YAML
+    assert cfg.sinks.jsonl.enabled is False
+    assert MonitorConfig.load(env={"NUMWATCH_RUN_NAME": "123456"}).run_name == "123456"
+
+
+def test_unreadable_yaml_file_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("flush_every: 5\nattention:\n  every: [1\n")
+    with pytest.raises(NumwatchConfigError) as err:
+        MonitorConfig.load(bad, env={})
+    assert str(err.value) == (
+        f"config file {str(bad)!r} is not valid YAML: while parsing a flow sequence (line 3, "
+        "column 10); expected ',' or ']', but got '<stream end>' (line 4, column 1)"
+    )
+    bad.write_text("flush_every: !!python/object:os.system x\n")
+    with pytest.raises(NumwatchConfigError, match=r"bad\.yaml' is not valid YAML: .*\(line 1, "):
+        MonitorConfig.from_yaml(bad)
+    bad.write_bytes(b"flush_every: \xff\n")
+    with pytest.raises(NumwatchConfigError, match=r"bad\.yaml' is not UTF-8 text: .* position 13"):
+        MonitorConfig.load(bad, env={})
