@@ -110,7 +110,8 @@ class AttentionConfig(_Section):
     output_error: bool = Field(
         True,
         description="Recompute the attention output in fp32 (float64 on CPU) on sampled SDPA "
-        "calls and measure the signed error of the real kernel's output.",
+        "calls and measure the signed error of the real kernel's output (not on calls with "
+        "dropout_p > 0: the error would be the dropout's).",
     )
     saturation_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",

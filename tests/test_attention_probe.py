@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import numwatch
+from numwatch.probes.attention import SdpaCall
 from numwatch.testing import kernel_devices, planted_sink_attention
 
 
@@ -373,12 +374,22 @@ def test_probe_failure_survived(make_monitor, monkeypatch):
     assert monitor.snapshot().value("monitor_errors_total", component="attention") == 1
 
 
-def test_a_failing_group_costs_only_its_layers(make_monitor):
-    """Held calls are measured group by group: a layer the statistics reject (float64 q) is
-    counted as one failure, and the other layer still gets its planted answer."""
+def test_a_failing_group_costs_only_its_layers(make_monitor, monkeypatch):
+    """Held calls are measured group by group: a layer the statistics reject (here: its shape)
+    is counted as one failure, and the other layer still gets its planted answer."""
+    from numwatch.kernels import attention_stats
+
+    real = attention_stats.attention_head_stats
+
+    def rejecting(q, *a, **kw):
+        if q.shape[2] == 6:
+            raise ValueError("rejected")
+        return real(q, *a, **kw)
+
+    monkeypatch.setattr(attention_stats, "attention_head_stats", rejecting)
     q, k, v = planted_sink_attention(B=1, H=2, T=8, D=16, n_sink=2)
     sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    bad = [t.double() for t in (q, k, v)]
+    bad = [t[:, :, :6] for t in (q, k, v)]
     model = wrap(bad=Fixed(*bad, sdpa), good=Fixed(q, k, v, sdpa))
     monitor = make_monitor(model)
     model()
@@ -388,6 +399,205 @@ def test_a_failing_group_costs_only_its_layers(make_monitor):
     rep, _, _ = oracle(q, k)
     assert head_values(snap, "attn_repeated_max_rows", "good", 2) == rep.tolist()
     assert snap.get("attn_calls", layer="bad") is None
+
+
+@pytest.mark.parametrize("where", ["model", "global"])
+def test_a_pre_hook_that_raises_keeps_entry_and_exit_balanced(make_monitor, where):
+    """A pre-hook that rejects a batch ran before numwatch's entry, but numwatch's always_call
+    exit still ran: the depth went to -1 and the next sampled forward left its mode on the stack
+    for good, also after detach."""
+    x = torch.randn(1, 2, 4, 8)
+    model = Net(Fixed(x, x, x, F.scaled_dot_product_attention))
+    reject = [True]
+
+    def check(module, _args):
+        if reject[0] and module is model:
+            raise ValueError("bad batch")
+
+    if where == "model":  # registered before attach; a global one always runs first
+        handle = model.register_forward_pre_hook(check)
+        monitor = make_monitor(model)
+    else:
+        monitor = make_monitor(model)
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(check)
+    try:
+        with pytest.raises(ValueError, match="bad batch"):
+            model()
+        assert torch._C._len_torch_function_stack() == 0
+        reject[0] = False
+        model()
+        assert torch._C._len_torch_function_stack() == 0
+        monitor.step()
+        assert monitor.snapshot().value("attn_calls", layer="block.attn") == 1
+    finally:
+        handle.remove()
+    monitor.detach()
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_a_nested_forward_rejected_by_a_pre_hook_leaves_the_outer_one_intercepted(make_monitor):
+    """The rejected inner call's exit must undo only its own entry, not the outer forward's."""
+
+    class Retrying(nn.Module):
+        def forward(self, x, inner=False):
+            if not inner:
+                with pytest.raises(ValueError, match="rejected"):
+                    self(x, True)
+            return F.scaled_dot_product_attention(x, x, x)
+
+    def reject_inner(_module, args):
+        if len(args) == 2:
+            raise ValueError("rejected")
+
+    model = Retrying()
+    model.register_forward_pre_hook(reject_inner)
+    monitor = make_monitor(model)
+    model(torch.randn(1, 2, 4, 8))
+    assert torch._C._len_torch_function_stack() == 0
+    monitor.step()
+    assert monitor.snapshot().value("attn_calls", layer="") == 1
+
+
+def test_detach_leaves_no_mode_of_a_forward_that_never_exited(make_monitor):
+    """torch runs always_call hooks only for an Exception: a forward ended by a BaseException
+    (KeyboardInterrupt) never reaches numwatch's exit, and detach must still remove the mode."""
+
+    class Abort(BaseException):
+        pass
+
+    def abort(q, k, v):
+        F.scaled_dot_product_attention(q, k, v)
+        raise Abort
+
+    x = torch.randn(1, 2, 4, 8)
+    model = Net(Fixed(x, x, x, abort))
+    monitor = make_monitor(model)
+    with pytest.raises(Abort):
+        model()
+    assert torch._C._len_torch_function_stack() == 1
+    monitor.detach()
+    assert torch._C._len_torch_function_stack() == 0
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.5])
+def test_no_output_error_on_calls_with_dropout(make_monitor, dropout_p):
+    """The output error compares with a recomputation without dropout: with dropout_p > 0 it
+    measured dropout noise (rms ~0.1 against ~1e-3). The score statistics ignore dropout."""
+    torch.manual_seed(0)
+    q, k, v = planted_sink_attention(B=1, H=2, T=8, D=16, n_sink=2)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout_p, is_causal=True
+    )
+    model = Net(Fixed(q, k, v, sdpa))
+    monitor = make_monitor(model)
+    model()
+    monitor.step()
+    snap = monitor.snapshot()
+    rep, ties, rows = oracle(q, k)
+    assert head_values(snap, "attn_repeated_max_rows", "block.attn", 2) == rep.tolist() == [7, 7]
+    assert head_values(snap, "attn_tie_entries", "block.attn", 2) == ties.tolist()
+    assert head_values(snap, "attn_rows", "block.attn", 2) == rows.tolist()
+    for metric in ("attn_output_bias", "attn_output_systematic_error", "attn_output_error_rms"):
+        got = [snap.get(metric, layer="block.attn", head=str(h)) for h in range(2)]
+        assert (got == [None, None]) == (dropout_p > 0), (metric, got)
+
+
+def test_row_sampling_leaves_the_global_rng_alone(make_monitor):
+    """attention.rows drew its rows from the global RNG: the user's dropout masks and every
+    later random draw differed from an unmonitored run. The probe's own generator (seed
+    _ROW_SEED, one per device) samples instead."""
+    from numwatch.probes import attention as probe_module
+
+    q, k, v = planted_sink_attention(B=1, H=2, T=8, D=16, n_sink=3)
+    sdpa = lambda q, k, v: F.dropout(F.scaled_dot_product_attention(q, k, v, is_causal=True), 0.5)
+    model = Net(Fixed(q, k, v, sdpa))
+
+    def run(monitored):
+        torch.manual_seed(0)
+        monitor = make_monitor(model, attention__rows=3) if monitored else None
+        outs = []
+        for _ in range(3):
+            outs.append(model())
+            if monitor is not None:
+                monitor.step()
+        return torch.get_rng_state(), outs, monitor
+
+    state, outs, _ = run(False)
+    state_monitored, outs_monitored, monitor = run(True)
+    assert torch.equal(state_monitored, state)
+    assert all(torch.equal(a, b) for a, b in zip(outs_monitored, outs, strict=True))
+    # the third sampled step's rows are the generator's third draw
+    gen = torch.Generator().manual_seed(probe_module._ROW_SEED)
+    rows = [torch.randperm(8, generator=gen)[:3] for _ in range(3)][-1]
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()[rows]
+    _, ties, _ = oracle(q[:, :, rows], k, causal=False, mask=causal)
+    snap = monitor.snapshot()
+    assert head_values(snap, "attn_rows", "block.attn", 2) == [3, 3]
+    assert head_values(snap, "attn_tie_entries", "block.attn", 2) == ties.tolist()
+
+
+def test_unbatched_sdpa_is_measured_as_one_batch_element(make_monitor):
+    """SDPA takes unbatched (H, T, D) inputs: measured like the (1, H, T, D) call."""
+    q, k, v = planted_sink_attention(B=1, H=2, T=8, D=16, n_sink=2)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    model = Net(Fixed(q[0], k[0], v[0], sdpa))
+    monitor = make_monitor(model)
+    model()
+    monitor.step()
+    snap = monitor.snapshot()
+    assert not any(monitor.errors.values())
+    rep, ties, rows = oracle(q, k)
+    assert head_values(snap, "attn_repeated_max_rows", "block.attn", 2) == rep.tolist() == [7, 7]
+    assert head_values(snap, "attn_tie_entries", "block.attn", 2) == ties.tolist()
+    assert head_values(snap, "attn_rows", "block.attn", 2) == rows.tolist() == [8, 8]
+    assert snap.value("attn_output_error_rms", layer="block.attn", head="0") < 0.05
+
+
+def test_float64_attention_and_calls_without_keys_are_skipped(make_monitor):
+    """float64 attention (the statistics are defined for bf16/fp16/fp32) and calls without keys
+    (nothing to measure) failed on every sampled step; they are skipped, in every path."""
+    x64 = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    q, no_keys = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 0, 8)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).double()
+    model = wrap(
+        sdpa64=Fixed(x64, x64, x64, F.scaled_dot_product_attention),
+        mha64=Fixed(x64[0], x64[0], x64[0], lambda q, k, v: mha(q, k, v)),
+        eager64=Fixed(x64, x64, x64, lambda q, k, v: F.softmax(q @ k.mT, -1) @ v),
+        empty=Fixed(q, no_keys, no_keys, F.scaled_dot_product_attention),
+        eager_empty=Fixed(q, no_keys, no_keys, lambda q, k, v: F.softmax(q @ k.mT, -1) @ v),
+    )
+    monitor = make_monitor(model)
+    model()
+    monitor.step()
+    snap = monitor.snapshot()
+    assert snap.value("monitor_errors_total", component="attention") == 0
+    assert snap.series("attn_calls") == []
+
+
+def test_sdpa_of_other_ranks_is_a_clear_error(make_monitor):
+    q = torch.randn(2, 1, 2, 4, 8)  # SDPA broadcasts leading dims; the statistics do not
+    model = Net(Fixed(q, q, q, F.scaled_dot_product_attention))
+    monitor = make_monitor(model, strict=True)
+    with pytest.raises(ValueError, match=r"4-D \(B, H, T, D\) or unbatched 3-D \(H, T, D\)"):
+        model()
+    monitor.detach()
+
+
+def test_sdpa_with_keyword_query_key_value(make_monitor):
+    """F.scaled_dot_product_attention(query=..., key=..., value=...) is measured (and can be
+    routed): the arguments were unpacked positionally."""
+    q, k, v = planted_sink_attention(B=1, H=2, T=8, D=16, n_sink=2)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=True)
+    model = Net(Fixed(q, k, v, sdpa))
+    monitor = make_monitor(model)
+    model()
+    monitor.step()
+    rep, _, _ = oracle(q, k)
+    snap = monitor.snapshot()
+    assert head_values(snap, "attn_repeated_max_rows", "block.attn", 2) == rep.tolist() == [7, 7]
+    call = SdpaCall.from_args((q,), {"key": k, "value": v, "is_causal": True, "other": 1})
+    assert call.q is q and call.k is k and call.v is v
+    assert (call.is_causal, call.extra) == (True, {"other": 1})
 
 
 transformers = pytest.importorskip("transformers")

@@ -57,9 +57,9 @@ class SdpaCall:
 
     @classmethod
     def from_args(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> SdpaCall:
-        q, k, v, *rest = args
-        named = dict(zip(_SDPA_PARAMS, rest, strict=False))
+        named = dict(zip(("query", "key", "value", *_SDPA_PARAMS), args, strict=False))
         named.update(kwargs)
+        q, k, v = named.pop("query"), named.pop("key"), named.pop("value")
         known = {p: named.pop(p) for p in _SDPA_PARAMS if p in named}
         return cls(q, k, v, **known, extra=named)
 
@@ -122,6 +122,10 @@ class _Sampled:
     key: tuple  # calls with equal keys are measured together, layers stacked as heads
 
 
+# Seed of the probe's own row-sampling generators: the global RNG stays the user's (dropout
+# masks and every later draw are those of an unmonitored run).
+_ROW_SEED = 0
+
 # Bytes of held copies before the held calls are measured early: bounds the probe's memory
 # whatever the model (a 7B model's sampled batch element is ~33 MB per tensor and layer).
 _HOLD_BYTES = 256 * 2**20
@@ -162,6 +166,7 @@ class AttentionProbe:
         self._mode: _Interceptor | None = None
         self._held: list[_Sampled] = []
         self._held_bytes = 0
+        self._generators: dict[torch.device, torch.Generator] = {}
         self._depth = 0
         self.sampling = False
         self.layers_seen: set[str] = set()
@@ -196,8 +201,11 @@ class AttentionProbe:
 
     # ------------------------------------------------------------------ mode around forward
     def attach(self) -> None:
+        # The entry runs before and the exit after every hook the model already has, so none of
+        # them can skip the entry and still get the exit (an always_call hook runs even when a
+        # pre-hook raised).
         self._handles = [
-            self.model.register_forward_pre_hook(self._enter),
+            self.model.register_forward_pre_hook(self._enter, prepend=True),
             self.model.register_forward_hook(self._exit, always_call=True),
         ]
 
@@ -205,6 +213,10 @@ class AttentionProbe:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        # A forward that never reached its exit (a BaseException, or an exception in a compiled
+        # forward: torch skips always_call hooks there) left the mode entered.
+        self._depth = 0
+        self._leave()
         self._held.clear()
         self._held_bytes = 0
 
@@ -228,13 +240,21 @@ class AttentionProbe:
             self._mode.__enter__()
 
     def end_forward(self) -> None:
+        """Undo ``begin_forward``; an exit without an entry (a pre-hook before it raised, or a
+        stray ``Monitor.end_forward``) has nothing to undo."""
+        if self._depth == 0:
+            return
         self._depth -= 1
-        if self._depth == 0 and self._mode is not None:
-            mode, self._mode = self._mode, None
+        if self._depth == 0:
+            self._leave()
+            if self._held:
+                self._measure_held()
+
+    def _leave(self) -> None:
+        mode, self._mode = self._mode, None
+        self.sampling = False
+        if mode is not None:
             mode.__exit__(None, None, None)
-            self.sampling = False
-        if self._depth == 0 and self._held:
-            self._measure_held()
 
     # ------------------------------------------------------------------ calls
     def locate(self) -> tuple[str, nn.Module | None]:
@@ -315,7 +335,10 @@ class AttentionProbe:
         """Query rows sampled per call (None = all)."""
         Tq = x.shape[-2]
         if self.cfg.rows and self.cfg.rows < Tq:
-            return torch.randperm(Tq, device=x.device)[: self.cfg.rows]
+            gen = self._generators.get(x.device)
+            if gen is None:
+                gen = self._generators[x.device] = torch.Generator(x.device).manual_seed(_ROW_SEED)
+            return torch.randperm(Tq, device=x.device, generator=gen)[: self.cfg.rows]
         return None
 
     def _samples(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -329,17 +352,28 @@ class AttentionProbe:
         ``_HOLD_BYTES`` are held); then calls of the same shape are measured in one go, their
         layers stacked as heads (a GPT-2 layer measured alone cost ~2 ms of host time).
         Copies, not views: a view would keep the whole batch's tensors alive, which autograd
-        does not always do (no_grad evaluation, frozen layers, the output)."""
+        does not always do (no_grad evaluation, frozen layers, the output).
+        No output error with ``dropout_p > 0``: the recomputation has no dropout, so the error
+        would measure dropout noise (the score statistics do not depend on dropout)."""
         call = SdpaCall.from_args(args, kwargs)
         q, k, v = call.q.detach(), call.k.detach(), call.v.detach()
-        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-            raise ValueError(f"attention statistics need 4-D q, k, v, got {tuple(q.shape)}")
+        if q.dim() == k.dim() == v.dim() == 3:  # unbatched (H, T, D): one batch element
+            q, k, v = q[None], k[None], v[None]
+            out = out[None] if isinstance(out, torch.Tensor) else out
+        if not q.dim() == k.dim() == v.dim() == 4:
+            raise ValueError(
+                "attention statistics measure SDPA calls with 4-D (B, H, T, D) or unbatched 3-D "
+                f"(H, T, D) q, k, v; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        if not _measured(q) or k.shape[2] == 0:  # no keys: no score to measure
+            return
         n = self._n_batch(q.shape[0])
         mask = call.attn_mask
         if mask is not None and mask.dim() == 4 and mask.shape[0] == q.shape[0]:
             mask = mask[:n]
         with_error = (
             self.cfg.output_error
+            and not call.dropout_p
             and isinstance(out, torch.Tensor)
             and out.shape[:-1] == q.shape[:-1]
         )
@@ -432,6 +466,8 @@ class AttentionProbe:
         a = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
         H = a["num_heads"]
         query, key = a["query"], a["key"]  # (L, N, E), (S, N, E)
+        if not _measured(query):
+            return
         E = query.shape[-1]
         if a.get("use_separate_proj_weight"):
             wq, wk = a["q_proj_weight"], a["k_proj_weight"]
@@ -490,6 +526,8 @@ class AttentionProbe:
 
     @torch.no_grad()
     def _observe_scores(self, layer: str, scores: torch.Tensor) -> None:
+        if not _measured(scores) or scores.shape[-1] == 0:
+            return
         batch, rows = self._samples(scores)
         heads = ats.score_head_stats(
             scores.detach(),
@@ -532,6 +570,13 @@ class AttentionProbe:
 
     def reset(self) -> None:
         self._stats.clear()
+
+
+def _measured(x: torch.Tensor) -> bool:
+    """Whether attention in x's dtype is measured: the statistics are defined for bf16, fp16
+    and fp32 attention (fp32 scores, their thresholds); float64 attention is left unmeasured
+    rather than measured after rounding to fp32."""
+    return x.dtype in _DTYPES.values()
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
