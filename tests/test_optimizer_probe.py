@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -118,3 +120,33 @@ def test_update_sums_match_a_float64_oracle():
         assert snap.value("optimizer_absorbed_fraction", param=name) == pytest.approx(absorbed)
         fractions[name] = absorbed
     assert fractions["0.weight"] == 0 and 0.3 < fractions["1.weight"] < 0.7
+
+
+class ComplexAndReal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # 2**24 in float32: half an ULP below it is 0.5, so an update of 0.2 is absorbed
+        self.w = nn.Parameter(torch.tensor([3 + 4j, 2.0**24], dtype=torch.complex64))
+        self.lin = nn.Linear(2, 1, bias=False)
+
+
+def test_complex_parameter_is_measured_through_its_real_view():
+    """Norms of a complex tensor are its real view's; each real and imaginary part counts as an
+    element of the absorbed fraction. A real parameter beside it keeps its ratio."""
+    model = ComplexAndReal()
+    with torch.no_grad():
+        model.lin.weight.copy_(torch.tensor([[3.0, 4.0]]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, opt)
+    # parts with a gradient: 1, 2 (first value), 2 (second, real): the last update is absorbed
+    model.w.grad = torch.tensor([1 + 2j, 2 + 0j], dtype=torch.complex64)
+    model.lin.weight.grad = torch.tensor([[1.0, 2.0]])
+    opt.step()  # w: [2.9 + 3.8j, 2**24]
+    snap = monitor.flush()
+    want = math.sqrt((0.1**2 + 0.2**2) / (2.9**2 + 3.8**2 + 2.0**48))
+    assert snap.value("optimizer_update_ratio", param="w") == pytest.approx(want, rel=1e-5)
+    assert snap.value("optimizer_absorbed_fraction", param="w") == pytest.approx(1 / 3)
+    w_after = torch.tensor([3.0, 4.0]) - 0.1 * torch.tensor([1.0, 2.0])
+    want = math.sqrt(0.05) / w_after.norm().item()
+    assert snap.value("optimizer_update_ratio", param="lin.weight") == pytest.approx(want, rel=1e-6)
+    assert not any(monitor.errors.values())

@@ -203,3 +203,59 @@ def test_one_iteration_every_step_tracks_a_growing_weight():
 def test_removed_alternate_setting_is_refused_with_a_reason():
     with pytest.raises(numwatch.NumwatchConfigError, match="alternate was removed"):
         monitor_for(nn.Linear(4, 4), weights__alternate=True)
+
+
+class Int8QK(nn.Module):
+    """q_proj/k_proj frozen in int8 (a quantized base model) beside a trainable adapter."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads = 2
+        self.q_proj, self.k_proj = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+        for lin in (self.q_proj, self.k_proj):
+            lin.weight = nn.Parameter(torch.ones(8, 8, dtype=torch.int8), requires_grad=False)
+        self.adapter = nn.Linear(8, 8, bias=False)
+
+
+def test_weights_it_cannot_read_are_left_out_one_by_one():
+    """An int8 attention layer and a pruned Linear(8, 0) have no norms; the others keep theirs."""
+    model = nn.Sequential()
+    model.add_module("attn", Int8QK())
+    model.add_module("pruned", nn.Linear(8, 0))
+    model.add_module("out", nn.Linear(8, 8))
+    with torch.no_grad():
+        model.attn.adapter.weight.copy_(torch.diag(torch.tensor([5.0, 1, 1, 1, 1, 1, 1, 1])))
+        model.out.weight.copy_(torch.diag(torch.tensor([1.0, 1, 3, 1, 1, 1, 1, 1])))
+    monitor = monitor_for(model)
+    monitor.step()
+    snap = monitor.snapshot()
+    assert not any(monitor.errors.values())
+    assert snap.value("weight_spectral_norm", param="attn.adapter.weight") == pytest.approx(5.0)
+    assert snap.value("weight_spectral_norm", param="out.weight") == pytest.approx(3.0)
+    assert snap.get("weight_spectral_norm", param="pruned.weight") is None
+    assert snap.get("attn_q_spectral_norm", layer="attn", head="0") is None
+
+
+class QK(nn.Module):
+    def __init__(self, q_out: int, k_out: int):
+        super().__init__()
+        self.num_heads = 2
+        self.q_proj, self.k_proj = nn.Linear(8, q_out), nn.Linear(8, k_out)
+
+
+@pytest.mark.parametrize(
+    ("q_out", "k_out"),
+    [(0, 8), (6, 4), (8, 6), (4, 8)],
+    ids=["no-query-rows", "key-remainder", "key-rows-not-whole-heads", "more-key-heads"],
+)
+def test_projections_without_whole_heads_are_not_a_layout(q_out, k_out):
+    assert find_qk_layout(QK(q_out, k_out)) is None
+    monitor = monitor_for(nn.Sequential(QK(q_out, k_out)))  # constructs: no ZeroDivisionError
+    monitor.step()
+    assert not any(monitor.errors.values())
+
+
+def test_grouped_key_heads_are_a_layout():
+    layout = find_qk_layout(QK(8, 4))  # 2 query heads of 4 rows share 1 key head
+    assert (len(layout.q), len(layout.k)) == (2, 1)
+    assert (layout.k[0].start, layout.k[0].stop) == (0, 4)

@@ -33,6 +33,12 @@ __all__ = ["OptimizerProbe"]
 _TINY = torch.finfo(torch.float64).tiny
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real and imaginary parts (a view): the norms are the same, and
+    each part counts as one element in the absorbed fraction."""
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
+
+
 def _sum_sq(stats: torch.Tensor) -> torch.Tensor:
     """Sum of squares per row of ``tensor_stats``, +inf where a value was not finite (the
     kernel's sums skip those)."""
@@ -102,7 +108,8 @@ class OptimizerProbe:
         for k in range(n):
             i = (self._cursor + k) % n
             p = self.params[i][1]
-            if p.grad is None or not p.numel():
+            # a sparse gradient (nn.Embedding(sparse=True)) has no dense sign mask: not measured
+            if p.grad is None or p.grad.layout is not torch.strided or not p.numel():
                 continue
             nbytes = p.numel() * p.element_size()
             if taken and size + nbytes > self.cfg.max_bytes:
@@ -113,7 +120,7 @@ class OptimizerProbe:
         self._taken = sorted(taken)
         # x * 1 is x bit for bit (signed zeros and infinities too): one multi-tensor op where a
         # clone per parameter cost ~10 µs of host time each
-        params = [local_tensor(self.params[i][1]).detach() for i in self._taken]
+        params = [_real(local_tensor(self.params[i][1]).detach()) for i in self._taken]
         self._before = torch._foreach_mul(params, 1.0) if params else None
 
     @torch.no_grad()
@@ -124,8 +131,8 @@ class OptimizerProbe:
             return
         # FSDP2 parameters are DTensors: each rank measures its shard; the per-parameter sums
         # below add up across ranks at flush (numwatch/distributed.py, key 'opt/sums').
-        params = [local_tensor(self.params[i][1]).detach() for i in self._taken]
-        grads = [local_tensor(self.params[i][1].grad) for i in self._taken]
+        params = [_real(local_tensor(self.params[i][1]).detach()) for i in self._taken]
+        grads = [_real(local_tensor(self.params[i][1].grad)) for i in self._taken]
         updates = torch._foreach_sub(params, self._before)
         self._before = None
         # Per-parameter sums from the fused statistics kernel (one launch per list): a

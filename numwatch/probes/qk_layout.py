@@ -86,6 +86,8 @@ def find_qk_layout(module: nn.Module, n_heads: int | None = None) -> QKLayout | 
     """The QK layout of an attention module, or None if it is not a known one.
 
     ``n_heads`` overrides what the module's attributes (num_heads, n_head, config...) say.
+    Projections that do not split into whole heads (none at all, or a remainder; key heads
+    that do not divide the query heads) are not a known layout: their slices would be wrong.
     """
     heads, kv_heads = _heads_of(module)
     heads = n_heads or heads
@@ -95,7 +97,10 @@ def find_qk_layout(module: nn.Module, n_heads: int | None = None) -> QKLayout | 
     q_proj, k_proj = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
     if isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear):
         hd = q_proj.out_features // heads
-        kvh = k_proj.out_features // hd
+        kvh = k_proj.out_features // hd if hd else 0
+        whole = hd * heads == q_proj.out_features and hd * kvh == k_proj.out_features
+        if not kvh or not whole or heads % kvh:
+            return None
         return QKLayout(
             _slices(q_proj.weight, q_proj.bias, 0, 0, heads, hd),
             _slices(k_proj.weight, k_proj.bias, 0, 0, kvh, hd),
@@ -124,7 +129,7 @@ def find_qk_layout(module: nn.Module, n_heads: int | None = None) -> QKLayout | 
         out = weight.shape[dim]
         kvh = kv_heads or heads
         hd = out // (heads + 2 * kvh)
-        if hd * (heads + 2 * kvh) != out:
+        if not hd or heads % kvh or hd * (heads + 2 * kvh) != out:
             continue
         return QKLayout(
             _slices(weight, bias, dim, 0, heads, hd),

@@ -9,6 +9,7 @@ device-side tables; the host reads them at flush.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from functools import cache, partial
@@ -35,6 +36,8 @@ from numwatch.selection import select_modules, select_parameters
 from numwatch.snapshot import MetricRecord
 
 __all__ = ["ActivationProbe", "GradientProbe", "stat_records", "table_records"]
+
+log = logging.getLogger("numwatch")
 
 
 _STAT_METRICS = (
@@ -130,14 +133,16 @@ _GRAD = attrgetter("grad")
 
 def _usable(g: torch.Tensor | None) -> torch.device | None:
     """The device of a gradient with values to measure, else None."""
-    if g is None or not g.is_floating_point() or g.is_meta or g.numel() == 0:
-        return None
-    return g.device
+    return g.device if g is not None and _floating(g) else None
 
 
 def _floating(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(t,)`` if ``t`` is a floating tensor with data, else ``()``."""
-    return (t,) if t.is_floating_point() and t.numel() > 0 and not t.is_meta else ()
+    """``(t,)`` if the statistics kernels can read ``t`` (floating, with values, strided), else
+    ``()``. Sparse tensors are left out: an uncoalesced one (nn.Embedding(sparse=True)'s
+    gradient) repeats indices, so its values' extremes and sum of squares are not the tensor's,
+    and coalescing it reads its size back to the host."""
+    ok = t.layout is torch.strided and t.is_floating_point() and t.numel() > 0 and not t.is_meta
+    return (t,) if ok else ()
 
 
 def _floating_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -176,7 +181,7 @@ class GradientProbe:
         self._fired_set: set[int] = set()
         self._order: tuple[int, ...] = ()  # backward order learned by the hooks
         self._tables = DeviceTables("grad_table", len(self.params))
-        self._dtypes: dict[int, torch.dtype] = {}
+        self._unmeasured: set[int] = set()  # gradients reported as not measurable
         self._plans: dict[tuple, list[tuple]] = {}
         # Steps measured since the last settle: [(plan entry, stats, first order number)] each.
         self._pending: list[list[tuple[tuple, torch.Tensor, int]]] = []
@@ -260,9 +265,24 @@ class GradientProbe:
         rank_of = {i: r for r, i in enumerate(backward)}
         plan = []
         devices = {d for d in usable if d is not None}
-        for i, g in enumerate(grads):
-            if g is not None and g.is_floating_point() and not g.is_meta:
-                self._dtypes.setdefault(i, g.dtype)  # an empty shard too: other ranks fill it
+        unmeasured = [  # reported once: complex or sparse (see _floating)
+            i
+            for i, (g, d) in enumerate(zip(grads, usable, strict=True))
+            if d is None
+            and i not in self._unmeasured
+            and g is not None
+            and g.numel()
+            and not g.is_meta
+        ]
+        if unmeasured:
+            self._unmeasured.update(unmeasured)
+            log.warning(
+                "numwatch: gradients not measured (their grad_* statistics, grad_norm and the "
+                "non-finite search leave them out): %s",
+                ", ".join(
+                    f"{self.params[i][0]} ({grads[i].layout}, {grads[i].dtype})" for i in unmeasured
+                ),
+            )
         for device in devices:
             indices = [i for i, d in enumerate(usable) if d == device]
             table = self._tables[device]
@@ -327,7 +347,10 @@ class GradientProbe:
         return out
 
     def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
-        out = table_records("grad", "param", self.params, self._tables.merged(host), self._dtypes)
+        # A gradient has its parameter's dtype (torch enforces it), so the headroom of a window
+        # uses the dtype the parameters have at its flush (after model.half(), the new one).
+        dtypes = {i: p.dtype for i, p in enumerate(self._tensors)}
+        out = table_records("grad", "param", self.params, self._tables.merged(host), dtypes)
         if "grad_norm_sq_last" in host:
             out.append(MetricRecord("grad_norm", {}, math.sqrt(float(host["grad_norm_sq_last"]))))
             out.append(
@@ -351,6 +374,13 @@ class ActivationProbe:
     the rows into the table. The outputs are held until then (at most ``max_pending_bytes``;
     beyond that the measurement runs early), which is why the collection ends with the root
     forward rather than with the step.
+
+    A held output is an alias: an in-place op after its module returned (``nn.ReLU(inplace=True)``
+    after a Linear, ``out += identity``) would change what is measured. Its version counter,
+    kept at collection, tells: such an output is dropped (that forward's row lacks it), and its
+    module's outputs are measured in its own hook from then on, with those held before them
+    (forward order, for the non-finite search). Inference tensors have no version counter, so
+    they are measured in their module's hook too.
     """
 
     component = "activations"
@@ -363,9 +393,13 @@ class ActivationProbe:
         self._handles: list[Any] = []
         self._module_handles: list[Any] = []
         self._tables = DeviceTables("act_table", len(self.modules))
+        # dtype of each module's latest measured output: the headroom of a window with several
+        # (an fp32 step, then autocast) uses the latest
         self._dtypes: dict[int, torch.dtype] = {}
-        self._pending: list[tuple[int, torch.Tensor]] = []  # (module index, output) in order
+        # (module index, output, its version counter or None) in order
+        self._pending: list[tuple[int, torch.Tensor, int | None]] = []
         self._pending_bytes = 0
+        self._unbatched: set[int] = set()  # modules whose outputs changed in place
         # device -> (first order number, module indices, stat rows) per measurement
         self._measured: dict[torch.device, list[tuple[int, list[int], torch.Tensor]]] = {}
         self._plans: dict[tuple[torch.device, tuple[int, ...]], tuple[Any, Any, int]] = {}
@@ -412,11 +446,17 @@ class ActivationProbe:
             return
         # a plain tensor (most modules) skips the structure walk: 136 hooks per GPT-2 forward
         plain = type(output) is torch.Tensor
+        now = index in self._unbatched
         for t in _floating(output) if plain else _floating_tensors(output):
-            self._pending.append((index, t.detach()))
+            t = t.detach()
+            try:
+                version = t._version
+            except RuntimeError:  # an inference tensor
+                version, now = None, True
+            self._pending.append((index, t, version))
             self._pending_bytes += t.numel() * t.element_size()
-        if self._pending_bytes > self.cfg.max_pending_bytes:
-            self.ctx.guard.run(self.component, self._measure)  # early: bounded memory
+        if now or self._pending_bytes > self.cfg.max_pending_bytes:  # or early: bounded memory
+            self.ctx.guard.run(self.component, self._measure)
 
     @torch.compiler.disable
     def _forward_done(self, *_: Any) -> None:
@@ -461,9 +501,12 @@ class ActivationProbe:
         pending, self._pending = self._pending, []
         self._pending_bytes = 0
         groups: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-        for index, t in pending:
+        for index, t, version in pending:
+            if version is not None and t._version != version:  # changed after its module
+                self._unbatched.add(index)
+                continue
             groups.setdefault(t.device, []).append((index, t))
-            self._dtypes.setdefault(index, t.dtype)
+            self._dtypes[index] = t.dtype
         for device, items in groups.items():
             indices = [i for i, _ in items]
             stats = ts.tensor_stats(

@@ -26,6 +26,12 @@ from numwatch.snapshot import MetricRecord
 __all__ = ["WeightProbe"]
 
 
+def _measurable(w: torch.Tensor) -> bool:
+    """A weight power iteration can read: floating, with values, strided. Others (an int8
+    frozen base weight, a pruned Linear(d, 0)) are left out one by one."""
+    return w.layout is torch.strided and w.is_floating_point() and w.numel() > 0
+
+
 class WeightProbe:
     component = "weights"
 
@@ -35,14 +41,16 @@ class WeightProbe:
         self.params = [
             (name, p)
             for name, p in select_parameters(model, cfg.params, cfg.exclude)
-            if p.dim() == 2 and p.is_floating_point()
+            if p.dim() == 2 and _measurable(p)
         ]
         self.layers: list[tuple[str, QKLayout]] = []
         if cfg.attention_heads:
             for name, module in model.named_modules():
                 if name and matches(name, cfg.layers):
                     layout = find_qk_layout(module)
-                    if layout is not None:
+                    if layout is not None and all(
+                        _measurable(h.weight) for h in (layout.q[0], layout.k[0])
+                    ):
                         self.layers.append((name, layout))
         self._pi: dict[torch.device, PowerIteration] = {}
         self._sigma: torch.Tensor | None = None  # (N,) float32, latest estimates

@@ -1,0 +1,167 @@
+"""Probe inputs the statistics kernels cannot read, or can read wrongly: sparse gradients and
+outputs, dtypes that change between steps, outputs changed in place after their module."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from numwatch.kernels import tensor_stats as ts
+
+
+def no_errors(monitor) -> bool:
+    return not any(monitor.errors.values())
+
+
+def min_max(snap, prefix: str, **labels) -> tuple[float, float]:
+    return snap.value(f"{prefix}_min", **labels), snap.value(f"{prefix}_max", **labels)
+
+
+def test_sparse_gradient_is_left_out_alone(make_monitor, caplog):
+    """nn.Embedding(sparse=True)'s uncoalesced gradient is not measured (said once); the other
+    parameters keep their statistics, the gradient norm and their update ratios."""
+    model = nn.Sequential(nn.Embedding(4, 2, sparse=True), nn.Linear(2, 1, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[0.0, 0.0], [1.0, 2.0], [0.0, 0.0], [3.0, -1.0]]))
+        model[1].weight.copy_(torch.tensor([[0.5, -2.0]]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = make_monitor(model, flush_every=1, optimizer__every=1).attach(opt)
+    tokens = torch.tensor([1, 1, 3])  # row 1 twice: the sparse gradient repeats an index
+    with caplog.at_level("WARNING", logger="numwatch"):
+        model(tokens).sum().backward()  # 1.weight's gradient: [1, 2] + [1, 2] + [3, -1]
+        assert model[0].weight.grad.layout == torch.sparse_coo
+        monitor.step()
+        snap = monitor.snapshot()
+        opt.step()  # 1.weight: [0.5, -2] - 0.1 * [5, 3] = [0, -2.3]
+        after = monitor.flush()
+        opt.zero_grad()
+        model(tokens).sum().backward()
+        monitor.step()
+    assert no_errors(monitor)
+    assert snap.value("grad_norm") == math.sqrt(34.0)
+    assert min_max(snap, "grad", param="1.weight") == (3.0, 5.0)
+    assert snap.get("grad_numel", param="0.weight") is None
+    want = 0.1 * math.sqrt(34.0) / 2.3
+    assert after.value("optimizer_update_ratio", param="1.weight") == pytest.approx(want, rel=1e-6)
+    assert after.get("optimizer_update_ratio", param="0.weight") is None
+    warned = [r.getMessage() for r in caplog.records if "not measured" in r.getMessage()]
+    assert len(warned) == 1 and "0.weight (torch.sparse_coo, torch.float32)" in warned[0]
+
+
+class ToSparse(nn.Module):
+    def forward(self, x):
+        return x.to_sparse()
+
+
+class SparseBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2, bias=False)
+        self.sp = ToSparse()
+        self.out = nn.Linear(2, 1, bias=False)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, -2.0]]))
+            self.out.weight.copy_(torch.tensor([[1.0, 1.0]]))
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.sp(h)
+        return self.out(h)
+
+
+def test_sparse_module_output_is_left_out_alone(make_monitor):
+    model = SparseBranch()
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    model(torch.tensor([[1.0, 3.0]]))  # lin: [1, -6]; out: -5
+    monitor.step()
+    snap = monitor.snapshot()
+    assert no_errors(monitor)
+    assert min_max(snap, "activation", module="lin") == (-6.0, 1.0)
+    assert snap.value("activation_min", module="out") == -5.0
+    assert snap.get("activation_numel", module="sp") is None
+
+
+def test_activation_headroom_follows_autocast(make_monitor):
+    """A first step in fp32, the next under fp16 autocast: the second window's headroom is the
+    fp16 one, which the activation_overflow_risk rule reads."""
+    model = nn.Sequential(nn.Linear(2, 1, bias=False))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    x = torch.tensor([[3000.0, 0.0]])
+    model(x)
+    monitor.step()
+    fp32 = monitor.snapshot().value("activation_headroom", module="0")
+    assert fp32 == 3000.0 / torch.finfo(torch.float32).max
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert model(x).dtype == torch.float16
+    monitor.step()
+    assert monitor.snapshot().value("activation_headroom", module="0") == 3000.0 / 65504.0
+
+
+def test_gradient_headroom_follows_model_half(make_monitor):
+    model = nn.Linear(2, 1, bias=False)
+    monitor = make_monitor(model, flush_every=1).attach()
+    model.weight.grad = torch.tensor([[4.0, -8.0]])
+    monitor.step()
+    fp32 = monitor.snapshot().value("grad_headroom", param="weight")
+    assert fp32 == 8.0 / torch.finfo(torch.float32).max
+    model.half()
+    model.weight.grad = torch.tensor([[4.0, -8.0]], dtype=torch.float16)
+    monitor.step()
+    assert monitor.snapshot().value("grad_headroom", param="weight") == 8.0 / 65504.0
+
+
+def relu_after_linear() -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True), nn.Linear(2, 1, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(2))
+        model[0].bias.zero_()
+        model[2].weight.fill_(1.0)
+    return model
+
+
+X = torch.tensor([[-1.5, 2.0]])  # '0': [-1.5, 2]; the ReLU makes it [0, 2] in place; '2': 2
+
+
+def assert_true_rows(snap) -> None:
+    row = {k: snap.value(f"activation_{k}", module="0") for k in ("min", "max", "zeros")}
+    assert row == {"min": -1.5, "max": 2.0, "zeros": 0.0}
+    assert snap.value("activation_zeros", module="1") == 1.0
+    assert snap.value("activation_max", module="2") == 2.0
+
+
+def test_output_changed_in_place_is_never_measured_from_its_alias(make_monitor, monkeypatch):
+    """The Linear's held output is what the in-place ReLU overwrote: dropped on the first
+    forward, measured in the Linear's own hook from then on; the other modules stay batched."""
+    model = relu_after_linear()
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    model(X)
+    monitor.step()
+    first = monitor.snapshot()
+    assert first.get("activation_min", module="0") is None
+    assert first.value("activation_zeros", module="1") == 1.0
+    calls = []
+    stats = ts.tensor_stats
+    monkeypatch.setattr(
+        ts, "tensor_stats", lambda tensors, *a: calls.append(len(tensors)) or stats(tensors, *a)
+    )
+    model(X)
+    assert calls == [1, 2]  # '0' in its hook; '1' and '2' together when the forward returns
+    monitor.step()
+    assert_true_rows(monitor.snapshot())
+    assert no_errors(monitor)
+
+
+def test_inference_outputs_are_measured_in_their_hook(make_monitor):
+    """Inference tensors have no version counter: measured before the ReLU can change them."""
+    model = relu_after_linear()
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    with torch.inference_mode():
+        model(X)
+    monitor.step()
+    assert_true_rows(monitor.snapshot())
+    assert no_errors(monitor)
