@@ -11,6 +11,7 @@ rule (``skip_step``) is configured: it reads two scalars per step to decide befo
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 import time
@@ -47,11 +48,14 @@ from numwatch.probes.optimizer import OptimizerProbe
 from numwatch.probes.tensors import ActivationProbe, GradientProbe
 from numwatch.probes.weights import WeightProbe
 from numwatch.rules import Rule, RuleEngine, configured_rules
+from numwatch.selection import select_parameters
 from numwatch.sinks.base import Sink
 from numwatch.sinks.console import ConsoleSink
 from numwatch.sinks.jsonl import JsonlSink
 from numwatch.sinks.prometheus import PrometheusSink
 from numwatch.snapshot import MetricRecord, Snapshot
+
+log = logging.getLogger("numwatch")
 
 __all__ = ["Monitor"]
 
@@ -131,6 +135,7 @@ class Monitor:
         self._local_snapshot: Snapshot | None = None  # this rank's own values (per-rank JSONL)
         self._control: OptimizerControl | None = None
         self._optimizer: torch.optim.Optimizer | None = None
+        self._new_trainable: tuple[str, ...] = ()  # trainable since attach, last warned about
         self._history: deque[Snapshot] = deque(maxlen=self.config.history)
         self._event_counts: Counter[tuple[str, str]] = Counter()
         self._unsent_events: list[Event] = []  # raised between flushes, for the next flush's sinks
@@ -489,6 +494,7 @@ class Monitor:
         if not self.config.enabled:
             return None
         start = time.perf_counter()
+        self._guard.run("flush", self._warn_new_trainable)
         with gc_paused():
             snapshot, fired = self._guard.run("flush", self._collect) or (None, [])
             if snapshot is not None:
@@ -519,6 +525,25 @@ class Monitor:
             emit_events = getattr(sink, "emit_events", None)
             if emit_events is not None:
                 self._guard.run("sinks", emit_events, unsent)
+
+    def _warn_new_trainable(self) -> None:
+        """Parameters that began to require grad after attach (gradual unfreezing) are outside
+        the selection the probes made then: say so, once per change (a host walk, per flush)."""
+        probe = self._gradients
+        if probe is None:
+            return
+        watched = {id(p) for _, p in probe.params}
+        selected = select_parameters(self.model, probe.cfg.params, probe.cfg.exclude)
+        new = tuple(name for name, p in selected if id(p) not in watched)
+        if new and new != self._new_trainable:
+            log.warning(
+                "numwatch: %d parameters require grad since attach() and are not watched "
+                "(gradient statistics, spectral norms): %s; detach() and attach() again to "
+                "include them",
+                len(new),
+                ", ".join(new[:8]) + (", ..." if len(new) > 8 else ""),
+            )
+        self._new_trainable = new
 
     def _collect(self) -> tuple[Snapshot, list[tuple[Event, Rule | None]]]:
         ctx = self._ctx

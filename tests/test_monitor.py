@@ -625,6 +625,32 @@ def test_step_with_a_closure_measures_the_gradients_the_closure_made(make_monito
     assert [s.value("loss") for s in monitor.history] == pytest.approx(losses)
 
 
+def test_parameters_unfrozen_after_attach_are_named_once(make_monitor, caplog):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = make_monitor(model, flush_every=1).attach(opt)
+    with caplog.at_level("WARNING", logger="numwatch"):
+        for step in range(4):
+            if step == 2:
+                model[0].requires_grad_(True)  # gradual unfreezing
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    warned = [r.getMessage() for r in caplog.records if "since attach()" in r.getMessage()]
+    assert warned == [
+        "numwatch: 2 parameters require grad since attach() and are not watched (gradient "
+        "statistics, spectral norms): 0.weight, 0.bias; detach() and attach() again to include "
+        "them"
+    ]
+    monitor.detach()
+    monitor.attach(opt)  # the remedy it names
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()  # closes the step and flushes (flush_every=1)
+    params = {r.labels["param"] for r in monitor.snapshot().series("grad_absmax")}
+    assert params == {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+
 def test_disabled_monitor_adds_nothing(make_monitor):
     model = Net()
     before = hook_state(model)
