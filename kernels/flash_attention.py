@@ -13,7 +13,12 @@ Semantics are SDPA's: (B, H, T, D) layout, ``is_causal`` is the top-left aligned
 GQA/MQA when K/V have fewer heads (``enable_gqa=True``), ``attn_mask`` boolean (True = keep) or
 additive float, broadcastable to (B, H, Tq, Tk) (key padding (B,1,1,Tk), (B,1,Tq,Tk), dense
 per-head masks: all run in the kernel); with ``is_causal`` too, both apply (their AND, as torch's
-SDPA computes it on CPU). Rows whose keys are all masked give 0, like SDPA.
+SDPA computes it on CPU). Rows whose keys are all masked give 0, like SDPA. Additive values at
+or below -2^100 (Hugging Face's finfo(dtype).min) swamp the score in SDPA's fp32 sum, so a row
+masked whole by them averages V there: here they take one logit, -2^15 in log2 units, whatever
+the score, which does the same and keeps the backward exact (``flash_attention_torch``'s
+MASK_SWAMPS). Rows masked whole by large finite values above that (-1e9) have the forward right
+but a backward of reduced precision: their LSE, one fp32 near -1e9, loses most of log(row sum).
 bf16 and fp16 inputs, fp32 accumulators, head dims multiple of 8 up to 256 (64 and 128 are the
 fast ones), any Tq and Tk.
 

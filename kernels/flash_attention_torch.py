@@ -15,6 +15,15 @@ import torch
 from torch import Tensor
 
 LOG2E = 1.4426950408889634
+# Additive mask values at or below MASK_SWAMPS (Hugging Face writes finfo(dtype).min of fp32 or
+# bf16) swamp any score in SDPA's fp32 sum: S + M == M, so a row masked whole that way is uniform
+# there (O = mean of V), where M log2(e) would overflow to -inf here and empty the row. Such
+# entries take the one logit SWAMPED_LOGIT instead, whatever the score: the row stays uniform,
+# and low enough for its key to vanish beside any score in the kernel's range (|S| <= 1e4), yet
+# small enough in log2 units (-2^15) for the row's LSE to keep log2(row sum) (an LSE of -1e38
+# would lose it, and the backward's P with it). -inf stays -inf: a key that is really masked.
+MASK_SWAMPS = -(2.0**100)
+SWAMPED_LOGIT = -(2.0**15) * math.log(2.0)
 
 # Modes as the kernels see them (a constexpr in Triton): bit 0 is the stabilizing shift, bit 1
 # the paper's rounding of S, P̄V, O and the row sum to the input dtype.
@@ -59,16 +68,20 @@ def _block_logits(
 ) -> Tensor:
     """Logits of one key block in log2 units, masked entries at -inf.  # (B, H, Tq, bn) fp32"""
     s = qf @ kb.transpose(-1, -2)  # (B, H, Tq, bn) fp32: exact products of bf16/fp16 inputs
+    additive = mask_b is not None and mask_b.dtype != torch.bool
+    if additive:
+        add = mask_b.float()
+        swamped = (add <= MASK_SWAMPS) & (add != float("-inf"))
     if mode in PAPER_MODES:
         # The paper's kernel holds S in the input dtype.
         s = s * sm_scale
-        if mask_b is not None and mask_b.dtype != torch.bool:
-            s = s + mask_b.float()
+        if additive:
+            s = torch.where(swamped, SWAMPED_LOGIT, s + add)
         s2 = _round(s, dtype) * LOG2E
     else:
         s2 = s * (sm_scale * LOG2E)
-        if mask_b is not None and mask_b.dtype != torch.bool:
-            s2 = s2 + mask_b.float() * LOG2E
+        if additive:
+            s2 = torch.where(swamped, SWAMPED_LOGIT * LOG2E, s2 + add * LOG2E)
     if mask_b is not None and mask_b.dtype == torch.bool:
         s2 = s2.masked_fill(~mask_b, float("-inf"))
     if causal_b is not None:

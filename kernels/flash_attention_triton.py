@@ -180,8 +180,10 @@ def _logits(
         )
     if PRESCALED:
         s = qk * sm_scale
-        if MASK_KIND == 2:
-            s += mv.to(tl.float32)
+        if MASK_KIND == 2:  # at or below MASK_SWAMPS: SWAMPED_LOGIT (see their comment)
+            mv = mv.to(tl.float32)
+            swamped = (mv <= -1.2676506002282294e30) & (mv != float("-inf"))
+            s = tl.where(swamped, -22713.046875, s + mv)
         if MODE >= 2:  # the paper's kernel holds S in the input dtype
             s = _round_f32(s, DTYPE, INTERPRET)
         x = s * 1.4426950408889634

@@ -227,6 +227,34 @@ def test_masks_match_fp64(name, causal, dtype):
     assert (o.float() - ref.float()).abs().max() <= 2 * EPS[dtype] * o64.abs().max()
 
 
+@needs_kernel
+@pytest.mark.parametrize(
+    ("dtype", "mask_dtype"),
+    [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16,) * 2],
+    ids=str,
+)
+@pytest.mark.parametrize("mode", ["stabilized", "plain"])
+def test_finfo_min_masks_rows_like_sdpa(dtype, mask_dtype, mode):
+    """Hugging Face masks with finfo(mask dtype).min, not -inf: a row masked whole that way is
+    finite in SDPA (its softmax is uniform: O = mean of V). Scaled to log2 units in fp32 it
+    overflowed to -inf, and the row came out 0."""
+    b, h, tq, tk, d = 1, 2, 19, 24, 32
+    q, k, v, do = _inputs(b, h, h, tq, tk, d, dtype, _device(), seed=5)
+    low = torch.finfo(mask_dtype).min
+    mask = torch.zeros(tq, tk, dtype=mask_dtype)
+    mask[1] = low  # the whole row
+    mask[2, ::2] = low
+    mask = mask.to(_device())
+    kw = {"attn_mask": mask, "mode": mode}
+    o, grads = _run_with_grads(flash_attention, q, k, v, do, **kw)
+    o64, grads64 = _oracle_with_grads(q, k, v, do, attn_mask=mask)
+    if mask_dtype != torch.float16:  # -3.4e38 swamps S: uniform (fp16's -65504 only shifts it)
+        assert torch.allclose(o64[:, :, 1], v.detach().double().mean(2), atol=1e-12)
+    _check_against_oracle(o, grads, o64, grads64, dtype)
+    ref, ref_grads = _run_with_grads(flash_attention_reference, q, k, v, do, **kw)
+    _check_against_oracle(ref, ref_grads, o64, grads64, dtype)
+
+
 @pytest.mark.skipif(fa._tri is None, reason="triton is not installed")
 def test_descriptor_ready_layouts():
     """Layouts a TMA descriptor takes as they are, and those copied first."""
