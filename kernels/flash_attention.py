@@ -85,6 +85,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function
 
 from .flash_attention_torch import (
@@ -151,6 +152,8 @@ def _fallback_reason(
         return "device"
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return "dtype"
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
     if dropout_p > 0.0:
         return "dropout"
     b, h, tq, d = q.shape
@@ -228,6 +231,7 @@ class _FlashFn(torch.autograd.Function):
         return o
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not differentiable: say so, never be wrong
     def backward(ctx, do):  # type: ignore[override]
         q, k, v, o, lse, mask = ctx.saved_tensors
         args = (do, q, k, v, o, lse, mask, ctx.causal, ctx.sm_scale, ctx.mode)
@@ -262,8 +266,12 @@ def _run(
     q, k, v = _autocast_inputs(q, k, v)
     reason = _fallback_reason(q, k, v, attn_mask, dropout_p, scale, enable_gqa)
     if reason == "empty" and 0 in q.shape[:2]:
-        # no output element; SDPA's CUDA path returns None for an empty batch (torch 2.11)
-        return q.new_zeros(*q.shape[:3], v.shape[-1])
+        # No output element; SDPA's CUDA path returns None for an empty batch (torch 2.11). The
+        # output joins q, k and v's graph (sums of no element: exactly 0), as SDPA's does.
+        out = q.new_zeros(*q.shape[:3], v.shape[-1])
+        if torch.is_grad_enabled():
+            out = out + sum(t.flatten()[:0].sum() for t in (q, k, v))
+        return out
     if reason is not None:
         if mode in PAPER_MODES:
             raise ValueError(
@@ -278,8 +286,8 @@ def _run(
     b, h, tq, d = q.shape
     sm_scale = scale if scale is not None else 1.0 / math.sqrt(d)
     mask = None if attn_mask is None else attn_mask.expand(b, h, tq, k.shape[2])
-    if use_triton:  # TMA needs 16-byte strides: copy the rare layouts that lack them
-        q, k, v = (t if _tri.descriptor_ready(t) else t.contiguous() for t in (q, k, v))
+    if use_triton:  # TMA needs 16-byte strides and base: copy the rare layouts that lack them
+        q, k, v = (t if _tri.descriptor_ready(t) else _tri.aligned_copy(t) for t in (q, k, v))
     with _no_autocast(q.device.type):
         return _FlashFn.apply(q, k, v, mask, is_causal, sm_scale, mode, beta, use_triton)
 

@@ -1126,6 +1126,12 @@ def descriptor_ready(x: Tensor) -> bool:
     )
 
 
+def aligned_copy(x: Tensor) -> Tensor:
+    """A contiguous copy in a new allocation (16-byte aligned): ``contiguous()`` returns a
+    contiguous tensor whose storage offset leaves its base unaligned as it is."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def _mask_args(mask: Tensor | None, like: Tensor) -> tuple[Tensor, int, tuple[int, ...]]:
     """Mask pointer, kind and its 4 strides (0 on broadcast dims)."""
     if mask is None:
@@ -1216,7 +1222,7 @@ def triton_backward(
     group = h // hk
     block_d = padded_head_dim(d)
     if not descriptor_ready(do):
-        do = do.contiguous()
+        do = aligned_copy(do)
     delta = torch.empty_like(lse)
     ints = (*o.stride()[:3], *do.stride()[:3], h, tq, d)
     _launch_delta(

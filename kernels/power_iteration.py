@@ -522,6 +522,8 @@ class PowerIteration:
         if not matrices:
             raise ValueError("PowerIteration.step needs at least one matrix")
         iters = self.iters if iters is None else iters
+        if iters < 1:
+            raise ValueError(f"PowerIteration.step iters must be >= 1, got {iters}")
         # hot path: a list laid out as before reuses its table (weights do not move)
         key = (
             tuple(map(torch.Tensor.data_ptr, matrices)),

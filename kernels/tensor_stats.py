@@ -114,7 +114,7 @@ def _one_tensor_stats(x: torch.Tensor, underflow_tiny: float) -> torch.Tensor:
             torch.where(finite, x, inf).amin().double(),
             torch.where(finite, x, -inf).amax().double(),
             xf.sum(dtype=torch.float64),
-            xf.square().sum(dtype=torch.float64),
+            xf.double().square().sum(),  # squared in fp32, 2e19 would read +inf
             torch.isnan(x).sum().double(),
             (x == inf).sum().double(),
             (x == -inf).sum().double(),
@@ -176,7 +176,7 @@ def _finite_row(x: torch.Tensor, total: float, own_tiny: float, underflow_tiny: 
     zeros = int((a == 0).sum())
     below_own = int((a < own_tiny).sum()) - zeros
     below_uf = below_own if underflow_tiny == own_tiny else int((a < underflow_tiny).sum()) - zeros
-    sumsq = x.square().sum(dtype=torch.float64).item()
+    sumsq = x.double().square().sum().item()  # squared in fp32, 2e19 would read +inf
     return [
         float(x.numel()), max(abs(lo), abs(hi)), lo, hi, total, sumsq,
         0.0, 0.0, 0.0, float(zeros), float(below_own), float(below_uf),

@@ -620,6 +620,40 @@ def test_empty_inputs_give_sdpas_empty_output(device, empty):
     else:
         assert counts == {"empty": 1}
         assert torch.equal(out["o"], F.scaled_dot_product_attention(q, k, v))
+    for t in (q, k, v):
+        t.requires_grad_()
+    flash_attention(q, k, v).sum().backward()  # differentiable, as SDPA's output is
+    assert [t.grad.shape for t in (q, k, v)] == [q.shape, k.shape, v.shape]
+    assert all(not t.grad.any() for t in (q, k, v))
+
+
+@needs_kernel
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_inputs_whose_base_is_not_16_byte_aligned(which):
+    """A contiguous tensor at storage offset 1 (bf16: 2 bytes off): TMA needs a 16-byte base,
+    and contiguous() would return the same tensor; the kernel gets an aligned copy."""
+    q, k, v, _ = _inputs(1, 2, 2, 21, 21, 32, torch.bfloat16, _device())
+    qkv = [t.detach() for t in (q, k, v)]
+    flat = torch.empty(qkv[which].numel() + 1, dtype=torch.bfloat16, device=_device())
+    shifted = flat[1:].view(qkv[which].shape).copy_(qkv[which])
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 != 0
+    expected = flash_attention(*qkv)
+    qkv[which] = shifted
+    assert torch.equal(flash_attention(*qkv), expected)
+
+
+def test_second_derivatives_raise_instead_of_being_wrong(monkeypatch):
+    """The reference backward's ops were recorded under create_graph, but its saved LSE carries
+    no gradient: second derivatives came out wrong (1.63 max error against float64). Now the
+    backward is once-differentiable: taking one through it raises."""
+    if fa._tri is not None:
+        monkeypatch.setattr(fa._tri, "INTERPRET", False)  # the torch reference's backward
+    q, k, v, do = _inputs(1, 1, 1, 8, 8, 32, torch.bfloat16, "cpu")
+    for grad_out in (do, do.clone().requires_grad_()):
+        o = flash_attention(q, k, v)
+        (dq,) = torch.autograd.grad(o, q, grad_out, create_graph=True)
+        with pytest.raises(RuntimeError, match=r"not have been used|does not require grad"):
+            torch.autograd.grad(dq.square().sum(), k)
 
 
 def test_paper_repro_and_bad_arguments_raise():
@@ -630,6 +664,8 @@ def test_paper_repro_and_bad_arguments_raise():
         flash_attention(q, q, q, mode="fast")
     with pytest.raises(ValueError, match="beta"):
         flash_attention(q, q, q, beta=1.0)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]"):
+        flash_attention(q, q, q, dropout_p=-0.5)
 
 
 def test_cpu_without_interpreter_runs_the_reference(monkeypatch):

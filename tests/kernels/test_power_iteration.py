@@ -143,6 +143,9 @@ def test_triton_and_torch_paths_agree() -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="iters"):
         PowerIteration(iters=0)
+    for iters in (0, -1):  # the Triton path returned uninitialised memory, the torch one raised
+        with pytest.raises(ValueError, match="step iters must be >= 1"):  # an UnboundLocalError
+            PowerIteration().step([torch.ones(3, 3)], iters=iters)
     with pytest.raises(ValueError, match="backend"):
         PowerIteration(backend="cuda")
     with pytest.raises(ValueError, match="2-D matrices or 3-D"):

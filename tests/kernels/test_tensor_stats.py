@@ -290,6 +290,16 @@ def test_one_special_value_alone_in_a_full_tile(special: float) -> None:
         _assert_rows_match(got, tensor_stats_reference([x]), [x])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sumsq_of_finite_values_is_finite_where_float64_holds_it(dtype: torch.dtype) -> None:
+    """2e19 squared passes fp32's 3.4e38: the reference and the CPU path square in float64, as
+    the docstring promises (only the GPU kernel's fp32 partials may read +inf)."""
+    x = torch.tensor([2e19, 1.0, -3.0], dtype=dtype)
+    want = sum(v * v for v in x.double().tolist())
+    for row in (tensor_stats_reference([x])[0], ts.tensor_stats_cpu([x])[0]):
+        assert row[SUMSQ].item() == want
+
+
 def test_backend_selection_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.tensor([1.0, float("nan")])
     assert torch.equal(tensor_stats([x], backend="auto"), tensor_stats_reference([x]))
