@@ -228,23 +228,56 @@ class LMWrapper(nn.Module):
         return {"loss": loss, "logits": logits}
 
 
-def hf_trainer(hf, tmp_path, model, callbacks, steps: int, clip: float = 0.0):
+def hf_trainer(hf, tmp_path, model, callbacks, steps: int, clip: float = 0.0, **args):
     args = hf.TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=steps,
         per_device_train_batch_size=4,
         learning_rate=0.05,
         max_grad_norm=clip,
-        logging_strategy="no",
+        logging_strategy=args.pop("logging_strategy", "no"),
         save_strategy="no",
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
         dataloader_num_workers=0,
         seed=0,
+        **args,
     )
-    rows = [{"input_ids": x[i], "labels": y[i]} for x, y in batches(steps) for i in range(4)]
+    micro = steps * args.gradient_accumulation_steps
+    rows = [{"input_ids": x[i], "labels": y[i]} for x, y in batches(micro) for i in range(4)]
     return hf.Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks)
+
+
+class TokenSumLMWrapper(LMWrapper):
+    """A model that takes the Trainer's num_items_in_batch: under gradient accumulation each
+    micro-batch's loss is its share of the step's token-weighted mean (transformers 5)."""
+
+    def forward(self, input_ids, labels, **kwargs):  # **kwargs: the Trainer's sign to pass it
+        logits = self.model(input_ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return {"loss": loss / kwargs["num_items_in_batch"], "logits": logits}
+
+
+@pytest.mark.parametrize("wrapper", [LMWrapper, TokenSumLMWrapper])
+def test_hf_loss_is_the_trainers_training_loss_under_accumulation(hf, tmp_path, wrapper):
+    from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+
+    losses = []
+
+    class Keep(hf.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            losses.append(callback.monitor.snapshot().value("loss"))
+
+    callback = NumwatchTrainerCallback(**monitor_options())
+    trainer = hf_trainer(
+        hf, tmp_path, wrapper(), [callback, Keep()], steps=3, gradient_accumulation_steps=4,
+        logging_strategy="steps", logging_steps=1,
+    )  # fmt: skip
+    trainer.train()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == len(losses) == 3
+    assert losses == pytest.approx(logged, rel=1e-5)  # not a micro-batch's, nor a quarter of it
 
 
 def test_hf_statistics_are_after_clipping(hf, tmp_path):

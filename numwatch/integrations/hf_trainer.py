@@ -11,8 +11,10 @@
   Clipping multiplies every gradient by NaN once one is NaN, so a non-finite event names the
   first parameter in backward order, not necessarily the origin; for the true unclipped
   statistics set ``max_grad_norm=0`` and clip yourself after ``monitor.step()``.
-- The loss of the step is the ``loss`` of the model's output in its last forward (the last
-  micro-batch under gradient accumulation); models without one report no loss.
+- The loss of the step is the training loss the Trainer logs, from the ``loss`` of the model's
+  outputs over the step's micro-batches: their sum when the Trainer passed the model
+  ``num_items_in_batch`` (each is then a share of the step's token-weighted mean), else their
+  mean. Models without a ``loss`` in their outputs report none.
 - Stopping: ``request_stop(reason)``, the event kinds in ``stop_on`` and the ``halt`` action
   (``NumwatchHalt``, kept in ``.halt``) set ``control.should_training_stop``; the Trainer
   finishes the current step and ends training cleanly.
@@ -54,6 +56,8 @@ class NumwatchTrainerCallback(TrainerCallback):
     ) -> None:
         self._driver = MonitorDriver(config, overrides, stop_on)
         self._loss_hook: Any = None
+        self._losses: list[torch.Tensor] = []  # the step's micro-batch losses
+        self._shares = False  # whether they are shares of the step's loss (num_items_in_batch)
 
     @property
     def monitor(self) -> Monitor | None:
@@ -81,14 +85,19 @@ class NumwatchTrainerCallback(TrainerCallback):
         if not isinstance(torch_optimizer, torch.optim.Optimizer):
             torch_optimizer = None
         self._driver.start(model, torch_optimizer)
-        self._loss_hook = model.register_forward_hook(self._capture_loss)
+        self._loss_hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
 
-    def _capture_loss(self, module: Any, inputs: Any, output: Any) -> None:
+    def _capture_loss(self, module: Any, args: Any, kwargs: dict, output: Any) -> None:
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
         if isinstance(loss, torch.Tensor) and loss.numel() == 1 and module.training:
-            self._driver.loss = loss.detach()
+            self._losses.append(loss.detach())
+            self._shares = kwargs.get("num_items_in_batch") is not None
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        losses, self._losses = self._losses, []
+        if losses:  # stacked on the device: no sync
+            total = torch.stack(losses).float().sum()
+            self._driver.loss = total if self._shares else total / len(losses)
         self._driver.close_step()
         if self._driver.stop_reason is not None:
             control.should_training_stop = True
