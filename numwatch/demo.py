@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -108,16 +108,53 @@ def bigram_batches(
         yield seq[:, :-1].to(device), seq[:, 1:].to(device)
 
 
+def _count(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``low`` (a bad value is a usage error, not a traceback)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"  # argparse names the type in its message
+    return parse
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    try:
+        torch.device(text)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
+    return text
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="numwatch demo", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--flush-every", type=int, default=10)
+    p.add_argument("--steps", type=_count(1), default=300, help="training steps (300)")
+    p.add_argument("--batch", type=_count(1), default=16, help="sequences per batch (16)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (3e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data (0)")
+    p.add_argument(
+        "--device",
+        type=_device,
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="torch device (cuda when there is one, else cpu)",
+    )
+    p.add_argument(
+        "--flush-every", type=_count(1), default=10, help="steps per flush and console line (10)"
+    )
     p.add_argument("--jsonl", default=None, help="JSONL log path (default: numwatch-runs/...)")
-    p.add_argument("--nan-at", type=int, default=None, help="plant a NaN gradient at this step")
+    p.add_argument(
+        "--nan-at", type=_count(0), default=None, help="plant a NaN gradient at this step"
+    )
     p.add_argument(
         "--plant-sinks",
         action="store_true",
@@ -125,7 +162,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         default=0,
         help="serve Prometheus metrics on 127.0.0.1 at this port (0 = any free port)",
     )

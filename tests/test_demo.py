@@ -1,5 +1,7 @@
 """The demo runs end to end and leaves a JSONL log that a planted NaN shows up in."""
 
+import pytest
+
 from numwatch.demo import main
 from numwatch.sinks.jsonl import read_jsonl
 
@@ -13,3 +15,21 @@ def test_demo_short_run_with_planted_nan(tmp_path, capsys):
     assert events[0]["kind"] == "nonfinite" and events[0]["step"] == 5
     assert events[0]["labels"] == {"param": "blocks.1.mlp.2.weight"}
     assert "8 steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--flush-every", "0"], "--flush-every: must be >= 1, got 0"),
+        (["--steps", "-5"], "--steps: must be >= 1, got -5"),
+        (["--batch", "0"], "--batch: must be >= 1, got 0"),
+        (["--metrics-port", "70000"], "--metrics-port: must be a TCP port in [0, 65535]"),
+        (["--device", "bogus"], "--device: Expected one of"),
+        (["--steps", "ten"], "--steps: invalid integer >= 1 value: 'ten'"),
+    ],
+)
+def test_bad_demo_arguments_are_usage_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
