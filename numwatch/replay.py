@@ -83,14 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     except (NumwatchError, OSError, ValueError, KeyError) as err:
         print(f"numwatch replay: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
-    steps = [r["step"] for r in records]
+    flushes = [r for r in records if r["metrics"]]  # not the record of late events (detach)
+    steps = [r["step"] for r in flushes]
     logged = sum(e["kind"] != "action" for r in records for e in r["events"])
     summary = summarize(events)
     if args.json:
         result = {
             "log": args.log,
             "runs_in_log": len(starts),
-            "flushes": len(records),
+            "flushes": len(flushes),
             "steps": [min(steps), max(steps)] if steps else None,
             "logged_events": logged,
             "by_rule": summary,
@@ -98,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(json.dumps(result, default=str))
         return 0
-    span = f"steps {min(steps)}-{max(steps)}" if steps else "no flushes"
+    span = f", steps {min(steps)}-{max(steps)}" if steps else ""
     runs = f" (the last of {len(starts)} runs in the log)" if len(starts) > 1 else ""
-    print(f"{args.log}: {len(records)} flushes{runs}, {span}; {len(events)} events on replay")
+    print(f"{args.log}: {len(flushes)} flushes{runs}{span}; {len(events)} events on replay")
     print(f"(the live run logged {logged} events, actions aside, with its own configuration)")
     shown = events if args.limit == 0 else events[: args.limit]
     for e in shown:

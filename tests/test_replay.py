@@ -116,6 +116,20 @@ def test_cli_json_with_a_config_file(tmp_path, capsys):
     assert (out["runs_in_log"], out["flushes"], out["events"]) == (2, 30, [])
 
 
+def test_cli_one_run_from_a_log_with_late_events_and_a_crashed_last_line(tmp_path, capsys):
+    """A manual flush with no new step repeats the last step, detach's record of late events
+    (no metrics) too: one run, and the late record is not a flush. The last line is cut short."""
+    action = {"kind": "action", "step": 29, "message": "lr_backoff: x0.5", "rule": "r"}
+    log = [record(9, 1.0), record(19, 1.0), record(29, 1.0), record(29, 1.0)]
+    log.append(dict(record(29, 1.0, [action]), metrics=[]))
+    path = tmp_path / "run.jsonl"
+    text = "".join(json.dumps(r) + "\n" for r in log) + json.dumps(record(39, 1.0))[:40]
+    path.write_text(text)
+    assert cli(["replay", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["runs_in_log"], out["flushes"], out["steps"]) == (1, 4, [9, 29])
+
+
 def test_replay_of_a_live_log_gives_the_live_events(tmp_path):
     """Every rule kind that fires on a real run fires again, at the same flushes and series."""
     torch.manual_seed(0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import gzip
+import io
+import json
 import lzma
 import re
 import shutil
@@ -179,3 +181,61 @@ def test_without_matplotlib_says_what_to_install(log, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(NumwatchError, match=r"numwatch\[report\]"):
         write_report(log, tmp_path / "x.html")
+
+
+def test_late_events_and_a_repeated_step_stay_in_the_run(tmp_path):
+    """A manual flush with no new step repeats step 19; detach writes what its action did in a
+    record of its own, with no metrics: one run, three flushes, every event."""
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path, "planted")
+    sink.emit(flush(9, logit=10.0, repeated=0.0, stabilized=0.0, loss=3.0), [])
+    sink.emit(flush(19, logit=40.0, repeated=0.3, stabilized=0.0, loss=2.0), [PRECURSOR])
+    sink.emit(flush(19, logit=40.0, repeated=0.3, stabilized=0.0, loss=2.0), [])
+    sink.emit_events([SWAP])
+    sink.close()
+    run = load_run(path)
+    assert (run.skipped_runs, run.steps) == (0, [9, 19, 19])
+    assert [e["kind"] for e in run.events] == ["precursor", "action"]
+    assert "steps 9 .. 19 in 3 flushes" in text_of(render_html(run))
+
+
+def test_a_log_cut_short_by_a_crash(log, tmp_path, capsys):
+    log.write_bytes(log.read_bytes()[:-100])
+    assert cli(["report", str(log), "-o", str(tmp_path / "r.html")]) == 0
+    assert "steps 9 .. 29 in 3 flushes" in text_of((tmp_path / "r.html").read_text())
+
+
+def test_names_are_drawn_verbatim(tmp_path):
+    """'$...$' would be mathtext (an unknown command raises); a legend drops labels that begin
+    with '_' (torch.compile's '_orig_mod.')."""
+    from matplotlib.figure import Figure
+
+    from numwatch.sinks.report import _legend, _plot
+
+    names = ["cost$_{a}$", "bad$\\undefinedcmd$", "_orig_mod.w", "plain"]
+    fig = Figure()
+    ax = fig.subplots()
+    for name in names:
+        _plot(ax, [(1, 1.0), (2, 2.0)], name)
+    _legend(ax, len(names))
+    fig.savefig(io.BytesIO(), format="png")  # draws the text
+    shown = [t._preprocess_math(t.get_text()) for t in ax.get_legend().get_texts()]
+    assert [text.strip() for text, _ in shown] == names and not any(math for _, math in shown)
+    path = tmp_path / "run.jsonl"
+    metrics = [{"name": "grad_absmax", "labels": {"param": n}, "value": 1.0} for n in names]
+    record = {"schema": 1, "run": "r", "step": 1, "time": 0.0, "rank": 0, "events": []}
+    path.write_text(json.dumps(dict(record, metrics=metrics)) + "\n")
+    assert cli(["report", str(path)]) == 0
+
+
+def test_overhead_with_untimed_steps(tmp_path):
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path, "r")
+    for step in (1, 2):
+        records = [
+            MetricRecord("step_seconds", {}, 0.0),
+            MetricRecord("monitor_overhead_seconds", {}, 0.001),
+        ]
+        sink.emit(Snapshot(step, records, time=float(step)), [])
+    sink.close()
+    assert "monitor overhead 1.00 ms/step" in text_of(render_html(load_run(path)))

@@ -3,12 +3,19 @@ path) and prints one line per flush and per event."""
 
 from __future__ import annotations
 
+import gzip
+import io
+import itertools
 import json
 import threading
 import time
 
+import pytest
+from rich.console import Console
+
 from numwatch.cli import main as cli
 from numwatch.events import Event
+from numwatch.sinks.console import summary_line
 from numwatch.sinks.jsonl import JsonlSink
 from numwatch.sinks.tail import follow, record_to_snapshot
 from numwatch.snapshot import MetricRecord, Snapshot
@@ -104,3 +111,67 @@ def test_a_record_of_late_events_prints_its_events_only(tmp_path, capsys):
     assert [o for o in out if not o.startswith("numwatch")] == [
         "  action step 7 spike  — lr_backoff: x0.5"
     ]
+
+
+def test_lines_that_are_not_records_are_skipped(tmp_path, capsys, caplog):
+    """A crash cut the run's last line short; a new run on the path appended after it."""
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(line(1) + line(2)[:25] + b"\n" + line(3))
+    assert [r["step"] for r in follow(path, stop=lambda: True)] == [1, 3]
+    with caplog.at_level("WARNING", logger="numwatch"):
+        assert cli(["tail", str(path), "--no-follow"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [o.split(" | ")[0] for o in out] == ["numwatch step 1", "numwatch step 3"]
+    assert "skipped 1 line(s)" in caplog.text and "line 2" in caplog.text
+
+
+def test_a_compressed_log_is_printed_not_followed(tmp_path, capsys):
+    path = tmp_path / "run.jsonl.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(line(1) + line(2))
+    assert cli(["tail", str(path), "--no-follow", "-n", "1"]) == 0
+    assert capsys.readouterr().out.startswith("numwatch step 2 | loss 1")
+    assert cli(["tail", str(path)]) == 1
+    assert "--no-follow" in capsys.readouterr().out
+
+
+def plain(markup: str) -> str:
+    out = io.StringIO()
+    Console(file=out, force_terminal=False, width=500).print(markup)
+    return out.getvalue().strip()
+
+
+ATTENTION = {
+    "attn_rows": 8.0,
+    "attn_repeated_max_rows": 2.0,
+    "attn_saturated_rows": 0.0,
+    "attn_max_logit": 12.0,
+}
+
+
+@pytest.mark.parametrize(
+    "kept",
+    [k for n in range(len(ATTENTION) + 1) for k in itertools.combinations(ATTENTION, n)],
+    ids=lambda kept: "+".join(kept) or "none",
+)
+def test_summary_line_of_any_subset_of_the_attention_metrics(kept):
+    """A log written with sinks.jsonl.exclude holds any subset (`numwatch tail` reads it)."""
+    metrics = [MetricRecord(name, {"layer": "b"}, ATTENTION[name]) for name in kept]
+    text = plain(summary_line(Snapshot(1, metrics, time=0.0), []))
+    shares = "attn_rows" in kept
+    assert ("repeated-max 25.0%" in text) == (shares and "attn_repeated_max_rows" in kept)
+    assert ("saturated 0.0%" in text) == (shares and "attn_saturated_rows" in kept)
+    assert ("max_logit 12" in text) == ("attn_max_logit" in kept)
+
+
+def test_summary_line_shows_names_and_messages_verbatim():
+    metrics = [
+        MetricRecord("grad_absmax", {"param": "heads.[cls].weight"}, 2.0),
+        MetricRecord("activation_absmax", {"module": "odd[/]name"}, 3.0),
+    ]
+    message = "[attn_repeated_max] attn_repeated_max_fraction = 0.67 > 0.05 for 3 flushes"
+    event = Event(kind="precursor", step=1, message=message, rule="attn_repeated_max")
+    text = plain(summary_line(Snapshot(1, metrics, time=0.0), [event]))
+    assert "grad_absmax 2 (heads.[cls].weight)" in text
+    assert "act_absmax 3 (odd[/]name)" in text
+    assert text.endswith(f"events: 1 precursor — {message}")

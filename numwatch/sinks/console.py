@@ -23,7 +23,30 @@ def _worst(snapshot: Snapshot, metric: str, label: str) -> tuple[float, str] | N
     if not series:
         return None
     best = max(series, key=lambda r: r.value)
-    return best.value, best.labels.get(label, "")
+    return best.value, escape(best.labels.get(label, ""))  # a name may hold '[...]'
+
+
+# (metric, what): the attention precursors counted in rows, shown as shares of attn_rows.
+_ATTN_SHARES = (("attn_repeated_max_rows", "repeated-max"), ("attn_saturated_rows", "saturated"))
+
+
+def _attention(snapshot: Snapshot) -> str | None:
+    """The attention part of the line, of whichever precursors the flush holds: a log written
+    with ``sinks.jsonl.exclude`` (read back by `numwatch tail`) may lack any of them."""
+    rows = sum(r.value for r in snapshot.series("attn_rows"))
+    shares = []
+    for metric, what in _ATTN_SHARES:
+        series = snapshot.series(metric)
+        if rows and series:
+            shares.append((what, sum(r.value for r in series) / rows))
+    parts = []
+    if shares:
+        style = "yellow" if any(share for _, share in shares) else "green"
+        parts.append(f"[{style}]" + " ".join(f"{w} {share:.1%}" for w, share in shares) + "[/]")
+    logits = snapshot.series("attn_max_logit")
+    if logits:
+        parts.append(f"max_logit {max(r.value for r in logits):.3g}")
+    return "attn " + " ".join(parts) if parts else None
 
 
 def summary_line(snapshot: Snapshot, events: Sequence[Event]) -> str:
@@ -41,16 +64,9 @@ def summary_line(snapshot: Snapshot, events: Sequence[Event]) -> str:
     worst = _worst(snapshot, "activation_absmax", "module")
     if worst:
         parts.append(f"act_absmax {worst[0]:.3g} ({worst[1]})")
-    rows = sum(r.value for r in snapshot.series("attn_rows"))
-    if rows:
-        repeated = sum(r.value for r in snapshot.series("attn_repeated_max_rows"))
-        saturated = sum(r.value for r in snapshot.series("attn_saturated_rows"))
-        logit = max(r.value for r in snapshot.series("attn_max_logit"))
-        style = "yellow" if repeated or saturated else "green"
-        parts.append(
-            f"[{style}]attn repeated-max {repeated / rows:.1%} saturated {saturated / rows:.1%}[/]"
-            f" max_logit {logit:.3g}"
-        )
+    attention = _attention(snapshot)
+    if attention:
+        parts.append(attention)
     nonfinite = sum(r.value for r in snapshot.series("grad_nonfinite"))
     nonfinite += sum(r.value for r in snapshot.series("activation_nonfinite"))
     style = "bold red" if nonfinite else "green"
@@ -64,9 +80,10 @@ def summary_line(snapshot: Snapshot, events: Sequence[Event]) -> str:
         parts.append(text)
     if events:
         kinds = Counter(e.kind for e in events)
-        listed = ", ".join(f"{n} {k}" for k, n in kinds.items())
+        listed = escape(", ".join(f"{n} {k}" for k, n in kinds.items()))
         first = min(events, key=lambda e: e.kind != "action")  # what was done matters most
-        parts.append(f"[bold yellow]events: {listed}[/] — {first.message}")
+        # escaped: every rule's message begins with '[rule]', which Rich would take for a tag
+        parts.append(f"[bold yellow]events: {listed}[/] — {escape(first.message)}")
     return " | ".join(parts)
 
 
@@ -86,7 +103,9 @@ class ConsoleSink:
     def emit_events(self, events: Sequence[Event]) -> None:
         """Events raised after the last flush (what its actions did), at detach."""
         for e in events:
-            self.console.print(f"[bold yellow]{e.kind}[/] step {e.step}: {escape(e.message)}")
+            self.console.print(
+                f"[bold yellow]{escape(e.kind)}[/] step {e.step}: {escape(e.message)}"
+            )
 
     def close(self) -> None:
         """Nothing to release: the console belongs to the process."""

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import lzma
 import math
+import os
 from collections.abc import Mapping, Sequence
-from itertools import compress
+from itertools import compress, pairwise
 from pathlib import Path
 from typing import IO, Any
 
@@ -20,9 +22,19 @@ from numwatch.events import Event
 from numwatch.selection import matches
 from numwatch.snapshot import Snapshot
 
-__all__ = ["SCHEMA_VERSION", "JsonlSink", "open_log", "read_jsonl", "run_starts"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "JsonlSink",
+    "open_log",
+    "parse_record",
+    "read_jsonl",
+    "run_starts",
+    "warn_unreadable",
+]
 
 SCHEMA_VERSION = 1
+
+_log = logging.getLogger("numwatch")
 
 
 def _finite_or_str(value: Any) -> Any:
@@ -63,6 +75,7 @@ class JsonlSink:
         self._held: Snapshot | None = None  # the last skipped flush: written at close
         self._rank = 0  # the last flush's, for records of late events
         self._kept: dict[str, bool] = {}  # metric name -> written (the globs tested once)
+        _end_partial_line(self.path)
         self._file = self.path.open("a", encoding="utf-8")
         # '{"name": ..., "labels": {...}, "value": ' per series: the same every flush, so a flush
         # encodes only its numbers (thousands of series per flush on a large model).
@@ -156,33 +169,83 @@ class JsonlSink:
         self._file.close()
 
 
-def open_log(path: str | Path) -> IO[str]:
-    """A run log's text for reading: gzip- or xz-compressed when its name ends in ``.gz`` or
-    ``.xz``, as archived logs are."""
+def _end_partial_line(path: Path) -> None:
+    """End the last line of a log that a crash left partial: a run appending to the same path
+    would otherwise glue its first record onto it, and lose that record with the partial one."""
+    if not path.is_file():
+        return
+    with path.open("r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+
+
+def open_log(path: str | Path, mode: str = "rt") -> IO[Any]:
+    """A run log for reading (``mode`` "rt" or "rb"): gzip- or xz-compressed when its name ends
+    in ``.gz`` or ``.xz``, as archived logs are."""
     path = Path(path)
     opener = {".gz": gzip.open, ".xz": lzma.open}.get(path.suffix, open)
-    return opener(path, "rt", encoding="utf-8")
+    return opener(path, mode, encoding=None if "b" in mode else "utf-8")
+
+
+def _floats(item: dict[str, Any], *keys: str) -> None:
+    for key in keys:
+        if isinstance(item.get(key), str):
+            item[key] = float(item[key])  # "nan", "inf", "-inf"
+
+
+def parse_record(line: str | bytes) -> dict[str, Any] | None:
+    """One line of a log as a record, non-finite strings back as floats; None for a line that
+    is not one (cut short by a crash mid-write), which readers skip: the rest is still the run."""
+    try:
+        record = json.loads(line)
+        if not isinstance(record, dict) or not {"step", "metrics", "events"} <= record.keys():
+            return None
+        for m in record["metrics"]:
+            _floats(m, "value")
+        for e in record["events"]:
+            _floats(e, "value", "threshold")
+    except (ValueError, TypeError, AttributeError):  # bad JSON or UTF-8; a field of wrong type
+        return None
+    return record
+
+
+def warn_unreadable(path: str | Path, lines: Sequence[int]) -> None:
+    """One warning for the lines (1-based) of ``path`` that were skipped as not records."""
+    if lines:
+        shown = ", ".join(map(str, lines[:10])) + (", ..." if len(lines) > 10 else "")
+        _log.warning(
+            "numwatch: %s: skipped %d line(s) that are not JSON records (a crash mid-write "
+            "leaves one): line %s",
+            path,
+            len(lines),
+            shown,
+        )
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a run log (``open_log``), with the non-finite strings turned back into
-    floats."""
-    out = []
+    """Records of a run log (``open_log``, ``parse_record``); lines that are not records are
+    skipped with a warning (``warn_unreadable``)."""
+    out, skipped = [], []
     with open_log(path) as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if line.strip():
-                record = json.loads(line)
-                for m in record["metrics"]:
-                    if isinstance(m["value"], str):
-                        m["value"] = float(m["value"])
-                out.append(record)
+                record = parse_record(line)
+                if record is None:
+                    skipped.append(number)
+                else:
+                    out.append(record)
+    warn_unreadable(path, skipped)
     return out
 
 
 def run_starts(records: list[dict[str, Any]]) -> list[int]:
-    """Where each run begins in the records of a log: a path reused by a later run holds several,
-    and a run starts where the step goes back."""
+    """Where each run begins in the records of a log (a path reused by a later run holds
+    several): where the run name changes or the step goes back. An equal step stays in the run:
+    a manual flush with no new step, or the record of late events written at detach."""
     if not records:
         return []
-    later = range(1, len(records))
-    return [0] + [i for i in later if records[i]["step"] <= records[i - 1]["step"]]
+    pairs = enumerate(pairwise(records), 1)
+    return [0] + [i for i, (a, b) in pairs if b.get("run") != a.get("run") or b["step"] < a["step"]]

@@ -107,8 +107,8 @@ def _reduce(values: list[float], reduction: str) -> float:
 
 
 def load_run(path: str | Path) -> Run:
-    """The last run in ``path`` (a log the same path was reused for holds several: a run starts
-    where the step goes back)."""
+    """The last run in ``path`` (a log the same path was reused for holds several: see
+    ``run_starts``)."""
     path = Path(path)
     if not path.is_file():
         raise NumwatchError(f"no run log at {str(path)!r}")
@@ -125,12 +125,13 @@ def load_run(path: str | Path) -> Run:
         for m in record["metrics"]:
             series[m["name"]][tuple(sorted(m["labels"].items()))].append((step, m["value"]))
         events += record["events"]
+    flushes = [r for r in records if r["metrics"]]  # not the record of late events (detach)
     return Run(
         path=path,
         name=records[-1].get("run", ""),
         rank=records[-1].get("rank", 0),
-        steps=[r["step"] for r in records],
-        times=[r["time"] for r in records],
+        steps=[r["step"] for r in flushes],
+        times=[r["time"] for r in flushes],
         series=series,
         events=events,
         skipped_runs=len(starts) - 1,
@@ -205,10 +206,22 @@ def _legend(ax: Any, n: int) -> None:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 
+def _verbatim(text: str) -> str:
+    """``text`` (a parameter, module or layer name) as matplotlib draws it verbatim: a pair of
+    '$' would start mathtext, which garbles the name or raises on an unknown command, and a
+    legend leaves out labels that begin with '_' (as torch.compile's '_orig_mod.' does)."""
+    text = text.replace("$", r"\$")
+    return " " + text if text.startswith("_") else text
+
+
+def _title(ax: Any, title: str) -> None:
+    ax.set_title(_verbatim(title), fontsize=9, loc="left")
+
+
 def _plot(ax: Any, points: list[tuple[int, float]], label: str, **kwargs: Any) -> None:
     if points:
         steps, values = zip(*points, strict=True)
-        ax.plot(steps, values, label=label, lw=1.2, **kwargs)
+        ax.plot(steps, values, label=_verbatim(label), lw=1.2, **kwargs)
 
 
 def _figure(rows: int) -> tuple[Any, list[Any]]:
@@ -237,14 +250,14 @@ def _training_plot(run: Run) -> str | None:
     fig, axes = _figure(len(panels) + bool(nonfinite))
     for ax, (metric, title) in zip(axes, panels, strict=False):
         _plot(ax, run.scalar(metric), metric)
-        ax.set_title(title, fontsize=9, loc="left")
+        _title(ax, title)
         if metric == "grad_norm" and _positive(run.scalar(metric)):
             ax.set_yscale("log")
     if nonfinite:
         ax = axes[-1]
         for metric in nonfinite:
             _plot(ax, run.scalar(metric), metric)
-        ax.set_title("Non-finite elements per flush window", fontsize=9, loc="left")
+        _title(ax, "Non-finite elements per flush window")
         _legend(ax, len(nonfinite))
     return _finish(fig, axes, run)
 
@@ -262,7 +275,7 @@ def _attention_plot(run: Run) -> str | None:
         layers = run.layer_series(metric)
         for i, (layer, points) in enumerate(layers.items()):
             _plot(ax, points, layer, color=_layer_color(i, len(layers)))
-        ax.set_title(title, fontsize=9, loc="left")
+        _title(ax, title)
         if log and any(_positive(p) for p in layers.values()):
             ax.set_yscale("log")
         _legend(ax, len(layers))
@@ -299,7 +312,7 @@ def _tensor_plot(run: Run, top: int) -> str | None:
         worst = _worst_series(run, metric, label, top)
         for name, points in worst.items():
             _plot(ax, points, name)
-        ax.set_title(f"{title}, top {len(worst)}", fontsize=9, loc="left")
+        _title(ax, f"{title}, top {len(worst)}")
         if log and any(_positive(p) for p in worst.values()):
             ax.set_yscale("log")
         _legend(ax, len(worst))
@@ -314,7 +327,7 @@ def _cost_plot(run: Run) -> str | None:
     _plot(ax, [(s, v * 1e3) for s, v in run.scalar("step_seconds")], "step")
     overhead = run.scalar("monitor_overhead_seconds")
     _plot(ax, [(s, v * 1e3) for s, v in overhead], "numwatch overhead")
-    ax.set_title("Time per step, ms", fontsize=9, loc="left")
+    _title(ax, "Time per step, ms")
     _legend(ax, 2)
     return _finish(fig, axes, run)
 
@@ -351,7 +364,12 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     """(what, value) rows of the summary table, for the metrics the log has."""
     rows = [
         ("run", f"{run.name} (rank {run.rank})"),
-        ("steps", f"{run.steps[0]} .. {run.steps[-1]} in {len(run.steps)} flushes"),
+        (
+            "steps",
+            f"{run.steps[0]} .. {run.steps[-1]} in {len(run.steps)} flushes"
+            if run.steps
+            else "no flushes (events only)",
+        ),
     ]
     if len(run.times) > 1:
         rows.append(("wall time", f"{run.times[-1] - run.times[0]:.1f} s between first/last flush"))
@@ -404,9 +422,8 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     if overhead and step_s:
         o = sum(v for _, v in overhead) / len(overhead)
         s = sum(v for _, v in step_s) / len(step_s)
-        rows.append(
-            ("monitor overhead", f"{o * 1e3:.2f} ms/step ({100 * o / s:.1f} % of {s * 1e3:.1f} ms)")
-        )
+        share = f" ({100 * o / s:.1f} % of {s * 1e3:.1f} ms)" if s else ""
+        rows.append(("monitor overhead", f"{o * 1e3:.2f} ms/step{share}"))
     errors = run.series.get("monitor_errors_total", {})
     if errors:
         bad = {dict(k)["component"]: pts[-1][1] for k, pts in errors.items() if pts[-1][1] > 0}

@@ -2,13 +2,15 @@
 
 The log is read, never locked: the training process keeps appending. A line still being written
 (no newline yet) waits for the rest; a log that does not exist yet is waited for; a log that is
-truncated or replaced (a new run on the same path) is read again from its start.
+truncated or replaced (a new run on the same path) is read again from its start. A line that is
+not a record (a crash mid-write cut it short) is skipped with a warning. A compressed (archived)
+log does not grow: it is printed with --no-follow.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -20,24 +22,23 @@ from rich.markup import escape
 
 from numwatch.events import Event
 from numwatch.sinks.console import summary_line
+from numwatch.sinks.jsonl import open_log, parse_record, warn_unreadable
 from numwatch.snapshot import MetricRecord, Snapshot
 
 __all__ = ["follow", "main", "record_to_snapshot"]
 
 _SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "green"}
+_log = logging.getLogger("numwatch")
 
 
 def record_to_snapshot(record: dict[str, Any]) -> tuple[Snapshot, list[Event]]:
-    """A JSONL record back as the Snapshot and Events the sinks saw."""
-    metrics = [MetricRecord(m["name"], m["labels"], _number(m["value"])) for m in record["metrics"]]
+    """A JSONL record (as ``parse_record`` returns it) back as the Snapshot and Events the sinks
+    saw."""
+    metrics = [MetricRecord(m["name"], m["labels"], m["value"]) for m in record["metrics"]]
     snapshot = Snapshot(record["step"], metrics, time=record["time"], rank=record.get("rank", 0))
     fields = set(Event.__dataclass_fields__)
     events = [Event(**{k: v for k, v in e.items() if k in fields}) for e in record["events"]]
     return snapshot, events
-
-
-def _number(value: float | str) -> float:
-    return float(value) if isinstance(value, str) else value  # "nan", "inf", "-inf"
 
 
 def follow(
@@ -66,7 +67,16 @@ def follow(
                 if pending.endswith(b"\n"):
                     line, pending = pending, b""
                     if line.strip():
-                        yield json.loads(line)
+                        record = parse_record(line)
+                        if record is None:
+                            _log.warning(
+                                "numwatch: %s: skipped a line that is not a JSON record "
+                                "(at byte %d)",
+                                path,
+                                f.tell() - len(line),
+                            )
+                        else:
+                            yield record
                 continue
             if _replaced(path, inode, f.tell()):
                 f.close()
@@ -97,19 +107,32 @@ def print_record(console: Console, record: dict[str, Any], *, events: bool = Tru
             style = _SEVERITY_STYLE.get(e.severity, "")
             where = " ".join(f"{k}={v}" for k, v in e.labels.items())
             console.print(
-                f"  [{style}]{e.kind}[/] step {e.step} [dim]{escape(e.rule)}[/] "
+                f"  [{style}]{escape(e.kind)}[/] step {e.step} [dim]{escape(e.rule)}[/] "
                 f"{escape(where)} — {escape(e.message)}"
             )
 
 
 def backlog(path: Path, last: int) -> tuple[list[dict[str, Any]], int]:
-    """The last ``last`` complete records of the log now, and the byte offset after them."""
+    """The last ``last`` complete records of the log now, and the byte offset after them. Only
+    the lines needed are parsed (a long run's log is large)."""
     if not path.is_file():
         return [], 0
-    data = path.read_bytes()
+    with open_log(path, "rb") as f:
+        data = f.read()
     end = data.rfind(b"\n") + 1  # a line still being written is read by follow()
-    lines = [line for line in data[:end].splitlines() if line.strip()]
-    return [json.loads(line) for line in lines[len(lines) - last :] if last > 0], end
+    lines = data[:end].splitlines()
+    records, skipped = [], []
+    for number in range(len(lines), 0, -1):
+        if len(records) >= last:
+            break
+        if lines[number - 1].strip():
+            record = parse_record(lines[number - 1])
+            if record is None:
+                skipped.append(number)
+            else:
+                records.append(record)
+    warn_unreadable(path, skipped[::-1])
+    return records[::-1], end
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.log)
     if args.no_follow and not path.is_file():
         console.print(f"numwatch tail: no log at {escape(str(path))}")
+        return 1
+    if not args.no_follow and path.suffix in (".gz", ".xz"):
+        console.print(
+            f"numwatch tail: {escape(str(path))} is compressed, an archived log that does not "
+            "grow: print it with --no-follow"
+        )
         return 1
     old, offset = backlog(path, args.lines)
     for record in old:
