@@ -156,6 +156,8 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int
     Bk, Hkv, Tk, Dk = k.shape
     if Bk != B or Dk != D:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head dim")
+    if D == 0:  # no score is defined: the default scale 1/sqrt(D) is not, and SDPA's would be NaN
+        raise ValueError(f"the head dim of q and k must be >= 1, got {tuple(q.shape)}")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"q's {Hq} heads are not a multiple of k's {Hkv} heads (GQA/MQA)")
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype:
@@ -163,15 +165,41 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int
     return B, Hq, Tq, D, Hkv, Tk
 
 
-def _check_mask(attn_mask: torch.Tensor | None, is_causal: bool) -> None:
+def _check_mask(
+    attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, int, int, int]
+) -> None:
+    """``shape`` is (B, Hq, Tq, Tk): the torch path indexes the un-broadcast mask chunk by chunk,
+    where a mask that does not broadcast would fail late and obscurely (or not at all)."""
     if attn_mask is None:
         return
     if is_causal:
         raise ValueError("pass either attn_mask or is_causal=True, not both (SDPA's rule)")
-    if attn_mask.dim() > 4:
-        raise ValueError(f"attn_mask must have at most 4 dims, got {tuple(attn_mask.shape)}")
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    try:
+        fits = torch.broadcast_shapes(attn_mask.shape, shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"attn_mask {tuple(attn_mask.shape)} does not broadcast to (B, Hq, Tq, Tk) = {shape}"
+        )
+
+
+def _check_index(name: str, idx: torch.Tensor | None, n: int) -> None:
+    """Sampled indices must lie in [0, n). On the host that is checked here, for a clear error;
+    on a device it would cost a host sync, so the implementations skip the indices out of range
+    instead (their rows count as not sampled)."""
+    if idx is None:
+        return
+    if idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"{name} must be a 1-D int64 or int32 tensor, got {idx.dtype} {tuple(idx.shape)}"
+        )
+    if idx.device.type == "cpu":
+        bad = idx[(idx < 0) | (idx >= n)]
+        if bad.numel():
+            raise ValueError(f"{name} indices must lie in [0, {n}), got {bad[:8].tolist()}")
 
 
 def _mask_floor(mask: torch.Tensor) -> float:
@@ -298,12 +326,24 @@ def _empty_head_stats(Hq: int, device: torch.device) -> torch.Tensor:
     return out
 
 
+def _clamped(
+    idx: torch.Tensor | None, n: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled indices (all of range(n) for None) clamped into [0, n), n >= 1, and which were
+    in range: out-of-range device indices gather index 0 and count as not sampled, like the
+    kernel's, since checking them would cost a host sync."""
+    if idx is None:
+        return torch.arange(n, device=device), torch.ones(n, dtype=torch.bool, device=device)
+    idx = idx.to(device=device, dtype=torch.int64)
+    return idx.clamp(0, n - 1), (idx >= 0) & (idx < n)
+
+
 def _sampled(
     batch: torch.Tensor | None, rows: torch.Tensor | None, B: int, Tq: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    b_idx = torch.arange(B, device=device) if batch is None else batch.to(device)
-    r_idx = torch.arange(Tq, device=device) if rows is None else rows.to(device)
-    return b_idx, r_idx
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clamped batch and row indices, and which (batch, row) pairs are sampled: (nb, nr)."""
+    (b_idx, b_ok), (r_idx, r_ok) = _clamped(batch, B, device), _clamped(rows, Tq, device)
+    return b_idx, r_idx, b_ok[:, None] & r_ok[None, :]
 
 
 def _as_4d(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -318,19 +358,21 @@ def _chunk_validity(
     is_causal: bool,
     b1: torch.Tensor,
     r: torch.Tensor,
+    sampled: torch.Tensor,
     Hq: int,
     Tk: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(Hq, rc, Tk) unmasked entries and the additive mask values (or None) of one chunk.
+    """(Hq, rc, Tk) unmasked entries and the additive mask values (or None) of one chunk;
+    rows not ``sampled`` (out-of-range indices) are fully masked.
 
     Only the chunk is materialized: indexing happens on the un-broadcast mask.
     """
     rc = r.numel()
-    valid = torch.ones(1, 1, 1, dtype=torch.bool, device=r.device)
+    valid = sampled.view(1, rc, 1)
     add = None
     if is_causal:
         cols = torch.arange(Tk, device=r.device)
-        valid = (cols[None, :] <= r[:, None]).unsqueeze(0)  # (1, rc, Tk)
+        valid = valid & (cols[None, :] <= r[:, None]).unsqueeze(0)  # (1, rc, Tk)
     if mask4 is not None:
         mb = mask4 if mask4.shape[0] == 1 else mask4.index_select(0, b1)
         mb = mb if mb.shape[2] == 1 else mb.index_select(2, r)
@@ -357,8 +399,10 @@ def _head_stats_torch(
 ) -> torch.Tensor:
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
+    if 0 in (B, Tq, Tk):  # no row has an unmasked entry
+        return _empty_head_stats(Hq, q.device)
     g = Hq // Hkv
-    b_idx, r_idx = _sampled(batch, rows, B, Tq, q.device)
+    b_idx, r_idx, sampled = _sampled(batch, rows, B, Tq, q.device)
     acc = None
     with _exact_fp32_matmul(q.device):
         for bi in range(b_idx.numel()):
@@ -370,7 +414,7 @@ def _head_stats_torch(
                 rc = r.numel()
                 qc = qb.index_select(1, r).to(torch.float32).view(Hkv, g * rc, D)
                 s = (qc @ kb.transpose(1, 2)).view(Hq, rc, Tk) * scale  # fp32
-                valid, add = _chunk_validity(mask4, is_causal, b1, r, Hq, Tk)
+                valid, add = _chunk_validity(mask4, is_causal, b1, r, sampled[bi, sl], Hq, Tk)
                 if add is not None:
                     s = s + add
                 part = _reduce_head_rows(*_scores_rows_stats(s, valid, thr, entropy))
@@ -388,23 +432,31 @@ def score_head_stats(
     memory_budget: int = _DEFAULT_MEMORY_BUDGET,
 ) -> torch.Tensor:
     """Per-head stats of materialized softmax inputs (eager attention), same columns as
-    ``attention_head_stats``.
+    ``attention_head_stats``, whose rules for ``rows`` and ``batch`` apply.
 
     ``scores`` is the (B, H, Tq, Tk) tensor handed to softmax, mask already added: entries equal
     to ``-inf`` or ``<= finfo(scores.dtype).min`` count as masked. Chunked over rows.
     """
-    if scores.dim() != 4:
-        raise ValueError(f"scores must be 4-D (B, H, Tq, Tk), got {tuple(scores.shape)}")
+    if scores.dim() != 4 or not scores.is_floating_point():
+        raise ValueError(
+            f"scores must be 4-D (B, H, Tq, Tk) floating point, got {scores.dtype} "
+            f"{tuple(scores.shape)}"
+        )
     B, H, Tq, Tk = scores.shape
+    _check_index("batch", batch, B)
+    _check_index("rows", rows, Tq)
     thr = saturation_threshold(saturation_dtype)
+    if 0 in (B, Tq, Tk):  # no row has an unmasked entry
+        return _empty_head_stats(H, scores.device)
     floor = max(torch.finfo(scores.dtype).min, torch.finfo(torch.float32).min)
-    b_idx, r_idx = _sampled(batch, rows, B, Tq, scores.device)
+    b_idx, r_idx, sampled = _sampled(batch, rows, B, Tq, scores.device)
     acc = None
     for bi in range(b_idx.numel()):
         sb = scores.index_select(0, b_idx[bi : bi + 1])[0]  # (H, Tq, Tk)
         for sl in _row_chunks(r_idx.numel(), H * Tk, memory_budget):
             s = sb.index_select(1, r_idx[sl]).to(torch.float32)  # (H, rc, Tk)
-            part = _reduce_head_rows(*_scores_rows_stats(s, s > floor, thr, entropy))
+            valid = (s > floor) & sampled[bi, sl, None]
+            part = _reduce_head_rows(*_scores_rows_stats(s, valid, thr, entropy))
             acc = _merge_head_partials(acc, part)
     return _empty_head_stats(H, scores.device) if acc is None else acc
 
@@ -549,7 +601,7 @@ if triton is not None:
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_mb, stride_mh, stride_mm, stride_mn,
-        R, Tk, D, GROUP, PART_BLOCKS, scale, unit, thr, mask_floor,
+        R, Tq, B, Tk, D, GROUP, PART_BLOCKS, scale, unit, thr, mask_floor,
         HAS_ROWS: tl.constexpr, HAS_BATCH: tl.constexpr, MASK_KIND: tl.constexpr,
         IS_CAUSAL: tl.constexpr, ENTROPY: tl.constexpr, MUL_SCALE: tl.constexpr,
         UPCAST: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
@@ -559,6 +611,9 @@ if triton is not None:
 
         ``unit`` converts loop units to S (scale when MUL_SCALE is off, else 1); ``thr`` is in
         loop units. PART is (Bs, Hq, PART_BLOCKS, 9) whatever BLOCK_M the autotuner tries.
+        Rows past R and sampled indices outside [0, Tq) or [0, B) are not counted; the loop's
+        loads of K and the mask read batch element 0 and query row 0 for them, never past k or
+        the mask.
         """
         pid_m = tl.program_id(0)
         n_blocks = tl.num_programs(0)
@@ -566,13 +621,22 @@ if triton is not None:
             pid_m = n_blocks - 1 - pid_m
         h = tl.program_id(1).to(tl.int64)
         bi = tl.program_id(2)
-        b = tl.load(BATCH_IDX + bi).to(tl.int64) if HAS_BATCH else bi.to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < R
+        if HAS_BATCH:
+            b = tl.load(BATCH_IDX + bi).to(tl.int64)
+            b_ok = (b >= 0) & (b < B)
+            row_ok = offs_m < tl.where(b_ok, R, 0)
+            b = tl.where(b_ok, b, 0)
+        else:
+            b = bi.to(tl.int64)
+            row_ok = offs_m < R
         if HAS_ROWS:
-            qrow = tl.load(ROWS_IDX + offs_m, mask=row_ok, other=0).to(tl.int64)
+            qrow = tl.load(ROWS_IDX + offs_m, mask=offs_m < R, other=0).to(tl.int64)
+            row_ok = row_ok & (qrow >= 0) & (qrow < Tq)
         else:
             qrow = offs_m.to(tl.int64)
+        if MASK_KIND != 0:  # the mask is read at every row's qrow, counted or not
+            qrow = tl.where(row_ok, qrow, 0)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
@@ -599,7 +663,8 @@ if triton is not None:
             full_end = (Tk // BLOCK_N) * BLOCK_N
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        mn = tl.full([BLOCK_M], float("inf"), tl.float32)
+        # rows not counted start at mn = -inf: no predicate held across the loops (registers)
+        mn = tl.where(row_ok, float("inf"), float("-inf"))
         t = tl.zeros([BLOCK_M], tl.float32)  # counts in fp32: exact up to 2^24 keys
         c = tl.zeros([BLOCK_M], tl.float32)
         dirty = tl.zeros([BLOCK_M], tl.int1)
@@ -650,7 +715,7 @@ if triton is not None:
                 c2 += tl.sum(tl.where(s - m2[:, None] >= thr, 1.0, 0.0), 1)
             c = tl.where(dirty, c2, c)
 
-        ok = row_ok & (m > float("-inf"))
+        ok = (m > float("-inf")) & (mn > float("-inf"))
         sat_row = ok & (c >= 2.0)
         p = PART + ((bi * tl.num_programs(1) + h) * PART_BLOCKS + pid_m) * 9
         tl.store(p + 0, tl.sum(ok.to(tl.float64)))
@@ -841,7 +906,7 @@ def _head_stats_triton(
     Hkv, Tk = k.shape[1], k.shape[2]
     R = Tq if rows is None else rows.numel()
     Bs = B if batch is None else batch.numel()
-    if R == 0 or Bs == 0:
+    if 0 in (R, Bs, B, Tq, Tk):  # no row has an unmasked entry (and q has no row 0 to read)
         return _empty_head_stats(Hq, q.device)
     if scale < 0:  # S = |scale| * ((-Q) K^T) exactly: negation is exact in every dtype
         q, scale = -q, -scale
@@ -890,7 +955,7 @@ def _head_stats_triton(
     kernel[grid](
         q, k, mask_arg, rows_arg, batch_arg, part,
         *q.stride(), *k.stride(), *ms,
-        R, Tk, D, Hq // Hkv, part.shape[2], scale, unit, thr / unit, floor,
+        R, Tq, B, Tk, D, Hq // Hkv, part.shape[2], scale, unit, thr / unit, floor,
         enable_fp_fusion=True,  # S itself is multiplied with mul.rn: never contracted
         **args,
     )  # fmt: skip
@@ -932,15 +997,21 @@ def attention_head_stats(
     device tensor (columns ROWS ... ENTROPY_MIN; definitions in the module docstring).
 
     Inputs use SDPA's layout and conventions: q (B, Hq, Tq, D), k (B, Hkv, Tk, D) with
-    Hq % Hkv == 0, ``attn_mask`` bool (True = keep) or additive, broadcastable to
+    Hq % Hkv == 0 and D >= 1, ``attn_mask`` bool (True = keep) or additive, broadcastable to
     (B, Hq, Tq, Tk), ``is_causal`` top-left aligned, ``scale`` default 1/sqrt(D). ``rows`` and
-    ``batch`` are optional 1-D LongTensors of query rows and batch elements to sample (on q's
-    device). ``saturation_dtype`` is the dtype the attention kernel rounds P̄ to.
+    ``batch`` are optional 1-D LongTensors of query rows and batch elements to sample (best on
+    q's device). Indices outside [0, Tq) or [0, B) raise ValueError when the index tensor is on
+    the CPU; on a GPU, checking would cost a host sync, so they are skipped instead: not read,
+    not counted. With no keys (Tk = 0), like with no rows, every row is fully masked: the
+    result is the empty statistics (ROWS 0, MAX_LOGIT -inf, MIN_LOGIT +inf).
+    ``saturation_dtype`` is the dtype the attention kernel rounds P̄ to.
     ``memory_budget`` bounds the torch path's temporaries (bytes). No host sync, except the
     Triton autotuner's timing runs at the first call of each shape class (once per process).
     """
     B, Hq, Tq, D, _, Tk = _check_qk(q, k)
-    _check_mask(attn_mask, is_causal)
+    _check_mask(attn_mask, is_causal, (B, Hq, Tq, Tk))
+    _check_index("batch", batch, B)
+    _check_index("rows", rows, Tq)
     thr = saturation_threshold(saturation_dtype)
     scale = _resolve_scale(scale, D)
     if _resolve_backend(backend, q.device) == "torch" or scale == 0.0:
@@ -959,11 +1030,13 @@ def _output_error_whole(
     is_causal: bool,
     scale: float,
     cdt: torch.dtype,
+    b_ok: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``attention_output_error`` of calls without a mask or row sampling whose scores fit the
     memory budget, in one piece: the sampled step of a monitored model makes one such call per
     layer, and the chunked path's ~60 small ops per call cost ~2.5 ms of host time each (H200
     host, GPT-2); this takes about 15. No row is fully masked here (causal is top-left aligned).
+    ``b_ok`` is False for batch elements gathered for out-of-range indices: they count nothing.
     """
     with _exact_fp32_matmul(q.device):
         ref, _ = torch.ops.aten._scaled_dot_product_attention_math(
@@ -977,11 +1050,16 @@ def _output_error_whole(
     out_c = out.to(cdt)
     err = (out_c - ref).to(torch.float64)
     excess = (out_c - ref.to(out.dtype).to(cdt)).to(torch.float64)
+    n_b = out.shape[0]
+    if b_ok is not None:
+        keep = b_ok.view(-1, 1, 1, 1)
+        err, excess = torch.where(keep, err, 0.0), torch.where(keep, excess, 0.0)
+        n_b = b_ok.sum(dtype=torch.float64)
     dims = (0, 2, 3)
-    count = float(out.shape[0] * out.shape[2] * out.shape[3])
     sums = [err.sum(dims), err.abs().sum(dims), err.square().sum(dims)]
+    count = torch.zeros_like(sums[0]) + n_b * float(out.shape[2] * out.shape[3])
     coherent = excess.sum((0, 2)).abs().sum(-1)
-    return torch.stack([*sums, torch.full_like(sums[0], count), coherent], -1)
+    return torch.stack([*sums, count, coherent], -1)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the output-error kernel by padded head dim
@@ -993,11 +1071,12 @@ _ERROR_INTERPRET_CONFIG = (16, 16, 4, 1)
 
 def _output_error_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, is_causal: bool,
-    scale: float,
+    scale: float, b_ok: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``attention_output_error`` of a call without mask or row sampling in one launch: no
     scores in memory, so many layers stacked as heads cost one call (the torch path's
-    recomputation materializes them and must go layer by layer)."""
+    recomputation materializes them and must go layer by layer). ``b_ok`` as in
+    ``_output_error_whole``."""
     B, Hq, Tq, D = q.shape
     Tk, Dv = k.shape[2], v.shape[3]
     exact_tf32 = all(x.dtype in (torch.bfloat16, torch.float16) for x in (q, k))
@@ -1015,8 +1094,13 @@ def _output_error_triton(
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    n_b = B
+    if b_ok is not None:
+        keep = b_ok.view(-1, 1, 1, 1)
+        part, part_dim = torch.where(keep, part, 0.0), torch.where(keep, part_dim, 0.0)
+        n_b = b_ok.sum(dtype=torch.float64)
     sums = part.sum((0, 2))
-    count = torch.full_like(sums[:, :1], float(B * Tq * Dv))
+    count = torch.zeros_like(sums[:, :1]) + n_b * float(Tq * Dv)
     coherent = part_dim.sum((0, 2)).abs().sum(1, keepdim=True)  # padded dims hold zeros
     return torch.cat([sums, count, coherent], 1)
 
@@ -1057,7 +1141,8 @@ def attention_output_error(
 
     ``out`` (B, Hq, Tq, Dv) is what the user's kernel returned for these inputs; O_ref is
     recomputed in ``compute_dtype`` (default fp32 on GPU, float64 on CPU), chunked over rows so
-    memory stays under ``memory_budget`` bytes. Fully masked rows are excluded. The probe derives
+    memory stays under ``memory_budget`` bytes. Fully masked rows are excluded, and so are
+    ``rows`` and ``batch`` indices out of range (see ``attention_head_stats``). The probe derives
     bias = ERR_SUM / ERR_ABS_SUM (a one-signed error gives ±1), systematic error =
     ERR_EXCESS_COHERENT_SUM / ERR_ABS_SUM (about 1 when the kernel errs beyond correct rounding
     with one sign per output dim across rows, whatever the sign; 0 for correct rounding) and
@@ -1069,12 +1154,14 @@ def attention_output_error(
     Dv = v.shape[-1]
     if out.shape != (B, Hq, Tq, Dv):
         raise ValueError(f"out must be (B, Hq, Tq, Dv) = {(B, Hq, Tq, Dv)}, got {out.shape}")
-    _check_mask(attn_mask, is_causal)
+    _check_mask(attn_mask, is_causal, (B, Hq, Tq, Tk))
+    _check_index("batch", batch, B)
+    _check_index("rows", rows, Tq)
     mask4 = _as_4d(attn_mask)
     scale = _resolve_scale(scale, D)
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    if Tk == 0:  # every row is fully masked: nothing to measure
+    if 0 in (B, Tq, Tk):  # no row, or every row fully masked: nothing to measure
         return torch.zeros(Hq, N_ERR_STATS, dtype=torch.float64, device=q.device)
     cdt = compute_dtype or (torch.float64 if q.device.type == "cpu" else torch.float32)
     one_launch = (
@@ -1086,13 +1173,15 @@ def attention_output_error(
     whole_bytes = n_b * Hq * Tq * Tk * _WHOLE_BYTES_PER_ENTRY * (torch.finfo(cdt).bits // 32)
     whole = attn_mask is None and rows is None and whole_bytes <= memory_budget
     if one_launch or whole:  # the sampled batch elements, then every row in one piece
+        b_ok = None
         if batch is not None:
-            q, k, v, out = (x.index_select(0, batch.to(x.device)) for x in (q, k, v, out))
+            b_idx, b_ok = _clamped(batch, B, q.device)
+            q, k, v, out = (x.index_select(0, b_idx) for x in (q, k, v, out))
         if one_launch:
-            return _output_error_triton(q, k, v, out, is_causal, scale)
-        return _output_error_whole(q, k, v, out, is_causal, scale, cdt)
+            return _output_error_triton(q, k, v, out, is_causal, scale, b_ok)
+        return _output_error_whole(q, k, v, out, is_causal, scale, cdt, b_ok)
     g = Hq // Hkv
-    b_idx, r_idx = _sampled(batch, rows, B, Tq, q.device)
+    b_idx, r_idx, sampled = _sampled(batch, rows, B, Tq, q.device)
     acc = torch.zeros(Hq, N_ERR_STATS, dtype=torch.float64, device=q.device)
     dim_sums = torch.zeros(Hq, v.shape[-1], dtype=torch.float64, device=q.device)
     # temporaries are counted in fp32 entries: scale the budget by the compute dtype's width
@@ -1108,7 +1197,7 @@ def attention_output_error(
                 rc = r.numel()
                 qc = qb.index_select(1, r).to(cdt).view(Hkv, g * rc, D)
                 s = (qc @ kb.transpose(1, 2)).view(Hq, rc, Tk) * scale
-                valid, add = _chunk_validity(mask4, is_causal, b1, r, Hq, Tk)
+                valid, add = _chunk_validity(mask4, is_causal, b1, r, sampled[bi, sl], Hq, Tk)
                 if add is not None:
                     s = s + add.to(cdt)
                 s = s.masked_fill(~valid, float("-inf"))

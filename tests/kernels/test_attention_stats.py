@@ -403,6 +403,117 @@ def test_argument_errors():
         A.attention_head_stats(q, k, saturation_dtype=torch.float64)
 
 
+EMPTY = {A.MAX_LOGIT: float("-inf"), A.MIN_LOGIT: float("inf"), A.ENTROPY_MIN: float("inf")}
+
+
+def assert_empty(got: torch.Tensor) -> None:
+    """The statistics of no rows: counts and ENTROPY_SUM 0, the max and min columns at their
+    identities."""
+    want = torch.zeros(got.shape, dtype=torch.float64)
+    for col, val in EMPTY.items():
+        want[:, col] = val
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.fixture
+def device_indices(monkeypatch):
+    """Index tensors as a GPU has them: no host range check (it would cost a sync), so indices
+    out of range reach the implementations."""
+    monkeypatch.setattr(A, "_check_index", lambda name, idx, n: None)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_out_of_range_device_indices_are_not_sampled(impl, device_indices):
+    """Rows and batch elements out of range are skipped, identically in both paths: never read
+    (the kernel would read outside q and the mask) and never counted."""
+    q, k = planted(PLAN, B=2, Hq=4, Tq=40, Tk=48)
+    rows, batch = torch.tensor([39, 40, -1, 0, 1000]), torch.tensor([1, 2, -1])
+    in_range = {"rows": torch.tensor([39, 0]), "batch": torch.tensor([1])}
+    keep = torch.ones(2, 1, 40, 48, dtype=torch.bool)  # one mask row per query row
+    keep[1, :, 39, 30:] = False
+    for kw, oracle_kw in (({}, {}), ({"is_causal": True}, {"causal": True}),
+                          ({"attn_mask": keep}, {"mask": keep})):  # fmt: skip
+        got = stats(impl, q, k, rows=rows, batch=batch, **kw)
+        assert_stats(got, oracle(q, k, **in_range, **oracle_kw))
+        assert got[:, A.ROWS].tolist() == [2.0] * 4
+    assert_empty(stats(impl, q, k, rows=torch.tensor([40, -40])))
+    assert_empty(stats(impl, q, k, batch=torch.tensor([2]), attn_mask=keep))
+
+
+def test_score_head_stats_skips_out_of_range_device_indices(device_indices):
+    q, k = planted(PLAN, Tq=20)
+    scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) / 4).float()
+    got = A.score_head_stats(scores, rows=torch.tensor([3, 20, -1]), batch=torch.tensor([5, 1]))
+    S = scores.double()[[1]][:, :, [3]]
+    assert_stats(got, oracle_from_scores(S, torch.bfloat16))
+    assert got[:, A.ROWS].tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_out_of_range_host_indices_raise(impl):
+    """Index tensors on the CPU are checked up front, whatever device q is on."""
+    backend, device = impl
+    q, k = (t.to(device) for t in planted(PLAN))  # B = 2, Tq = 48
+    bad = [
+        (
+            {"rows": torch.tensor([0, 48, -1])},
+            r"rows indices must lie in \[0, 48\), got \[48, -1\]",
+        ),
+        ({"batch": torch.tensor([2])}, r"batch indices must lie in \[0, 2\), got \[2\]"),
+        ({"rows": torch.tensor([[0]])}, "1-D int64"),
+        ({"batch": torch.tensor([0.0])}, "1-D int64"),
+    ]
+    scores = torch.zeros(2, 4, 48, 48)
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            A.attention_head_stats(q, k, backend=backend, **kw)
+        with pytest.raises(ValueError, match=msg):
+            A.score_head_stats(scores, **kw)
+        with pytest.raises(ValueError, match=msg):
+            A.attention_output_error(q, k, k, q, **kw)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_keys_no_rows_no_batch_give_the_empty_statistics(impl):
+    q, k = (
+        torch.ones(2, 4, 8, 16, dtype=torch.bfloat16),
+        torch.ones(2, 2, 8, 16, dtype=torch.bfloat16),
+    )
+    no_keys = {"rows": torch.tensor([0, 7]), "batch": torch.tensor([1])}
+    for qq, kk, kws in (
+        (q, k[:, :, :0], [{}, {"is_causal": True}, no_keys]),
+        (q, k[:, :, :0], [{"attn_mask": torch.ones(2, 1, 8, 0, dtype=torch.bool)}]),
+        (q[:, :, :0], k, [{}, {"is_causal": True}]),
+        (q[:0], k[:0], [{}, {"batch": torch.empty(0, dtype=torch.long)}]),
+    ):
+        for kw in kws:
+            assert_empty(stats(impl, qq, kk, **kw))
+    for shape in ((2, 4, 8, 0), (2, 4, 0, 8), (0, 4, 8, 8)):
+        assert_empty(A.score_head_stats(torch.zeros(shape)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_mask_that_does_not_broadcast_is_refused_up_front(impl):
+    backend, device = impl
+    q, k = (t.to(device) for t in planted(PLAN))  # B = 2, Hq = 4, Tq = Tk = 48
+    for shape in ((3, 48), (3, 1, 1, 48), (48, 47), (1, 2, 4, 48, 48)):
+        mask = torch.ones(shape, dtype=torch.bool, device=device)
+        with pytest.raises(ValueError, match=r"does not broadcast to \(B, Hq, Tq, Tk\)"):
+            A.attention_head_stats(q, k, attn_mask=mask, backend=backend)
+        with pytest.raises(ValueError, match=r"does not broadcast to \(B, Hq, Tq, Tk\)"):
+            A.attention_output_error(q, k, k, q, attn_mask=mask)
+
+
+def test_head_dim_zero_is_refused():
+    """No score exists (the default scale 1/sqrt(D) does not either)."""
+    q, k = planted(PLAN)
+    for scale in (None, 1.0):
+        with pytest.raises(ValueError, match="head dim"):
+            A.attention_head_stats(q[..., :0], k[..., :0], scale=scale)
+        with pytest.raises(ValueError, match="head dim"):
+            A.attention_output_error(q[..., :0], k[..., :0], k, q, scale=scale)
+
+
 @requires_gpu
 def test_gpu_autotuned_path_and_torch_memory_bound():
     """Big enough to autotune (and to tune for every mode); the torch path at T = 8192 stays
@@ -573,6 +684,32 @@ def test_output_error_systematic_part_sees_mixed_sign_errors_not_rounding(device
             assert systematic.max() < 0.2
         else:  # the fp32 reference of the kernel path may round a few ties the other way
             assert (e[:, A.ERR_ABS_SUM] > 0).all() and systematic.max() < 0.02, systematic
+
+
+@pytest.mark.parametrize("device", devices())
+def test_output_error_skips_out_of_range_device_indices(device, device_indices):
+    """Each path (one piece, chunked, the kernel where it runs) measures the in-range
+    indices only."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(3, 2, 10, 16, generator=g) for _ in range(3))
+    offset = torch.where(torch.rand(3, 2, 10, 16, generator=g) < 0.5, 0.25, -0.5)
+    out = (reference_output(q, k, v) + offset).float()
+    q, k, v, out = (t.to(device) for t in (q, k, v, out))
+    paths = [{"backend": "torch"}, {"backend": "torch", "memory_budget": 1}]
+    paths += [{"backend": "triton"}] if device in kernel_devices() else []
+    # the sums differ in order; on a GPU, fp32 products batched differently round differently
+    tol = {"rtol": 1e-12, "atol": 1e-12} if device == "cpu" else {"rtol": 1e-5, "atol": 1e-4}
+    for path in paths:
+        for bad, good in (
+            ({"batch": torch.tensor([2, 3, -1])}, {"batch": torch.tensor([2])}),
+            ({"rows": torch.tensor([4, 10, -2])}, {"rows": torch.tensor([4])}),
+        ):
+            if "rows" in bad and path["backend"] == "triton":
+                continue  # row sampling takes the chunked path
+            got = A.attention_output_error(q, k, v, out, **path, **bad).cpu()
+            want = A.attention_output_error(q, k, v, out, **path, **good).cpu()
+            torch.testing.assert_close(got, want, **tol)
+            assert got[0, A.ERR_COUNT] == (10 if "batch" in bad else 3) * 16
 
 
 def test_output_error_path_choice(monkeypatch):
