@@ -107,6 +107,9 @@ class AttentionConfig(_Section):
         0, ge=0, description="Query rows sampled per call (uniformly at random); 0 = all."
     )
     entropy: bool = Field(True, description="Also compute the softmax-row entropy.")
+    training_only: bool = Field(
+        True, description="Skip forwards of the model in eval mode (validation passes)."
+    )
     output_error: bool = Field(
         True,
         description="Recompute the attention output in fp32 (float64 on CPU) on sampled SDPA "

@@ -248,6 +248,28 @@ def test_no_interception_outside_sampled_steps(make_monitor):
     assert monitor.snapshot().value("attn_calls", layer="block.attn") == 2
 
 
+@pytest.mark.parametrize("training_only", [True, False])
+def test_evaluation_forwards_are_not_measured_by_default(make_monitor, training_only):
+    """A validation pass (model.eval()) inside a sampled step is not training's attention."""
+
+    class Attend(nn.Module):
+        def forward(self, x):
+            return F.scaled_dot_product_attention(x, x, x)
+
+    model = Net(Attend())
+    monitor = make_monitor(model, attention__training_only=training_only)
+    x = torch.randn(1, 2, 4, 8)
+    model(x)  # training
+    model.eval()
+    model(x)
+    model(x)  # two evaluation batches
+    model.train()
+    monitor.step()
+    snap = monitor.snapshot()
+    assert snap.value("attn_calls", layer="block.attn") == (1 if training_only else 3)
+    assert snap.value("attn_rows", layer="block.attn", head="0") == (4 if training_only else 12)
+
+
 def cpu_sdpa_backends(make_monitor, q, k, v, metrics):
     """{SDPA backend: {metric: per-head values}} of one causal SDPA layer, measured once with
     torch's CPU flash kernel and once with its math backend."""
@@ -625,8 +647,8 @@ def test_transformers_llama_every_implementation(make_monitor, impl):
     from numwatch.integrations.transformers import register_attention
 
     register_attention()
-    model = tiny_llama(impl)
-    monitor = make_monitor(model, activations__enabled=False)
+    model = tiny_llama(impl)  # in eval mode (no dropout): measured all the same
+    monitor = make_monitor(model, activations__enabled=False, attention__training_only=False)
     ids = torch.randint(0, 32, (2, 7))
     model(input_ids=ids)
     monitor.step()

@@ -234,7 +234,11 @@ class AttentionProbe:
         self._depth += 1
         if self._depth > 1:
             return
-        self.sampling = self.cfg.enabled and self.ctx.step % self.cfg.every == 0
+        self.sampling = (
+            self.cfg.enabled
+            and self.ctx.step % self.cfg.every == 0
+            and (self.model.training or not self.cfg.training_only)
+        )
         if self.sampling or self.routing:
             self._mode = _Interceptor(self)
             self._mode.__enter__()
