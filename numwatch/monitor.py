@@ -588,7 +588,8 @@ class Monitor:
         if self._attention is not None:
             for layer in sorted(self._attention.layers_seen):
                 kernel = self.attention_kernel(layer)
-                stabilized = float(kernel is not None and kernel.stabilized)
+                routed = kernel is not None and layer not in self._attention.unroutable
+                stabilized = float(routed and kernel.stabilized)
                 records.append(MetricRecord("attn_kernel_stabilized", {"layer": layer}, stabilized))
             for reason, n in sorted(flash_attention_fallbacks().items()):
                 records.append(

@@ -86,6 +86,37 @@ def test_swap_routes_exactly_the_chosen_layers(calls):
     assert monitor.snapshot().value("attn_kernel_stabilized", layer="b") == 0
 
 
+def test_multihead_attention_cannot_be_swapped_and_says_so(calls, caplog):
+    """nn.MultiheadAttention computes attention inside torch's multi_head_attention_forward,
+    out of the interception's reach: the swap warns once and the metric stays 0 (it said 1 while
+    no call reached the kernel)."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(32, 2, batch_first=True)
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    model = Block()
+    monitor = monitor_for(model, attention__every=1)
+    x = torch.randn(2, 5, 32)
+    native = model(x)
+    monitor.step()
+    monitor.swap_attention("mha")
+    with caplog.at_level("WARNING", logger="numwatch"):
+        for _ in range(2):
+            out = model(x)
+            monitor.step()
+    assert calls == []
+    assert torch.equal(out, native)
+    warned = [r.getMessage() for r in caplog.records if "cannot be swapped" in r.getMessage()]
+    assert len(warned) == 1 and "'mha' is nn.MultiheadAttention" in warned[0]
+    assert monitor.snapshot().value("attn_kernel_stabilized", layer="mha") == 0
+
+
 def test_swap_mid_step_waits_for_the_step_boundary(calls):
     torch.manual_seed(0)
     model = Two().to(torch.bfloat16)

@@ -14,6 +14,7 @@ Outside sampled steps the mode is not entered at all: the model runs with zero i
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import sys
 from collections.abc import Callable, Mapping
@@ -39,6 +40,8 @@ _SDPA_FUNCS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_a
 _SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax}
 _SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+log = logging.getLogger("numwatch")
 
 
 @dataclass
@@ -142,8 +145,9 @@ class _Interceptor(TorchFunctionMode):
             return self.probe.on_sdpa(func, args, kwargs)
         if func is flash_attention:  # numwatch's own kernel called by the model: observe only
             return self.probe.on_sdpa(func, args, kwargs, routable=False)
-        if func is F.multi_head_attention_forward and self.probe.sampling:
-            # Ops inside MHA's forward run with this mode popped: measure from its arguments.
+        if func is F.multi_head_attention_forward:
+            # Ops inside MHA's forward run with this mode popped: measured from its arguments,
+            # and its SDPA call cannot be routed.
             self.probe.on_mha(args, kwargs)
         if func in _SOFTMAX_FUNCS and self.probe.sampling:
             self.probe.on_softmax(args, kwargs)
@@ -167,6 +171,7 @@ class AttentionProbe:
         self._held: list[_Sampled] = []
         self._held_bytes = 0
         self._generators: dict[torch.device, torch.Generator] = {}
+        self.unroutable: set[str] = set()  # routed MHA layers, told they cannot be
         self._depth = 0
         self.sampling = False
         self.layers_seen: set[str] = set()
@@ -319,7 +324,17 @@ class AttentionProbe:
     @torch.compiler.disable
     def on_mha(self, args: tuple, kwargs: dict) -> None:
         layer, _ = self.locate()
-        if self._wanted(layer):
+        self.layers_seen.add(layer)
+        if self.route_for(layer) is not None and layer not in self.unroutable:
+            # torch runs MHA's attention inside multi_head_attention_forward, out of any
+            # mode's reach: a swap cannot apply there (said once; attn_kernel_stabilized is 0)
+            self.unroutable.add(layer)
+            log.warning(
+                "numwatch: layer %r is nn.MultiheadAttention, whose attention runs inside "
+                "torch's multi_head_attention_forward: its kernel cannot be swapped",
+                layer,
+            )
+        if self.sampling and self._wanted(layer):
             self.ctx.guard.run(self.component, self._observe_mha, layer, args, kwargs)
 
     # ------------------------------------------------------------------ statistics
