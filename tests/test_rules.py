@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from numwatch.config import MonitorConfig, RulesConfig
 from numwatch.errors import NumwatchConfigError
 from numwatch.rules import (
     GrowthRule,
@@ -16,6 +17,7 @@ from numwatch.rules import (
     ThresholdRule,
     TrendRule,
     ZScoreRule,
+    configured_rules,
     default_rules,
 )
 from numwatch.snapshot import MetricRecord
@@ -152,6 +154,68 @@ def test_engine_rejects_duplicates_and_step_rules_on_flush_metrics():
         RuleEngine([ThresholdRule(name="a", metric="m", threshold=1)] * 2)
     with pytest.raises(NumwatchConfigError, match="only known at flush"):
         RuleEngine([ThresholdRule(name="a", metric="attn_max_logit", threshold=1)], ["a"])
+
+
+@pytest.mark.parametrize(
+    ("rule", "fields", "fix"),
+    [
+        ({"type": "zscore", "window": 10}, "min_history=20 .* window=10", {"window": 20}),
+        ({"type": "growth", "factor": 2, "window": 3}, "min_history=5 .* window=3", {"window": 4}),
+        (
+            {"type": "threshold", "threshold": 1, "for_flushes": 53},
+            "for_flushes=53 .* window=50",
+            {"for_flushes": 52},
+        ),
+        (
+            {"type": "persistence", "flushes": 5, "window": 2},
+            " flushes=5 .* window=2",
+            {"window": 3},
+        ),
+    ],
+)
+def test_settings_that_could_never_fire_are_config_errors(rule, fields, fix):
+    """A series keeps `window` + 1 earlier values (zscore reads `window`): a rule needing more
+    would stay silent."""
+    add = {"name": "r", "metric": "loss", **rule}
+    with pytest.raises(NumwatchConfigError, match=f"rules.add.0.*{fields}.*could never fire"):
+        MonitorConfig.load(rules={"add": [add]})
+    MonitorConfig.load(rules={"add": [{**add, **fix}]})  # the most the window allows
+
+
+def test_rules_add_rejects_duplicate_names_and_replaces_a_default():
+    twice = [
+        ThresholdRule(name="r", metric="grad_norm", threshold=0),
+        ThresholdRule(name="r", metric="loss", threshold=0),
+    ]
+    with pytest.raises(NumwatchConfigError, match=r"rules.add: duplicate rule names \['r'\]"):
+        configured_rules(RulesConfig(defaults=False, add=twice))
+    mine = ZScoreRule(name="loss_spike", metric="loss", sigma=3)
+    rules = configured_rules(RulesConfig(add=[mine]))
+    assert rules["loss_spike"].sigma == 3
+    assert len(rules) == len(default_rules())
+
+
+def test_a_rule_on_a_metric_no_flush_carries_is_reported_once(caplog):
+    """A misspelled metric is valid config: the engine says so after 3 flushes, naming the
+    closest metrics; documented metrics absent from the run (no attention here) are not
+    suspects."""
+    typo = ThresholdRule(name="typo", metric="grad_nrom", threshold=0)
+    engine = RuleEngine([*default_rules(), typo])
+    records = [MetricRecord("grad_norm", {}, 1.0), MetricRecord("my_metric", {}, 1.0)]
+    with caplog.at_level("WARNING", logger="numwatch"):
+        for flush in range(6):
+            engine.evaluate(flush, records)
+            assert len(caplog.records) == (flush >= 2)
+    message = caplog.records[0].getMessage()
+    assert "'typo'" in message and "'grad_nrom'" in message
+    assert "closest known metrics: grad_norm" in message
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="numwatch"):
+        custom = ThresholdRule(name="c", metric="my_metric", threshold=0)
+        engine = RuleEngine([*default_rules(), custom])
+        for flush in range(4):
+            engine.evaluate(flush, records)
+    assert caplog.records == []
 
 
 def test_default_rules_quiet_on_a_healthy_run_shape():

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from numwatch.selection import matches
 
-__all__ = ["Finding", "Rule", "SeriesKey"]
+__all__ = ["Finding", "Rule", "SeriesKey", "require_history"]
 
 SeriesKey = tuple[tuple[str, str], ...]
 
@@ -94,3 +94,14 @@ class Rule(BaseModel):
     def check(self, history: deque[float], value: float) -> Finding | None:
         """``history`` holds earlier values of the series (oldest first), not ``value``."""
         raise NotImplementedError
+
+
+def require_history(rule: Rule, field: str, needed: int, kept: int) -> None:
+    """Reject settings under which ``rule`` could never fire (silent for ever): ``field`` needs
+    ``needed`` earlier values of a series, and the rule keeps at most ``kept``."""
+    if needed > kept:
+        raise ValueError(
+            f"{field}={getattr(rule, field)} needs {needed} earlier values of a series, but "
+            f"window={rule.window} keeps {kept}: the rule could never fire; raise window or lower "
+            f"{field}"
+        )

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import difflib
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 from numwatch.errors import NumwatchConfigError
 from numwatch.events import Event
 from numwatch.rules.base import Finding, Rule, SeriesKey
 from numwatch.rules.nonfinite import NonfiniteRule
+from numwatch.sinks.prometheus import _HELP, _TENSOR_STATS
 from numwatch.snapshot import MetricRecord, series_key
 
 __all__ = ["STEP_METRICS", "RuleEngine"]
 
 # Metrics known at every step (without a flush), so rules on them can decide before the update.
 STEP_METRICS = ("grad_norm", "loss", "nonfinite")
+# Flushes after which a rule's metric that no flush carried, and that is no documented metric,
+# is reported as a probable misspelling: sampled probes measure step 0, so every enabled probe's
+# metrics are in the first flush; 3 leave room for a first flush that came early.
+UNSEEN_METRIC_FLUSHES = 3
+# Metric names numwatch documents (the Prometheus help table; the per-tensor statistics of
+# gradients and activations): they can be absent for long without a typo (counters, probes off).
+_DOCUMENTED_METRICS = {
+    *_HELP,
+    *(f"{subject}_{stat}" for subject in ("grad", "activation") for stat in _TENSOR_STATS),
+}
+_log = logging.getLogger("numwatch")
 
 
 class RuleEngine:
@@ -32,11 +46,15 @@ class RuleEngine:
                 )
         self.step_rules = [r for r in self.rules if r.name in step_level]
         self.flush_rules = [r for r in self.rules if r.name not in step_level]
+        self._names_seen: set[str] | None = set()  # None once the metric names were checked
+        self._flushes = 0
 
     def evaluate(
         self, step: int, records: Sequence[MetricRecord], nonfinite: Sequence[Event] = ()
     ) -> list[tuple[Event, Rule]]:
         """Events of one flush, each with the rule that fired."""
+        if self._names_seen is not None:
+            self._check_metric_names(records)
         fired: list[tuple[Event, Rule]] = []
         wanted = {rule.metric for rule in self.flush_rules}
         by_name: dict[str, list[MetricRecord]] = {name: [] for name in wanted}
@@ -72,6 +90,27 @@ class RuleEngine:
                     fired.append((event, rule))
             rule.end_flush()
         return fired
+
+    def _check_metric_names(self, records: Sequence[MetricRecord]) -> None:
+        """Warn once about rules on a metric that no flush carries and numwatch does not
+        document: a misspelled name is valid config, and its rule would stay silent for ever."""
+        self._names_seen.update(r.name for r in records)
+        self._flushes += 1
+        if self._flushes < UNSEEN_METRIC_FLUSHES:
+            return
+        known = self._names_seen | _DOCUMENTED_METRICS
+        for rule in self.flush_rules:
+            if rule.metric not in known and not isinstance(rule, NonfiniteRule):
+                close = difflib.get_close_matches(rule.metric, sorted(known), n=3)
+                _log.warning(
+                    "rule %r reads metric %r, which none of the first %d flushes carried and "
+                    "numwatch does not document; closest known metrics: %s",
+                    rule.name,
+                    rule.metric,
+                    self._flushes,
+                    ", ".join(close) or "none",
+                )
+        self._names_seen = None
 
     @staticmethod
     def _observe(rule: Rule, step: int, labels: Mapping[str, str], value: float) -> Event | None:

@@ -7,9 +7,9 @@ import statistics
 from collections import deque
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from numwatch.rules.base import Finding, Rule
+from numwatch.rules.base import Finding, Rule, require_history
 
 __all__ = ["GrowthRule"]
 
@@ -20,6 +20,11 @@ class GrowthRule(Rule):
     baseline: Literal["median", "ema"] = Field("median", description="Baseline statistic.")
     alpha: float = Field(0.1, gt=0.0, le=1.0, description="EMA weight of the newest value.")
     min_history: int = Field(5, ge=1, description="Flushes needed before the rule can fire.")
+
+    @model_validator(mode="after")
+    def _fits_window(self) -> GrowthRule:
+        require_history(self, "min_history", self.min_history, self.window + 1)
+        return self
 
     def check(self, history: deque[float], value: float) -> Finding | None:
         past = [v for v in history if math.isfinite(v)]

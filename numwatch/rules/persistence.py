@@ -12,9 +12,9 @@ from collections import deque
 from itertools import islice
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from numwatch.rules.base import Finding, Rule
+from numwatch.rules.base import Finding, Rule, require_history
 
 __all__ = ["PersistenceRule"]
 
@@ -23,6 +23,11 @@ class PersistenceRule(Rule):
     type: Literal["persistence"] = "persistence"
     flushes: int = Field(5, ge=2, description="Consecutive flushes of one sign needed.")
     min_abs: float = Field(0.5, ge=0, description="Each of them at least this large in magnitude.")
+
+    @model_validator(mode="after")
+    def _fits_window(self) -> PersistenceRule:
+        require_history(self, "flushes", self.flushes - 1, self.window + 1)
+        return self
 
     def check(self, history: deque[float], value: float) -> Finding | None:
         n = self.flushes

@@ -8,9 +8,9 @@ from collections import deque
 from itertools import islice
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from numwatch.rules.base import Finding, Rule
+from numwatch.rules.base import Finding, Rule, require_history
 
 __all__ = ["ThresholdRule"]
 
@@ -29,6 +29,11 @@ class ThresholdRule(Rule):
         if self.op == "abs>":
             return abs(v) > self.threshold
         return _OPS[self.op](v, self.threshold)
+
+    @model_validator(mode="after")
+    def _fits_window(self) -> ThresholdRule:
+        require_history(self, "for_flushes", self.for_flushes - 1, self.window + 1)
+        return self
 
     def check(self, history: deque[float], value: float) -> Finding | None:
         n = self.for_flushes

@@ -7,9 +7,9 @@ import statistics
 from collections import deque
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from numwatch.rules.base import Finding, Rule
+from numwatch.rules.base import Finding, Rule, require_history
 
 __all__ = ["ZScoreRule", "zscore"]
 
@@ -43,6 +43,11 @@ class ZScoreRule(Rule):
         None, gt=0, lt=1, description="EMA weight (ZClip style); None = plain rolling window."
     )
     direction: Literal["up", "both"] = Field("up", description="Spikes up only, or both ways.")
+
+    @model_validator(mode="after")
+    def _fits_window(self) -> ZScoreRule:
+        require_history(self, "min_history", self.min_history, self.window)
+        return self
 
     def check(self, history: deque[float], value: float) -> Finding | None:
         past = [v for v in list(history)[-self.window :] if math.isfinite(v)]
