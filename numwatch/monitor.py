@@ -139,6 +139,12 @@ class Monitor:
         self._history: deque[Snapshot] = deque(maxlen=self.config.history)
         self._event_counts: Counter[tuple[str, str]] = Counter()
         self._unsent_events: list[Event] = []  # raised between flushes, for the next flush's sinks
+        # Re-entrancy: callbacks and actions run inside a step close or a flush (see flush()).
+        self._depth = 0  # step closes and flushes under way
+        self._flushing = False
+        self._detaching = False
+        self._detach_deferred = False
+        self._told_nested_flush = False
 
     # ----------------------------------------------------------------------------- lifecycle
     @property
@@ -207,15 +213,24 @@ class Monitor:
     def detach(self) -> None:
         """Flush what is pending, remove every hook, close the sinks. The model is as before,
         also when that last flush raises (a halt rule): the hooks go first, then it propagates.
+
+        Called from a callback or an action (inside a step close or a flush), it waits for the
+        end of that close or flush: the hooks it would remove are still being run; from inside
+        a detach (a callback of its own last flush), it does nothing more.
         """
-        if not self._attached:
+        if not self._attached or self._detaching:
             return
+        if self._depth:
+            self._detach_deferred = True
+            return
+        self._detaching = True
         try:
             if self._window_steps and self.config.enabled:
                 self.flush()
             self._emit_late_events()
         finally:
             self._teardown()
+            self._detaching = False
 
     def _teardown(self) -> None:
         """Remove whatever attach installed (all of it, or what a failed attach got to)."""
@@ -246,7 +261,9 @@ class Monitor:
     def _build_probes(self) -> None:
         cfg = self.config
         if cfg.gradients.enabled:
-            self._gradients = GradientProbe(self.model, cfg.gradients, self._ctx)
+            self._gradients = GradientProbe(
+                self.model, cfg.gradients, self._ctx, every_step=bool(self._engine.step_rules)
+            )
             self._probes.append(self._gradients)
         if cfg.activations.enabled:
             self._probes.append(ActivationProbe(self.model, cfg.activations, self._ctx))
@@ -306,7 +323,9 @@ class Monitor:
         if not self.config.enabled:
             return
         if self._last_close == "optimizer" and not self._ctx.activity:
-            self._guard.run("step", self._record_loss, loss)
+            # The step this loss belongs to was judged and closed without it (a NaN loss is
+            # still reported, by the next flush, at its own step).
+            self._guard.run("step", self._record_loss, loss, self._ctx.step - 1)
             self._last_close = "late-loss"
             return
         self._last_close = "user"  # before closing: a halt raised by the flush leaves it right
@@ -344,34 +363,42 @@ class Monitor:
     def _close_step(self, loss: torch.Tensor | float | None) -> None:
         # Never in inference mode (a step closed in an evaluation pass): the tables made lazily
         # here must stay normal tensors, or every later in-place update of them fails.
-        self._guard.run("step", self._close_step_body, loss)
-        self._ctx.activity = False
-        self._apply_routes()
-        self._ctx.step += 1
-        self._window_steps += 1
-        if self._window_steps >= self.config.flush_every:
-            self.flush()
+        self._depth += 1
+        try:
+            self._guard.run("step", self._close_step_body, loss)
+            self._ctx.activity = False
+            self._apply_routes()
+            self._ctx.step += 1
+            self._window_steps += 1
+            if self._window_steps >= self.config.flush_every:
+                self.flush()
+        finally:
+            self._leave()
 
     def _close_step_body(self, loss: torch.Tensor | float | None) -> None:
+        if self._control is not None:
+            self._control.new_step()
         # The loss first: it came before the gradients, so a NaN loss is named as the origin.
-        self._record_loss(loss)
+        loss = self._record_loss(loss, self._ctx.step)
         for probe in self._probes:
             if hasattr(probe, "on_step"):
                 self._guard.run(probe.component, probe.on_step)
         self._dist.on_step(self._gradients)  # this rank's share of the global gradient norm
         if self._engine.step_rules:
-            self._check_step()
+            self._check_step(loss)
 
-    def _check_step(self) -> None:
-        """Step-level rules (their actions decide before this step's optimizer update).
+    def _check_step(self, loss: torch.Tensor | float | None) -> None:
+        """Step-level rules (their actions decide before this step's optimizer update), on this
+        step's values only: ``loss`` is None when the step closed without one (a loss recorded
+        after optimizer.step() comes too late to judge its step, and an older one is not it).
 
         SYNC: one read of two scalars per step, only when such a rule is configured (skip_step).
         """
         if self._dist.active:  # global values, so that every rank takes the same decision
-            named = self._dist.step_values(self._loss)
+            named = self._dist.step_values(loss)
         else:
             norm_sq = self._gradients.step_norm_sq() if self._gradients is not None else None
-            named = {"grad_norm": norm_sq, "loss": self._loss}
+            named = {"grad_norm": norm_sq, "loss": loss}
         on_device = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
         values = {k: float(v) for k, v in named.items() if isinstance(v, float)}
         if on_device:
@@ -385,18 +412,19 @@ class Monitor:
         self._run_actions(fired)
 
     @torch.no_grad()
-    def _record_loss(self, loss: torch.Tensor | float | None) -> None:
+    def _record_loss(
+        self, loss: torch.Tensor | float | None, step: int
+    ) -> torch.Tensor | float | None:
+        """Record the loss of ``step``; returns the value kept (detached, or a float)."""
         if loss is None:
-            return
+            return None
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 raise ValueError(
                     f"step(loss=...) needs a scalar loss, got shape {tuple(loss.shape)}"
                 )
             value = loss.detach().reshape(())
-            order = self._ctx.tracker.next_order(
-                NonfiniteOrigin("loss", "", "loss", self._ctx.step)
-            )
+            order = self._ctx.tracker.next_order(NonfiniteOrigin("loss", "", "loss", step))
             # Checked for NaN/Inf in batches at flush: no launches on the per-step path.
             self._pending_losses.append((order, value))
             if len(self._pending_losses) >= SETTLE_STEPS:
@@ -406,13 +434,12 @@ class Monitor:
             self._loss = float(loss)
             self._loss_window.add_float(self._loss)
             if not math.isfinite(self._loss):  # a host value: knowing it costs nothing
-                order = self._ctx.tracker.next_order(
-                    NonfiniteOrigin("loss", "", "loss", self._ctx.step)
-                )
+                order = self._ctx.tracker.next_order(NonfiniteOrigin("loss", "", "loss", step))
                 self._ctx.tracker.observe_many(
                     torch.tensor([float(order)], dtype=torch.float64),
                     torch.ones(1, dtype=torch.float64),
                 )
+        return self._loss
 
     @torch.no_grad()
     def _settle_losses(self) -> None:
@@ -488,11 +515,40 @@ class Monitor:
 
     # ----------------------------------------------------------------------------- flush
     def flush(self) -> Snapshot | None:
-        """Read the device-side statistics (one transfer per device), emit events and sinks."""
+        """Read the device-side statistics (one transfer per device), emit events and sinks.
+
+        Called from inside a flush (a callback or an action), it does nothing and returns the
+        running flush's snapshot: that flush covers every step closed so far, and a second one
+        would only write an empty record of the same step (or recurse, flushing on its events).
+        """
         if not self._attached:
             raise NumwatchError("Monitor.flush() before attach(): call monitor.attach() first")
         if not self.config.enabled:
             return None
+        if self._flushing:
+            if not self._told_nested_flush:
+                self._told_nested_flush = True
+                log.info(
+                    "numwatch: flush() called from a callback or an action during a flush does "
+                    "nothing: the running flush already covers every closed step"
+                )
+            return self._snapshot
+        self._depth += 1
+        self._flushing = True
+        try:
+            return self._flush()
+        finally:
+            self._flushing = False
+            self._leave()
+
+    def _leave(self) -> None:
+        """End of a step close or a flush: the detach a callback asked for inside it runs now."""
+        self._depth -= 1
+        if self._detach_deferred and not self._depth:
+            self._detach_deferred = False
+            self.detach()
+
+    def _flush(self) -> Snapshot | None:
         start = time.perf_counter()
         self._guard.run("flush", self._warn_new_trainable)
         with gc_paused():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -267,3 +268,170 @@ def test_what_the_last_flush_did_reaches_the_log_at_detach(tmp_path, every):
     ]
     replayed = replay(records, monitor.config.rules)  # the record of late events is skipped
     assert [(e.kind, e.step) for e in replayed] == [("precursor", 2)]
+
+
+SKIP_NONFINITE = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
+
+
+def _updated(model, before):
+    return not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_a_skip_for_a_step_the_grad_scaler_skipped_does_not_skip_the_next_step():
+    """On an overflow step the scaler never calls optimizer.step(): the skip decided for that
+    step expires at the next step close instead of skipping the next, healthy update."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE, flush_every=100).attach(opt, scaler=scaler)
+    updated = []
+    for step in range(3):
+        loss = model(torch.randn(8, 4)).square().mean()
+        if step == 1:
+            loss = loss * float("inf")  # overflow: the scaler skips this update itself
+        scaler.scale(loss).backward()
+        monitor.step(loss)
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        updated.append(_updated(model, before))
+    assert updated == [True, False, True]
+    assert monitor.optimizer_control.skipped_steps == 0  # numwatch withheld no update
+    assert [e.step for e in monitor.events if e.kind == "action"] == [1]
+
+
+def test_a_loss_recorded_after_the_update_judges_no_step():
+    """monitor.step(loss) after optimizer.step(): the step was judged (on its gradients) before
+    its loss came, and the next step is judged without it; the NaN loss is still reported, at
+    its own step."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE, flush_every=100).attach(opt)
+    updated = []
+    for step in range(3):
+        loss = model(torch.randn(8, 4)).square().mean()
+        loss.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()  # closes and judges the step
+        monitor.step(loss * float("nan") if step == 1 else loss)  # late: recorded only
+        opt.zero_grad()
+        updated.append(_updated(model, before))
+    monitor.flush()
+    assert updated == [True, True, True]
+    assert monitor.optimizer_control.skipped_steps == 0
+    assert [(e.kind, e.metric, e.step) for e in monitor.events] == [("nonfinite", "loss", 1)]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_step_reads_every_steps_gradients_whatever_gradients_every(skip):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rules = only("nonfinite", "nonfinite", None, *(["skip_step"] if skip else []))
+    cfg = {"flush_every": 4, "gradients__every": 4, "activations__enabled": False}
+    monitor = monitor_for(model, rules=rules, **cfg).attach(opt)
+    for step in range(4):
+        model(torch.randn(8, 4)).square().mean().backward()
+        if step == 1:  # a step gradients.every=4 does not sample
+            model.weight.grad[0, 0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+    snap = monitor.snapshot()
+    if skip:
+        assert monitor.optimizer_control.skipped_steps == 1
+        assert torch.isfinite(model.weight).all()
+        assert snap.value("grad_numel", param="weight") == 4 * 4  # every step measured
+        named = [e for e in monitor.events if e.kind == "nonfinite" and e.labels]
+        assert [(e.labels, e.step) for e in named] == [({"param": "weight"}, 1)]
+    else:  # no step-level rule: unsampled steps stay free
+        assert snap.value("grad_numel", param="weight") == 4  # step 0 only
+
+
+@pytest.mark.parametrize("kind", ["lambda", "onecycle"])
+def test_an_lr_scheduler_built_after_attach_wraps_the_step_wrapper(kind):
+    """Torch's scheduler wraps ``optimizer.step.__func__``: ours must be a bound method. After
+    detach the scheduler's wrapper stays (it wraps ours, which then passes through)."""
+    model = nn.Linear(1, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    rules = only("threshold", "big_loss", "loss", "skip_step", threshold=100)
+    monitor = monitor_for(model, rules=rules).attach(opt)
+    if kind == "lambda":
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    else:
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=1.0, total_steps=10, cycle_momentum=False
+        )
+    wanted, used = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            if step == 4:
+                monitor.detach()
+            wanted.append(0.0 if step == 1 else opt.param_groups[0]["lr"])
+            before = model.weight.item()
+            model(torch.ones(1, 1)).sum().backward()  # d/dw = 1: the update is -lr exactly
+            if monitor.attached:
+                monitor.step(1000.0 if step == 1 else 1.0)  # step 1 is skipped
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            used.append(before - model.weight.item())
+    assert used == pytest.approx(wanted)
+    assert [str(w.message) for w in caught] == []
+    assert opt.__dict__["step"]._wrapped_by_lr_sched
+
+
+def test_lbfgs_with_an_optimizer_action_evaluates_its_closure_as_without_one():
+    """The optimizer's first closure call gets the evaluation numwatch judged the step on;
+    LBFGS's later calls evaluate the real closure again."""
+
+    def run(rules):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        x = torch.randn(64, 4)
+        y = x @ torch.tensor([[1.0], [-2.0], [3.0], [0.5]]) + 0.3
+        opt = torch.optim.LBFGS(model.parameters(), lr=1, max_iter=20)
+        if rules is not None:
+            monitor_for(model, rules=rules, flush_every=100).attach(opt)
+        calls = []
+
+        def closure():
+            calls.append(1)
+            opt.zero_grad()
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            return loss
+
+        for _ in range(3):
+            opt.step(closure)
+        return [p.detach().clone() for p in model.parameters()], len(calls)
+
+    plain, plain_calls = run(None)
+    watched, watched_calls = run(SKIP_NONFINITE)
+    assert watched_calls == plain_calls > 3
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+
+
+def test_detach_from_a_step_level_callback_waits_for_the_end_of_the_step():
+    """The skip decided on a NaN gradient still happens; the detach follows the step close."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE, flush_every=2).attach(opt)
+    monitor.on("nonfinite", lambda e: monitor.detach())
+    updated = []
+    for step in range(3):
+        model(torch.randn(8, 4)).square().mean().backward()
+        if step == 1:
+            model.weight.grad[0, 0] = float("nan")
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        updated.append(_updated(model, before))
+    assert updated == [True, False, True]
+    assert not monitor.attached and "step" not in opt.__dict__
+    assert torch.isfinite(model.weight).all()
+    assert not any(monitor.errors.values()), monitor.errors

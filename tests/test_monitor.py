@@ -594,8 +594,12 @@ def test_a_nonfinite_float_loss_is_named_like_a_tensor_one(make_monitor):
     assert "in the loss" in nonfinite[0].message
 
 
+@pytest.mark.parametrize("action", [False, True])
 @pytest.mark.parametrize("make_opt", ["sgd", "lbfgs"])
-def test_step_with_a_closure_measures_the_gradients_the_closure_made(make_monitor, make_opt):
+def test_step_with_a_closure_measures_the_gradients_the_closure_made(
+    make_monitor, make_opt, action
+):
+    """Closed by the step pre-hook, or (an optimizer action) by numwatch's step wrapper."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     x, y = torch.randn(32, 4), torch.randn(32, 1)
@@ -603,7 +607,9 @@ def test_step_with_a_closure_measures_the_gradients_the_closure_made(make_monito
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     else:
         opt = torch.optim.LBFGS(model.parameters(), max_iter=3)  # 3+ closure calls per step
-    monitor = make_monitor(model, flush_every=1).attach(opt)
+    skip = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
+    monitor = make_monitor(model, flush_every=1, rules=skip if action else {}).attach(opt)
+    assert (monitor.optimizer_control is not None) == action
     first_grads, losses, calls = [], [], []
 
     def closure():
@@ -1076,3 +1082,53 @@ def test_jsonl_options_reach_the_sink_from_the_config(tmp_path):
     assert [r["step"] for r in log] == [1, 2]  # flush 2, then the last (flush 3) at detach
     assert all(not m["name"].startswith("grad_") for r in log for m in r["metrics"])
     assert {m["name"] for m in log[0]["metrics"]} >= {"weight_spectral_norm", "step_seconds"}
+
+
+LOSS_ABOVE_0 = {
+    "defaults": False,
+    "add": [{"type": "threshold", "name": "lossy", "metric": "loss", "threshold": 0.0}],
+}
+
+
+def test_a_callback_that_flushes_gets_the_running_flush(make_monitor, caplog):
+    """flush() inside a flush does nothing: no recursion, no second (empty) record or event."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = make_monitor(model, flush_every=2, rules=LOSS_ABOVE_0)
+    returned = []
+    monitor.on("*", lambda e: returned.append(monitor.flush())).attach(opt)
+    with caplog.at_level("INFO", logger="numwatch"):
+        train_steps(model, monitor, 4, opt=opt)
+    monitor.detach()
+    assert [(e.kind, e.step) for e in monitor.events] == [("precursor", 1), ("precursor", 3)]
+    assert returned == monitor.history  # each nested call: the snapshot of its running flush
+    assert all(s.get("grad_norm") is not None for s in monitor.history)
+    records = read_jsonl(monitor.jsonl_path)
+    assert [(r["step"], len(r["events"])) for r in records] == [(1, 1), (3, 1)]
+    assert not any(monitor.errors.values()), monitor.errors
+    told = [r for r in caplog.records if "during a flush does nothing" in r.getMessage()]
+    assert len(told) == 1
+
+
+def test_a_callback_that_detaches_waits_for_the_end_of_the_flush(make_monitor):
+    torch.manual_seed(0)
+    model = Net()
+    before_hooks = hook_state(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = make_monitor(model, flush_every=2, rules=LOSS_ABOVE_0)
+    monitor.on("precursor", lambda e: monitor.detach()).attach(opt)
+    for _ in range(4):
+        loss = model(torch.randn(5, 4)).square().mean()
+        loss.backward()
+        if monitor.attached:
+            monitor.step(loss)
+        opt.step()
+        opt.zero_grad()
+    assert not monitor.attached
+    assert hook_state(model) == before_hooks and not opt._optimizer_step_pre_hooks
+    assert [(e.kind, e.step) for e in monitor.events] == [("precursor", 1)]
+    assert not any(monitor.errors.values()), monitor.errors
+    records = read_jsonl(monitor.jsonl_path)  # the flush finished before the sinks closed
+    assert [(r["step"], len(r["events"])) for r in records] == [(1, 1)]
+    assert monitor.snapshot().get("grad_norm") is not None

@@ -1,13 +1,15 @@
 """The optimizer as actions see it: a wrapper around ``optimizer.step`` installed on demand.
 
 Installed only when a configured action needs it (skip_step, lr_backoff, qk_clip). It
-replaces the instance attribute ``optimizer.step``; ``uninstall`` restores what was there (the
-class's method, or a wrapper a user or an LR scheduler had installed before us) unless something
-wrapped ours after us, in which case ours stays as a pass-through.
+replaces the instance attribute ``optimizer.step`` with a bound method, as the class's own step
+is: an LR scheduler built after us wraps ``optimizer.step.__func__``. ``uninstall`` restores what
+was there (the class's method, or a wrapper a user or an LR scheduler had installed before us)
+unless something wrapped ours after us, in which case ours stays as a pass-through.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +19,11 @@ __all__ = ["OptimizerControl"]
 
 
 class OptimizerControl:
-    def __init__(self, optimizer: torch.optim.Optimizer, before_step: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        before_step: Callable[[torch.Tensor | None], None],
+    ) -> None:
         self.optimizer = optimizer
         self.active = True
         self.skipped_steps = 0
@@ -28,20 +34,25 @@ class OptimizerControl:
         self._backoffs: list[tuple[float, int]] = []  # (factor, steps left)
         self._after_step: list[Callable[[], None]] = []
 
-        def step(*args: Any, **kwargs: Any) -> Any:
+        def step(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             return self._step(*args, **kwargs)
 
         # An LR scheduler built earlier marks the step it wrapped; keep the mark so it does not
         # warn that optimizer.step() was overridden after it.
         if getattr(self._original, "_wrapped_by_lr_sched", False):
             step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        self._wrapper = step
-        optimizer.step = step  # type: ignore[method-assign]
+        self._wrapper = types.MethodType(step, optimizer)
+        optimizer.step = self._wrapper  # type: ignore[method-assign]
 
     # -------------------------------------------------------------- requests from actions
     def skip_current_step(self) -> None:
-        """The next optimizer.step() does nothing and clears the gradients."""
+        """This step's optimizer.step() does nothing and clears the gradients."""
         self._skip = True
+
+    def new_step(self) -> None:
+        """A skip decision belongs to the step it judged: if that step's optimizer.step() never
+        ran (a GradScaler skips overflow steps itself), it must not skip the next one."""
+        self._skip = False
 
     def back_off_lr(self, factor: float, steps: int) -> None:
         """Multiply every group's LR by ``factor`` for the next ``steps`` optimizer steps."""
@@ -62,15 +73,24 @@ class OptimizerControl:
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
             return self._original(*args, **kwargs)
-        closure = kwargs.pop("closure", args[0] if args else None)
+        closure = kwargs.get("closure", args[0] if args else None)
         loss = None
         if closure is not None:
-            # The closure computes this step's gradients: run it before judging the step, then
-            # hand the optimizer its result (it must not run twice).
+            # The closure computes this step's gradients: run it before judging the step, and
+            # hand that evaluation to the optimizer's first call (its gradients are in .grad);
+            # later calls (LBFGS's iterations, at other weights) evaluate the closure again.
             with torch.enable_grad():
                 loss = closure()
-            args, kwargs = (lambda: loss,), {}
-        self._before_step()
+            first = [loss]
+
+            def evaluated_first() -> Any:
+                return first.pop() if first else closure()
+
+            if "closure" in kwargs:
+                kwargs = {**kwargs, "closure": evaluated_first}
+            else:
+                args = (evaluated_first, *args[1:])
+        self._before_step(loss if isinstance(loss, torch.Tensor) else None)
         if self._skip:
             self._skip = False
             self.skipped_steps += 1

@@ -166,13 +166,21 @@ class GradientProbe:
     bounds the memory held). Post-accumulate-grad hooks learn the backward order (which names
     the first non-finite gradient) on the first step and on the first step after each flush
     only: a Python hook per parameter per step would cost more than the statistics.
+
+    ``every_step`` (a step-level rule is configured: skip_step) measures every step whatever
+    ``cfg.every``: the rule needs each step's gradient norm, and the fused statistics launch
+    that gives it is all a sampled step issues (the merge into the table is batched), so the
+    step is measured in full; its non-finite gradients are then also named at flush.
     """
 
     component = "gradients"
 
-    def __init__(self, model: nn.Module, cfg: GradientConfig, ctx: ProbeContext) -> None:
+    def __init__(
+        self, model: nn.Module, cfg: GradientConfig, ctx: ProbeContext, every_step: bool = False
+    ) -> None:
         self.cfg = cfg
         self.ctx = ctx
+        self._every = 1 if every_step else cfg.every
         self.params = select_parameters(model, cfg.params, cfg.exclude)
         self._tensors = [p for _, p in self.params]
         self._sharded = any(is_dtensor(p) for p in self._tensors)
@@ -222,7 +230,7 @@ class GradientProbe:
             self._fired, self._fired_set = [], set()
             self._disarm()
         self.step_stats = []
-        if self.ctx.step % self.cfg.every:
+        if self.ctx.step % self._every:
             return
         grads = list(map(_GRAD, self._tensors))
         if self._sharded:
