@@ -11,20 +11,22 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from numwatch.actions.base import Action, ActionContext
 from numwatch.errors import NumwatchConfigError, NumwatchError, NumwatchHalt
 from numwatch.events import Event
-from numwatch.probes.qk_layout import find_qk_layout
+from numwatch.probes.qk_layout import HeadSlice, find_qk_layout
 
 __all__ = [
     "ACTIONS",
@@ -74,15 +76,32 @@ class SkipStep(Action):
 
 
 class LrBackoff(Action):
+    """LR x ``factor`` for ``steps`` optimizer steps, one back-off per rule at a time.
+
+    The LR is one for the whole model while a rule watches many series (every head of
+    ``attn_max_logit``): the series firing in one flush, and the rule firing again while its
+    back-off runs, would otherwise compound the factor (0.5**8 for 8 heads). So the rule's
+    firings before its window ends (``steps`` monitor steps after it began) do nothing; the
+    next one after it starts a new window. The debounce is per rule too, for the same reason.
+    """
+
     type: Literal["lr_backoff"] = "lr_backoff"
     factor: float = Field(0.5, gt=0.0, lt=1.0, description="LR multiplier while backed off.")
     steps: int = Field(100, ge=1, description="Optimizer steps before the schedule's LR returns.")
+    _window_end: dict[str, int] = PrivateAttr(default_factory=dict)  # rule -> first step after
+
+    def debounce_key(self, event: Event) -> tuple[tuple[str, str], ...]:
+        return (("rule", event.rule),)
 
     def run(self, ctx: ActionContext, event: Event) -> str | None:
         control = ctx.optimizer_control
         if control is None:
             raise NumwatchError("lr_backoff needs the optimizer: monitor.attach(optimizer)")
+        end = self._window_end.get(event.rule)
+        if end is not None and event.step < end:
+            return None  # this rule's back-off is still on
         control.back_off_lr(self.factor, self.steps)
+        self._window_end[event.rule] = event.step + self.steps
         return f"LR x{self.factor:g} for {self.steps} steps"
 
 
@@ -99,11 +118,28 @@ def qk_clip(model: torch.nn.Module, layer: str, head: int, max_logit: float, tau
     ratio = tau / max_logit
     q, k = layout.q[head], layout.k_for(head)
     if len(layout.k) == len(layout.q):
-        q.scale_(math.sqrt(ratio))
-        k.scale_(math.sqrt(ratio))
+        _scale_once([*_views(q), *_views(k)], math.sqrt(ratio))
     else:  # a key head is shared by several query heads: clip the query side only
         q.scale_(ratio)
     return ratio
+
+
+@torch.no_grad()
+def _scale_once(views: list[torch.Tensor], factor: float) -> None:
+    """Scale every element of ``views`` by ``factor`` once, however they alias each other.
+
+    Tied W_q/W_k (one Parameter, or overlapping views) would otherwise be scaled once per side,
+    shrinking the logits by ratio**2; writing values computed before any write makes a shared
+    element factor * original whichever view writes it last.
+    """
+    scaled = [v * factor for v in views]
+    for v, new in zip(views, scaled, strict=True):
+        v.copy_(new)
+
+
+def _views(head: HeadSlice) -> list[torch.Tensor]:
+    weight = head.weight.narrow(head.dim, head.start, head.stop - head.start)
+    return [weight] if head.bias is None else [weight, head.bias[head.start : head.stop]]
 
 
 class QKClip(Action):
@@ -127,15 +163,19 @@ class QKClip(Action):
 
 
 class ForensicSnapshot(Action):
+    """Offending tensors and recent flushes, one ``.pt``/``.json`` pair per run.
+
+    Several series of a rule fire in one flush (and every rank writes the same directory), so
+    a name made of step and rule is not unique: it carries the series labels, and a counter
+    when the name is taken; files are created exclusively, never overwritten.
+    """
+
     type: Literal["snapshot"] = "snapshot"
     directory: str = Field("numwatch-forensics", description="Where snapshot files go.")
     max_bytes: int = Field(256 * 2**20, ge=0, description="Cap on the tensors saved per event.")
     flushes: int = Field(5, ge=0, description="Recent flushes saved with it.")
 
     def run(self, ctx: ActionContext, event: Event) -> str | None:
-        out = Path(self.directory)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"step{event.step:08d}-{event.rule or event.kind}"
         tensors: dict[str, torch.Tensor] = {}
         budget = self.max_bytes
         for name, t in _offending_tensors(ctx, event):
@@ -143,11 +183,35 @@ class ForensicSnapshot(Action):
             if size <= budget:
                 tensors[name] = t.detach().to("cpu", copy=True)
                 budget -= size
-        torch.save(tensors, f"{stem}.pt")
         history = [s.to_dict() for s in list(ctx.history)[-self.flushes :]] if self.flushes else []
         record = {"event": event.to_dict(), "tensors": sorted(tensors), "history": history}
-        Path(f"{stem}.json").write_text(json.dumps(record, default=str))
+        stem = self._claim(event)
+        torch.save(tensors, f"{stem}.pt")
+        with open(f"{stem}.json", "x") as f:
+            json.dump(record, f, default=str)
         return f"saved {len(tensors)} tensors and {len(history)} flushes to {stem}.pt/.json"
+
+    def _claim(self, event: Event) -> Path:
+        """A stem no snapshot uses yet, claimed by creating its ``.pt`` file exclusively."""
+        out = Path(self.directory)
+        out.mkdir(parents=True, exist_ok=True)
+        labels = "-".join(f"{k}={v}" for k, v in sorted(event.labels.items()))
+        name = _UNSAFE.sub("_", "-".join(filter(None, [event.rule or event.kind, labels])))
+        base = f"step{event.step:08d}-{name[:_MAX_NAME]}"
+        stem, n = out / base, 0
+        while True:
+            if not Path(f"{stem}.json").exists():
+                try:
+                    open(f"{stem}.pt", "xb").close()
+                    return stem
+                except FileExistsError:
+                    pass
+            n += 1
+            stem = out / f"{base}-{n}"
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")  # runs of what a file name may not hold everywhere
+_MAX_NAME = 150  # the name's share of a file name (at most 255 bytes on most filesystems)
 
 
 def _offending_tensors(ctx: ActionContext, event: Event):
@@ -193,14 +257,31 @@ class CallbackAction(Action):
         description="'package.module:function' or a callable, called as fn(event, monitor)."
     )
     min_interval_steps: int = 0
+    _fn: Callable[..., Any] = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _resolve(self) -> CallbackAction:
+        """Resolve a 'module:function' target now: a misspelled one would otherwise surface
+        only when the rule fires, hours into the run, as a counted action failure."""
+        self._fn = _resolve_target(self.target) if isinstance(self.target, str) else self.target
+        return self
 
     def run(self, ctx: ActionContext, event: Event) -> str | None:
-        fn = self.target
-        if isinstance(fn, str):
-            module, _, name = fn.partition(":")
-            fn = getattr(importlib.import_module(module), name)
-        fn(event, ctx)
-        return f"called {getattr(fn, '__qualname__', fn)}"
+        self._fn(event, ctx)
+        return f"called {getattr(self._fn, '__qualname__', self._fn)}"
+
+
+def _resolve_target(target: str) -> Callable[..., Any]:
+    module, colon, name = target.partition(":")
+    if not colon or not module or not name:
+        raise ValueError(f"target {target!r}: expected 'package.module:function'")
+    try:
+        fn = functools.reduce(getattr, name.split("."), importlib.import_module(module))
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"target {target!r} does not resolve: {exc}") from None
+    if not callable(fn):
+        raise ValueError(f"target {target!r} is a {type(fn).__name__}, not a callable")
+    return fn
 
 
 ACTIONS: dict[str, type[Action]] = {
@@ -229,5 +310,11 @@ def build_action(spec: str | dict[str, Any] | Action, where: str) -> Action:
         )
     try:
         return cls.model_validate(data)
+    except ValidationError as exc:  # one line per problem, not pydantic's multi-line report
+        problems = "; ".join(
+            (f"{e['loc'][0]}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
+            for e in exc.errors()
+        )
+        raise NumwatchConfigError(f"{where}: {data['type']}: {problems}") from None
     except Exception as exc:
         raise NumwatchConfigError(f"{where}: {exc}") from None
