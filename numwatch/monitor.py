@@ -605,7 +605,9 @@ class Monitor:
         ctx = self._ctx
         device_tensors: dict[str, torch.Tensor] = {}
         for probe in self._probes:
-            device_tensors.update(probe.device_tensors())
+            # One probe failing here drops its tensors, not the flush: under torch.distributed
+            # the other ranks are about to enter the aggregation's collectives with this one.
+            device_tensors.update(self._guard.run(probe.component, probe.device_tensors) or {})
         self._settle_losses()
         device_tensors.update(ctx.tracker.device_tensors())
         if isinstance(self._loss, torch.Tensor):

@@ -142,6 +142,39 @@ def scenario_ddp_stats(rank: int, out: Path) -> dict:
     return res
 
 
+def scenario_probe_fails(rank: int, out: Path) -> dict:
+    """DDP: rank 1's activation probe fails at its 2nd flush. The flush goes on without that
+    probe's tensors on rank 1, and the aggregation's layout agreement keeps the ranks in step
+    (the other rank died in a mismatched collective before)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    monitor = _monitor(net, out, "probe_fails").attach(opt)
+    probe = next(p for p in monitor._probes if p.component == "activations")
+    real, calls = probe.device_tensors, []
+
+    def failing():
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            raise RuntimeError("planted")
+        return real()
+
+    probe.device_tensors = failing
+    for step in range(4):
+        ddp(batch(rank, step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.detach()
+    return {
+        "errors": {k: v for k, v in monitor.errors.items() if v},
+        "steps": [snap.step for snap in monitor.history],
+        "absmax": [snap.get("activation_absmax", module="a") for snap in monitor.history],
+    }
+
+
 def scenario_ddp_nan(rank: int, out: Path) -> dict:
     """DDP: a NaN in rank 1's input at step 2; skip_step on both ranks; rank-0-only JSONL."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -336,6 +369,7 @@ def scenario_sharded_sigma(rank: int, out: Path) -> dict:
 SCENARIOS = {
     "ddp_stats": scenario_ddp_stats,
     "ddp_nan": scenario_ddp_nan,
+    "probe_fails": scenario_probe_fails,
     "fsdp_stats": scenario_fsdp_stats,
     "fsdp_opt": scenario_fsdp_opt,
     "fsdp_nan": lambda r, o: scenario_fsdp_nan(r, o, aggregate=True),
@@ -720,6 +754,14 @@ def test_sharded_power_iteration_matches_single_process_and_svd(runs):
         heads = w.split(w.shape[d] // g, dim=d)
         want += [torch.linalg.matrix_norm(h, ord=2) for h in heads]
     torch.testing.assert_close(res[0]["converged"].double(), torch.stack(want), rtol=1e-4, atol=0)
+
+
+def test_a_probe_failing_on_one_rank_at_a_flush_does_not_break_the_others(runs):
+    r0, r1 = _ok(runs["probe_fails"])
+    assert r0["errors"] == {} and r1["errors"] == {"activations": 1}
+    assert r0["steps"] == r1["steps"] == [0, 1, 2, 3]
+    # the 2nd flush (step 1) aggregates rank 0's rows alone: the global value is still there
+    assert all(v is not None for v in r0["absmax"])
 
 
 def test_scenarios_are_fast(runs):
