@@ -165,3 +165,19 @@ def test_inference_outputs_are_measured_in_their_hook(make_monitor):
     monitor.step()
     assert_true_rows(monitor.snapshot())
     assert no_errors(monitor)
+
+
+def test_a_row_measured_only_by_other_ranks_has_records_without_a_dtype():
+    """After cross-rank aggregation a table can hold a row this process never measured (a
+    module that ran on another rank only): its records come out, headroom NaN, instead of a
+    KeyError that cost every activation record of the flush."""
+    from numwatch.probes.tensors import table_records
+
+    merged = ts.tensor_stats_reference([torch.tensor([1.0, -2.0]), torch.tensor([4.0])])
+    records = table_records(
+        "activation", "module", [("a", None), ("b", None)], merged, {0: torch.float16}
+    )
+    absmax = {r.labels["module"]: r.value for r in records if r.name == "activation_absmax"}
+    headroom = {r.labels["module"]: r.value for r in records if r.name == "activation_headroom"}
+    assert absmax == {"a": 2.0, "b": 4.0}
+    assert headroom["a"] == 2.0 / 65504.0 and math.isnan(headroom["b"])

@@ -73,7 +73,11 @@ def _dtype_max(dtype: torch.dtype) -> float:
 
 
 def stat_records(
-    prefix: str, label: str, name: str, row: torch.Tensor | Sequence[float], dtype: torch.dtype
+    prefix: str,
+    label: str,
+    name: str,
+    row: torch.Tensor | Sequence[float],
+    dtype: torch.dtype | None,
 ) -> list[MetricRecord]:
     """Metrics ``{prefix}_*`` of one host-side stat row (see README, 'Metric reference').
 
@@ -100,7 +104,7 @@ def stat_records(
         zeros / numel if numel else 0.0,
         r[ts.SUBNORMAL],
         r[ts.UNDERFLOW] / nonzero_finite if nonzero_finite else 0.0,
-        r[ts.ABSMAX] / _dtype_max(dtype),
+        r[ts.ABSMAX] / _dtype_max(dtype) if dtype is not None else math.nan,
     )
     return list(map(_make_record, zip(_metric_names(prefix), repeat({label: name}), values)))
 
@@ -112,13 +116,15 @@ def table_records(
     merged: torch.Tensor | None,
     dtypes: Mapping[int, torch.dtype],
 ) -> list[MetricRecord]:
-    """``stat_records`` of every row of a merged host table that saw values."""
+    """``stat_records`` of every row of a merged host table that saw values. A row this process
+    never measured (other ranks' values after aggregation: a module that ran there only) has no
+    dtype here: its headroom is NaN."""
     if merged is None:
         return []
     out: list[MetricRecord] = []
     for i, ((name, _), row) in enumerate(zip(named, merged.tolist(), strict=True)):
         if row[ts.NUMEL] > 0:
-            out += stat_records(prefix, label, name, row, dtypes[i])
+            out += stat_records(prefix, label, name, row, dtypes.get(i))
     return out
 
 
