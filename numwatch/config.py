@@ -254,8 +254,10 @@ class PrometheusSinkConfig(_Section):
     )
     ranks: Literal["each", "rank0"] = Field(
         "each",
-        description="'each': every process serves its own metrics (label rank); 'rank0': only "
-        "global rank 0 serves (the cross-rank aggregate once the monitor aggregates).",
+        description="'each': every process serves (label rank) what its monitor holds: the "
+        "cross-rank aggregate, the same on every rank, when distributed.aggregate is on (query "
+        "one rank; a sum over ranks counts it once per rank), else its own values; 'rank0': "
+        "only global rank 0 serves.",
     )
     heads: Literal["layer", "top_k", "all"] = Field(
         "layer",
