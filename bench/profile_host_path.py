@@ -64,7 +64,7 @@ def main() -> None:
         "gradient_probe_on_step": probe.on_step,
         "tensor_stats_same_addresses": lambda: ts.tensor_stats(grads, None, "triton"),
         "tensor_stats_moved": lambda: ts.tensor_stats(twins[next(turn) % 2], None, "triton"),
-        "record_loss": lambda: monitor._record_loss(loss),
+        "record_loss": lambda: monitor._record_loss(loss, monitor.steps),
     }
     for f in parts.values():
         f()  # plans, tables and caches built
