@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from numwatch.buffers import NonfiniteOrigin, NonfiniteTracker, nonfinite_counts
+from numwatch.errors import NumwatchConfigError
 from numwatch.kernels import attention_stats as ats
 from numwatch.kernels import tensor_stats as ts
 from numwatch.kernels.host_copy import to_device
@@ -234,6 +235,29 @@ class Aggregator:
     def keeps_local(self) -> bool:
         """Rank-local values of every tensor are read too (per-rank JSONL)."""
         return self.active and self.cfg.jsonl == "per_rank"
+
+    def agree(self, settings: Mapping[str, Any]) -> None:
+        """Raise on every rank, at attach, when the ranks' monitors would issue different
+        collectives: flushes at different steps, or different probes, meet DDP's gradient
+        all-reduce instead of each other, and gloo aborts the process (or NCCL hangs).
+        ``settings``: what decides when and what a rank aggregates. One 2-value all-reduce."""
+        if not self.active:
+            return
+        text = repr(sorted(settings.items()))
+        crc = float(zlib.crc32(text.encode()))
+        check = torch.tensor([crc, -crc], dtype=torch.float64)
+        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=self._group_cpu())
+        self.collectives += 1
+        if check[0] != -check[1]:
+            mine: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(mine, text, self._group_cpu())
+            self.collectives += 1
+            differ = sorted({r for r, t in enumerate(mine) if t != mine[0]})
+            raise NumwatchConfigError(
+                "numwatch: the ranks' monitors are configured differently (flush cadence, probes "
+                f"or step-level rules): ranks {differ} differ from rank 0 ({mine[0]}; rank "
+                f"{differ[0]}: {mine[differ[0]]}); aggregation needs the same on every rank"
+            )
 
     # --------------------------------------------------------------------- per step
     def on_step(self, gradients: GradientProbe | None) -> None:

@@ -179,6 +179,7 @@ class Monitor:
             if first:
                 self._window_start = time.perf_counter()
                 if self.config.enabled:
+                    self._dist.agree(self._aggregation_settings())  # before any hook
                     launch.CUDA_GRAPHS = self.config.cuda_graphs
                     self._build_probes()
                     self._build_sinks()
@@ -193,6 +194,17 @@ class Monitor:
                 self._teardown()
             raise
         return self
+
+    def _aggregation_settings(self) -> dict[str, Any]:
+        """What decides when a rank's monitor issues collectives, and which (distributed)."""
+        cfg = self.config
+        probes = ("gradients", "activations", "attention", "weights", "optimizer")
+        out: dict[str, Any] = {"flush_every": cfg.flush_every, "distributed": cfg.distributed}
+        for name in probes:
+            section = getattr(cfg, name)
+            out[name] = (section.enabled, getattr(section, "every", None))
+        out["step_rules"] = sorted(r.name for r in self._engine.step_rules)
+        return out
 
     def _attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
         self._optimizer = optimizer

@@ -36,8 +36,10 @@ from numwatch.distributed import (
     _Plan,
     element_ops,
 )
+from numwatch.errors import NumwatchConfigError
 from numwatch.kernels import tensor_stats as ts
 from numwatch.sinks.jsonl import read_jsonl
+from numwatch.testing import hook_state
 
 WORLD = 2
 D, HEADS, T = 16, 2, 8
@@ -173,6 +175,24 @@ def scenario_probe_fails(rank: int, out: Path) -> dict:
         "steps": [snap.step for snap in monitor.history],
         "absmax": [snap.get("activation_absmax", module="a") for snap in monitor.history],
     }
+
+
+def scenario_config_mismatch(rank: int, out: Path) -> dict:
+    """Rank 1 flushes every 3 steps, rank 0 every 2: their flushes' collectives would meet DDP's
+    gradient all-reduce and gloo would abort the process; attach() refuses on both ranks."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net = Net()
+    ddp = DDP(net)
+    before = hook_state(net)
+    monitor = _monitor(net, out, "config_mismatch", flush_every=2 + rank)
+    error = ""
+    try:
+        monitor.attach()
+    except NumwatchConfigError as e:
+        error = str(e)
+    ddp(batch(rank, 0)).sum().backward()  # the ranks are still in step
+    return {"error": error, "attached": monitor.attached, "hooks_kept": hook_state(net) == before}
 
 
 def scenario_ddp_nan(rank: int, out: Path) -> dict:
@@ -370,6 +390,7 @@ SCENARIOS = {
     "ddp_stats": scenario_ddp_stats,
     "ddp_nan": scenario_ddp_nan,
     "probe_fails": scenario_probe_fails,
+    "config_mismatch": scenario_config_mismatch,
     "fsdp_stats": scenario_fsdp_stats,
     "fsdp_opt": scenario_fsdp_opt,
     "fsdp_nan": lambda r, o: scenario_fsdp_nan(r, o, aggregate=True),
@@ -762,6 +783,13 @@ def test_a_probe_failing_on_one_rank_at_a_flush_does_not_break_the_others(runs):
     assert r0["steps"] == r1["steps"] == [0, 1, 2, 3]
     # the 2nd flush (step 1) aggregates rank 0's rows alone: the global value is still there
     assert all(v is not None for v in r0["absmax"])
+
+
+def test_ranks_configured_differently_are_refused_at_attach(runs):
+    results = runs["config_mismatch"]
+    for res in results:
+        assert "configured differently" in res["error"] and "ranks [1] differ" in res["error"]
+        assert not res["attached"] and res["hooks_kept"]
 
 
 def test_scenarios_are_fast(runs):
