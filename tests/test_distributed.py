@@ -177,6 +177,34 @@ def scenario_probe_fails(rank: int, out: Path) -> dict:
     }
 
 
+def scenario_layer_on_one_rank(rank: int, out: Path) -> dict:
+    """DDP: layer b runs on rank 1 only (a data-dependent branch). Its aggregated statistics
+    reach rank 0's tables; rank 0 records them too (it had no attn_* record of b, so a rule on
+    them acted on rank 1 only and the replicas forked)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class Branch(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.head(torch.relu(self.b(h) if rank == 1 else h))
+
+    torch.manual_seed(0)
+    net = Branch()
+    ddp = DDP(net, find_unused_parameters=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    monitor = _monitor(net, out, "layer_on_one_rank").attach(opt)
+    ddp(batch(rank, 0)).square().mean().backward()
+    opt.step()
+    snap = monitor.snapshot()
+    monitor.detach()
+    return {
+        "errors": {k: v for k, v in monitor.errors.items() if v},
+        "max_logit_b": [snap.get("attn_max_logit", layer="b", head=str(h)) for h in range(HEADS)],
+        "calls_b": snap.get("attn_calls", layer="b"),
+        "acts": sorted({r.labels["module"] for r in snap.series("activation_absmax")}),
+    }
+
+
 def scenario_config_mismatch(rank: int, out: Path) -> dict:
     """Rank 1 flushes every 3 steps, rank 0 every 2: their flushes' collectives would meet DDP's
     gradient all-reduce and gloo would abort the process; attach() refuses on both ranks."""
@@ -391,6 +419,7 @@ SCENARIOS = {
     "ddp_nan": scenario_ddp_nan,
     "probe_fails": scenario_probe_fails,
     "config_mismatch": scenario_config_mismatch,
+    "layer_on_one_rank": scenario_layer_on_one_rank,
     "fsdp_stats": scenario_fsdp_stats,
     "fsdp_opt": scenario_fsdp_opt,
     "fsdp_nan": lambda r, o: scenario_fsdp_nan(r, o, aggregate=True),
@@ -783,6 +812,14 @@ def test_a_probe_failing_on_one_rank_at_a_flush_does_not_break_the_others(runs):
     assert r0["steps"] == r1["steps"] == [0, 1, 2, 3]
     # the 2nd flush (step 1) aggregates rank 0's rows alone: the global value is still there
     assert all(v is not None for v in r0["absmax"])
+
+
+def test_a_layer_that_runs_on_one_rank_is_recorded_on_every_rank(runs):
+    r0, r1 = _ok(runs["layer_on_one_rank"])
+    assert r0["errors"] == r1["errors"] == {}
+    assert r0["max_logit_b"] == r1["max_logit_b"] and None not in r0["max_logit_b"]
+    assert (r0["calls_b"], r1["calls_b"]) == (0.0, 1.0)  # this rank's own calls
+    assert r0["acts"] == r1["acts"] and "b" in r0["acts"]
 
 
 def test_ranks_configured_differently_are_refused_at_attach(runs):

@@ -575,10 +575,20 @@ class AttentionProbe:
         return out
 
     def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
+        # After cross-rank aggregation ``host`` also holds layers that ran on other ranks only
+        # (a data-dependent branch): their statistics are global, so they are recorded here too
+        # (attn_calls counts this rank's calls: 0).
+        seen = {k[len("attn/") : -len("/heads")] for k in host if _is_heads_key(k)}
+        others = sorted(seen - set(self._stats))
         out = []
-        for layer, st in self._stats.items():
-            out.append(MetricRecord("attn_calls", {"layer": layer}, float(st.calls)))
-            heads = host[f"attn/{layer}/heads"].tolist()
+        for layer in [*self._stats, *others]:
+            key = f"attn/{layer}/heads"
+            if key not in host:
+                continue
+            st = self._stats.get(layer)
+            calls = float(st.calls) if st is not None else 0.0
+            out.append(MetricRecord("attn_calls", {"layer": layer}, calls))
+            heads = host[key].tolist()
             errors = host.get(f"attn/{layer}/errors")
             errors = errors.tolist() if errors is not None else None
             for h, row in enumerate(heads):
@@ -589,6 +599,10 @@ class AttentionProbe:
 
     def reset(self) -> None:
         self._stats.clear()
+
+
+def _is_heads_key(key: str) -> bool:
+    return key.startswith("attn/") and key.endswith("/heads")
 
 
 def _measured(x: torch.Tensor) -> bool:
