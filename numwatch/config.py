@@ -250,7 +250,8 @@ class PrometheusSinkConfig(_Section):
         ge=0,
         le=65535,
         description="Port to bind; 0 = an ephemeral port (see Monitor.prometheus_url). With "
-        "ranks='each', rank LOCAL_RANK binds port + LOCAL_RANK.",
+        "ranks='each', rank LOCAL_RANK binds port + LOCAL_RANK (the global rank where "
+        "LOCAL_RANK is not set, as under torch.multiprocessing.spawn).",
     )
     ranks: Literal["each", "rank0"] = Field(
         "each",

@@ -306,7 +306,8 @@ class Monitor:
         exporter = PrometheusSink.from_config(
             cfg.prometheus,
             rank=self.rank,
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            # mp.spawn sets no LOCAL_RANK: the global rank keeps the ranks' ports apart
+            local_rank=int(os.environ.get("LOCAL_RANK", _rank())),
             run_name=self.run_name,
         )
         if exporter is not None:

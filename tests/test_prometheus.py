@@ -281,6 +281,25 @@ def test_from_config_ports_per_rank(monkeypatch, ranks, rank, local_rank, port, 
         assert seen["port"] == expected and seen["rank"] == rank
 
 
+@pytest.mark.parametrize(("env", "expected"), [({"LOCAL_RANK": "1"}, 9711), ({}, 9713)])
+def test_the_monitor_binds_port_plus_local_rank_else_the_global_rank(monkeypatch, env, expected):
+    """torch.multiprocessing.spawn sets no LOCAL_RANK: every rank bound port + 0 and all but
+    one failed at attach with 'port in use'."""
+    seen = {}
+    monkeypatch.setattr(
+        PrometheusSink, "from_config", lambda cfg, **kw: seen.update(kw) or None, raising=True
+    )
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("RANK", "3")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monitor = numwatch.Monitor(
+        torch.nn.Linear(2, 1), sinks__jsonl__enabled=False, sinks__console__enabled=False
+    ).attach()
+    monitor.detach()
+    assert seen["rank"] == 3 and 9710 + seen["local_rank"] == expected
+
+
 # ------------------------------------------------------------------------------ with the monitor
 def tiny_training(monitor_overrides: dict, steps: int = 4, nan_at: int | None = None):
     torch.manual_seed(0)
