@@ -82,6 +82,12 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _world() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 class Monitor:
     """Numerical health monitor for one model.
 
@@ -289,7 +295,13 @@ class Monitor:
 
     def _build_sinks(self) -> None:
         cfg = self.config.sinks
-        if cfg.jsonl.enabled and (self.rank == 0 or self.config.distributed.jsonl == "per_rank"):
+        per_rank = self.config.distributed.jsonl == "per_rank"
+        if cfg.jsonl.enabled and per_rank and "{rank}" not in cfg.jsonl.path and _world() > 1:
+            raise NumwatchConfigError(
+                f"sinks.jsonl.path {cfg.jsonl.path!r} has no {{rank}} while "
+                "distributed.jsonl='per_rank': every rank would append to that one file"
+            )
+        if cfg.jsonl.enabled and (self.rank == 0 or per_rank):
             try:
                 self._jsonl_path = cfg.jsonl.path.format(run_name=self.run_name, rank=self.rank)
             except (KeyError, IndexError, ValueError) as e:

@@ -539,6 +539,19 @@ def test_an_attach_that_fails_leaves_nothing_behind(make_monitor, failure):
     assert not opt._optimizer_step_pre_hooks and "step" not in opt.__dict__
 
 
+def test_per_rank_logs_need_the_rank_in_their_path(make_monitor, monkeypatch, tmp_path):
+    """Without {rank}, the ranks of a per-rank log appended to one file, interleaved."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    one_file = str(tmp_path / "run.jsonl")
+    monitor = make_monitor(Net(), sinks__jsonl__path=one_file, distributed__jsonl="per_rank")
+    with pytest.raises(numwatch.NumwatchConfigError, match=r"has no \{rank\}"):
+        monitor.attach()
+    assert not monitor.attached
+    per_rank = str(tmp_path / "run.rank{rank}.jsonl")
+    make_monitor(Net(), sinks__jsonl__path=per_rank, distributed__jsonl="per_rank").attach()
+    make_monitor(Net(), sinks__jsonl__path=one_file).attach()  # rank 0 writes it alone
+
+
 def test_one_optimizer_per_monitor(make_monitor):
     model = Net()
     opt, other = (torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(2))
