@@ -49,19 +49,19 @@ def test_lr_backoff_is_one_factor_however_many_series_fire():
     monitor.detach()
 
 
-def test_lr_backoff_refiring_inside_its_window_does_not_compound():
+def test_lr_backoff_refiring_inside_its_window_restarts_it_without_compounding():
     model = nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    backoff = {"type": "lr_backoff", "factor": 0.5, "steps": 5, "min_interval_steps": 0}
-    monitor = monitor_for(model, backoff, "loss", threshold=0.0).attach(opt)
+    backoff = {"type": "lr_backoff", "factor": 0.5, "steps": 3, "min_interval_steps": 0}
+    monitor = monitor_for(model, backoff, "loss", threshold=10.0).attach(opt)
     seen = lrs_seen(opt)
-    for _ in range(8):  # fires every step: a new window at step 5, never a second factor
+    for step in range(8):  # fires at steps 0 and 2: the window of 3 restarts at step 2
         model(torch.ones(1, 1)).sum().backward()
-        monitor.step(1.0)
+        monitor.step(100.0 if step in (0, 2) else 1.0)
         opt.step()
         opt.zero_grad()
-    assert seen == [0.05] * 8
-    assert [e.step for e in monitor.events if e.kind == "action"] == [0, 5]
+    assert seen == [0.05] * 5 + [0.1] * 3  # never 0.025; back at step 5, not 3
+    assert [e.step for e in monitor.events if e.kind == "action"] == [0, 2]
     monitor.detach()
 
 

@@ -80,15 +80,14 @@ class LrBackoff(Action):
 
     The LR is one for the whole model while a rule watches many series (every head of
     ``attn_max_logit``): the series firing in one flush, and the rule firing again while its
-    back-off runs, would otherwise compound the factor (0.5**8 for 8 heads). So the rule's
-    firings before its window ends (``steps`` monitor steps after it began) do nothing; the
-    next one after it starts a new window. The debounce is per rule too, for the same reason.
+    back-off runs, would otherwise compound the factor (0.5**8 for 8 heads). So a firing
+    replaces the rule's back-off still running: the window restarts (``steps`` optimizer steps
+    from this firing), the factor stays. The debounce is per rule too, for the same reason.
     """
 
     type: Literal["lr_backoff"] = "lr_backoff"
     factor: float = Field(0.5, gt=0.0, lt=1.0, description="LR multiplier while backed off.")
     steps: int = Field(100, ge=1, description="Optimizer steps before the schedule's LR returns.")
-    _window_end: dict[str, int] = PrivateAttr(default_factory=dict)  # rule -> first step after
 
     def debounce_key(self, event: Event) -> tuple[tuple[str, str], ...]:
         return (("rule", event.rule),)
@@ -97,11 +96,7 @@ class LrBackoff(Action):
         control = ctx.optimizer_control
         if control is None:
             raise NumwatchError("lr_backoff needs the optimizer: monitor.attach(optimizer)")
-        end = self._window_end.get(event.rule)
-        if end is not None and event.step < end:
-            return None  # this rule's back-off is still on
-        control.back_off_lr(self.factor, self.steps)
-        self._window_end[event.rule] = event.step + self.steps
+        control.back_off_lr(self.factor, self.steps, key=(id(self), event.rule))
         return f"LR x{self.factor:g} for {self.steps} steps"
 
 

@@ -10,7 +10,7 @@ unless something wrapped ours after us, in which case ours stays as a pass-throu
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ class OptimizerControl:
         self._original = optimizer.step
         self._instance_step = optimizer.__dict__.get("step")  # a wrapper installed before us
         self._skip = False
-        self._backoffs: list[tuple[float, int]] = []  # (factor, steps left)
+        self._backoffs: list[tuple[float, int, Hashable]] = []  # (factor, steps left, key)
         self._after_step: list[Callable[[], None]] = []
 
         def step(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -54,9 +54,13 @@ class OptimizerControl:
         ran (a GradScaler skips overflow steps itself), it must not skip the next one."""
         self._skip = False
 
-    def back_off_lr(self, factor: float, steps: int) -> None:
-        """Multiply every group's LR by ``factor`` for the next ``steps`` optimizer steps."""
-        self._backoffs.append((factor, steps))
+    def back_off_lr(self, factor: float, steps: int, key: Hashable = None) -> None:
+        """Multiply every group's LR by ``factor`` for the next ``steps`` optimizer steps. A
+        ``key`` replaces its own back-off still running (the window restarts, the factor does
+        not compound); back-offs without one compound."""
+        if key is not None:
+            self._backoffs = [b for b in self._backoffs if b[2] != key]
+        self._backoffs.append((factor, steps, key))
 
     def after_next_step(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` right after the next optimizer update (e.g. QK-clip)."""
@@ -65,7 +69,7 @@ class OptimizerControl:
     @property
     def lr_factor(self) -> float:
         factor = 1.0
-        for f, _ in self._backoffs:
+        for f, _, _ in self._backoffs:
             factor *= f
         return factor
 
@@ -115,7 +119,7 @@ class OptimizerControl:
         return out
 
     def _tick(self) -> None:
-        self._backoffs = [(f, n - 1) for f, n in self._backoffs if n > 1]
+        self._backoffs = [(f, n - 1, k) for f, n, k in self._backoffs if n > 1]
 
     def uninstall(self) -> None:
         if self.optimizer.__dict__.get("step") is self._wrapper:
