@@ -244,11 +244,7 @@ class Aggregator:
         if not self.active:
             return
         text = repr(sorted(settings.items()))
-        crc = float(zlib.crc32(text.encode()))
-        check = torch.tensor([crc, -crc], dtype=torch.float64)
-        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=self._group_cpu())
-        self.collectives += 1
-        if check[0] != -check[1]:
+        if not self._same_everywhere(text):
             mine: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(mine, text, self._group_cpu())
             self.collectives += 1
@@ -431,11 +427,7 @@ class Aggregator:
     def _agree(self, layout: list[tuple[str, tuple[int, ...]]]) -> list | None:
         """The layout every rank packs: its own when all agree (a 2-value CPU all-reduce), else
         the union (an object all-gather), or None when two ranks hold one key in two shapes."""
-        crc = float(zlib.crc32(repr((layout, sorted(self._roles.items()))).encode()))
-        check = torch.tensor([crc, -crc], dtype=torch.float64)
-        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=self._group_cpu())
-        self.collectives += 1
-        if check[0] == -check[1]:
+        if self._same_everywhere(repr((layout, sorted(self._roles.items())))):
             return layout
         layouts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(layouts, layout, self._group_cpu())
@@ -448,6 +440,15 @@ class Aggregator:
             log.warning("numwatch: ranks hold statistics of different shapes; not aggregated")
             return None
         return [(k, next(iter(shapes[k]))) for k in sorted(shapes)]
+
+    def _same_everywhere(self, text: str) -> bool:
+        """Whether every rank passed the same ``text``: the MAX of (crc, -crc) over ranks is
+        (c, -c) only when all crcs are c. One 2-value all-reduce on the CPU group."""
+        crc = float(zlib.crc32(text.encode()))
+        check = torch.tensor([crc, -crc], dtype=torch.float64)
+        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=self._group_cpu())
+        self.collectives += 1
+        return bool(check[0] == -check[1])
 
     def _device(self, tensors: Any) -> torch.device:
         """CUDA when the backend is NCCL (current device), the CPU otherwise (gloo)."""

@@ -34,7 +34,7 @@ from numwatch.buffers import (
     read_to_host,
 )
 from numwatch.config import MonitorConfig
-from numwatch.distributed import Aggregator
+from numwatch.distributed import Aggregator, get_rank, get_world_size
 from numwatch.errors import NumwatchConfigError, NumwatchError
 from numwatch.events import Event, EventBus
 from numwatch.gc_pause import gc_paused
@@ -76,18 +76,6 @@ _COMPONENTS = (
 _OPTIMIZER_ACTIONS = (SkipStep, LrBackoff, QKClip)
 
 
-def _rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
-def _world() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 class Monitor:
     """Numerical health monitor for one model.
 
@@ -107,7 +95,7 @@ class Monitor:
         self.model = model
         self.config = MonitorConfig.load(config, **overrides)
         self.events: list[Event] = []
-        self.rank = _rank()
+        self.rank = get_rank()
         self.run_name = self.config.run_name or datetime.datetime.now(
             datetime.timezone.utc
         ).strftime("run-%Y%m%dT%H%M%SZ")
@@ -296,7 +284,8 @@ class Monitor:
     def _build_sinks(self) -> None:
         cfg = self.config.sinks
         per_rank = self.config.distributed.jsonl == "per_rank"
-        if cfg.jsonl.enabled and per_rank and "{rank}" not in cfg.jsonl.path and _world() > 1:
+        shared_path = per_rank and "{rank}" not in cfg.jsonl.path and get_world_size() > 1
+        if cfg.jsonl.enabled and shared_path:
             raise NumwatchConfigError(
                 f"sinks.jsonl.path {cfg.jsonl.path!r} has no {{rank}} while "
                 "distributed.jsonl='per_rank': every rank would append to that one file"
@@ -319,7 +308,7 @@ class Monitor:
             cfg.prometheus,
             rank=self.rank,
             # mp.spawn sets no LOCAL_RANK: the global rank keeps the ranks' ports apart
-            local_rank=int(os.environ.get("LOCAL_RANK", _rank())),
+            local_rank=int(os.environ.get("LOCAL_RANK", get_rank())),
             run_name=self.run_name,
         )
         if exporter is not None:

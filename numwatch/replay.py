@@ -26,7 +26,7 @@ from numwatch.config import MonitorConfig, RulesConfig
 from numwatch.errors import NumwatchError
 from numwatch.events import Event
 from numwatch.rules import RuleEngine, configured_rules
-from numwatch.sinks.jsonl import read_jsonl, run_starts
+from numwatch.sinks.jsonl import is_flush, read_jsonl, run_starts
 from numwatch.sinks.tail import record_to_snapshot
 
 __all__ = ["main", "replay", "summarize"]
@@ -41,7 +41,7 @@ def replay(records: Iterable[dict[str, Any]], rules: RulesConfig | None = None) 
     engine = RuleEngine(configured_rules(rules or RulesConfig()).values())
     out: list[Event] = []
     for record in records:
-        if not record["metrics"]:  # late events of a detach: actions, nothing to evaluate
+        if not is_flush(record):  # late events of a detach: actions, nothing to evaluate
             continue
         snapshot, logged = record_to_snapshot(record)
         nonfinite = [e for e in logged if e.kind == "nonfinite"]
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     except (NumwatchError, OSError, ValueError, KeyError) as err:
         print(f"numwatch replay: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
-    flushes = [r for r in records if r["metrics"]]  # not the record of late events (detach)
+    flushes = list(filter(is_flush, records))
     steps = [r["step"] for r in flushes]
     logged = sum(e["kind"] != "action" for r in records for e in r["events"])
     summary = summarize(events)

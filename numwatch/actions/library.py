@@ -26,7 +26,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 from numwatch.actions.base import Action, ActionContext
 from numwatch.errors import NumwatchConfigError, NumwatchError, NumwatchHalt
 from numwatch.events import Event
-from numwatch.probes.qk_layout import HeadSlice, find_qk_layout
+from numwatch.probes.qk_layout import find_qk_layout
 
 __all__ = [
     "ACTIONS",
@@ -113,7 +113,7 @@ def qk_clip(model: torch.nn.Module, layer: str, head: int, max_logit: float, tau
     ratio = tau / max_logit
     q, k = layout.q[head], layout.k_for(head)
     if len(layout.k) == len(layout.q):
-        _scale_once([*_views(q), *_views(k)], math.sqrt(ratio))
+        _scale_once([*q.views(), *k.views()], math.sqrt(ratio))
     else:  # a key head is shared by several query heads: clip the query side only
         q.scale_(ratio)
     return ratio
@@ -130,11 +130,6 @@ def _scale_once(views: list[torch.Tensor], factor: float) -> None:
     scaled = [v * factor for v in views]
     for v, new in zip(views, scaled, strict=True):
         v.copy_(new)
-
-
-def _views(head: HeadSlice) -> list[torch.Tensor]:
-    weight = head.weight.narrow(head.dim, head.start, head.stop - head.start)
-    return [weight] if head.bias is None else [weight, head.bias[head.start : head.stop]]
 
 
 class QKClip(Action):

@@ -27,16 +27,20 @@ class HeadSlice:
     start: int
     stop: int
 
+    def views(self) -> list[torch.Tensor]:
+        """The head's weight rows (columns for Conv1D) and bias entries, as views."""
+        w = self.weight.narrow(self.dim, self.start, self.stop - self.start)
+        return [w] if self.bias is None else [w, self.bias[self.start : self.stop]]
+
     def matrix(self) -> torch.Tensor:
         """The head's projection as a (head_dim, d_model) view."""
-        w = self.weight.narrow(self.dim, self.start, self.stop - self.start)
+        w = self.views()[0]
         return w if self.dim == 0 else w.t()
 
     @torch.no_grad()
     def scale_(self, factor: float) -> None:
-        self.weight.narrow(self.dim, self.start, self.stop - self.start).mul_(factor)
-        if self.bias is not None:
-            self.bias[self.start : self.stop].mul_(factor)
+        for view in self.views():
+            view.mul_(factor)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from numwatch.errors import NumwatchConfigError
 from numwatch.events import Event
 from numwatch.rules.base import Finding, Rule, SeriesKey
 from numwatch.rules.nonfinite import NonfiniteRule
-from numwatch.sinks.prometheus import _HELP, _TENSOR_STATS
+from numwatch.sinks.prometheus import DOCUMENTED_METRICS
 from numwatch.snapshot import MetricRecord, series_key
 
 __all__ = ["STEP_METRICS", "RuleEngine"]
@@ -21,12 +21,6 @@ STEP_METRICS = ("grad_norm", "loss", "nonfinite")
 # is reported as a probable misspelling: sampled probes measure step 0, so every enabled probe's
 # metrics are in the first flush; 3 leave room for a first flush that came early.
 UNSEEN_METRIC_FLUSHES = 3
-# Metric names numwatch documents (the Prometheus help table; the per-tensor statistics of
-# gradients and activations): they can be absent for long without a typo (counters, probes off).
-_DOCUMENTED_METRICS = {
-    *_HELP,
-    *(f"{subject}_{stat}" for subject in ("grad", "activation") for stat in _TENSOR_STATS),
-}
 _log = logging.getLogger("numwatch")
 
 
@@ -98,7 +92,7 @@ class RuleEngine:
         self._flushes += 1
         if self._flushes < UNSEEN_METRIC_FLUSHES:
             return
-        known = self._names_seen | _DOCUMENTED_METRICS
+        known = self._names_seen | DOCUMENTED_METRICS
         for rule in self.flush_rules:
             if rule.metric not in known and not isinstance(rule, NonfiniteRule):
                 close = difflib.get_close_matches(rule.metric, sorted(known), n=3)

@@ -25,6 +25,7 @@ from numwatch.snapshot import Snapshot
 __all__ = [
     "SCHEMA_VERSION",
     "JsonlSink",
+    "is_flush",
     "open_log",
     "parse_record",
     "read_jsonl",
@@ -239,6 +240,12 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
                     out.append(record)
     warn_unreadable(path, skipped)
     return out
+
+
+def is_flush(record: dict[str, Any]) -> bool:
+    """Whether a record is a flush's, not the record of late events ``emit_events`` writes at
+    detach (no metrics: what the last flush's actions did)."""
+    return bool(record["metrics"])
 
 
 def run_starts(records: list[dict[str, Any]]) -> list[int]:

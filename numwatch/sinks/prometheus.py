@@ -45,7 +45,13 @@ from numwatch.snapshot import MetricRecord, Snapshot
 if TYPE_CHECKING:
     from numwatch.config import PrometheusSinkConfig
 
-__all__ = ["HEAD_REDUCTIONS", "PrometheusSink", "SnapshotCollector", "metric_help"]
+__all__ = [
+    "DOCUMENTED_METRICS",
+    "HEAD_REDUCTIONS",
+    "PrometheusSink",
+    "SnapshotCollector",
+    "metric_help",
+]
 
 PREFIX = "numwatch_"
 _log = logging.getLogger("numwatch")
@@ -132,6 +138,12 @@ _HELP = {
     "mitigation_skipped_steps_total": "Optimizer steps skipped by the skip_step action.",
     "mitigation_lr_factor": "Factor the lr_backoff action applies to the learning rate now.",
 }
+
+
+# Every metric name the tables above describe (metric_help's own text, not its fallback).
+DOCUMENTED_METRICS = frozenset(
+    [*_HELP, *(f"{prefix}_{stat}" for prefix in ("grad", "activation") for stat in _TENSOR_STATS)]
+)
 
 
 def metric_help(name: str, heads: HeadMode | None = None) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from numwatch.errors import NumwatchError
-from numwatch.sinks.jsonl import read_jsonl, run_starts
+from numwatch.sinks.jsonl import is_flush, read_jsonl, run_starts
 from numwatch.sinks.prometheus import HEAD_REDUCTIONS
 
 __all__ = ["Run", "load_run", "main", "render_html", "write_report"]
@@ -125,7 +125,7 @@ def load_run(path: str | Path) -> Run:
         for m in record["metrics"]:
             series[m["name"]][tuple(sorted(m["labels"].items()))].append((step, m["value"]))
         events += record["events"]
-    flushes = [r for r in records if r["metrics"]]  # not the record of late events (detach)
+    flushes = list(filter(is_flush, records))
     return Run(
         path=path,
         name=records[-1].get("run", ""),

@@ -22,7 +22,7 @@ from rich.markup import escape
 
 from numwatch.events import Event
 from numwatch.sinks.console import summary_line
-from numwatch.sinks.jsonl import open_log, parse_record, warn_unreadable
+from numwatch.sinks.jsonl import is_flush, open_log, parse_record, warn_unreadable
 from numwatch.snapshot import MetricRecord, Snapshot
 
 __all__ = ["follow", "main", "record_to_snapshot"]
@@ -100,7 +100,7 @@ def _replaced(path: Path, inode: int, position: int) -> bool:
 
 def print_record(console: Console, record: dict[str, Any], *, events: bool = True) -> None:
     snapshot, found = record_to_snapshot(record)
-    if record["metrics"]:  # a record of late events has none: its events are the news
+    if is_flush(record):  # a record of late events: its events are the news
         console.print(summary_line(snapshot, found))
     if events:
         for e in found:
