@@ -11,16 +11,16 @@ CPU.
 
 Semantics are SDPA's: (B, H, T, D) layout, ``is_causal`` is the top-left aligned lower triangle,
 GQA/MQA when K/V have fewer heads (``enable_gqa=True``), ``attn_mask`` boolean (True = keep) or
-additive float, broadcastable to (B, H, Tq, Tk) (key padding (B,1,1,Tk), (B,1,Tq,Tk), dense
-per-head masks: all run in the kernel); with ``is_causal`` too, both apply (their AND, as torch's
-SDPA computes it on CPU). Rows whose keys are all masked give 0, like SDPA. Additive values at
-or below -2^100 (Hugging Face's finfo(dtype).min) swamp the score in SDPA's fp32 sum, so a row
-masked whole by them averages V there: here they take one logit, -2^15 in log2 units, whatever
-the score, which does the same and keeps the backward exact (``flash_attention_torch``'s
-MASK_SWAMPS). Rows masked whole by large finite values above that (-1e9) have the forward right
-but a backward of reduced precision: their LSE, one fp32 near -1e9, loses most of log(row sum).
-bf16 and fp16 inputs, fp32 accumulators, head dims multiple of 8 up to 256 (64 and 128 are the
-fast ones), any Tq and Tk.
+additive float (float32 or q's dtype, as SDPA requires), broadcastable to (B, H, Tq, Tk) (key
+padding (B,1,1,Tk), (B,1,Tq,Tk), dense per-head masks: all run in the kernel); with ``is_causal``
+too, both apply (their AND, as torch's SDPA computes it on CPU). Rows whose keys are all masked give
+0, like SDPA. Additive values at or below -2^100 (Hugging Face's finfo(dtype).min) swamp the score
+in SDPA's fp32 sum, so a row masked whole by them averages V there: here they take one logit, -2^15
+in log2 units, whatever the score, which does the same and keeps the backward exact
+(``flash_attention_torch``'s MASK_SWAMPS). Rows masked whole by large finite values above that
+(-1e9) have the forward right but a backward of reduced precision: their LSE, one fp32 near -1e9,
+loses most of log(row sum). bf16 and fp16 inputs, fp32 accumulators, head dims multiple of 8 up to
+256 (64 and 128 are the fast ones), any Tq and Tk.
 
 Fallback: a call the kernel does not run (``dropout_p > 0``, fp32/fp64 inputs, other head dims,
 V head dim != QK head dim, a mask that needs a gradient, a
@@ -113,7 +113,6 @@ _MODES = {
     "paper_repro_stabilized": MODE_PAPER_STABILIZED,
 }
 _DTYPES = (torch.bfloat16, torch.float16)
-_MASK_DTYPES = (torch.bool, torch.bfloat16, torch.float16, torch.float32)
 
 # Host-side fallback counter, keyed by reason (see flash_attention_fallbacks).
 _FALLBACKS: Counter[str] = Counter()
@@ -173,10 +172,12 @@ def _fallback_reason(
     if attn_mask is not None:
         if attn_mask.device != q.device or attn_mask.layout != torch.strided:
             return "mask_device"
-        if attn_mask.dtype not in _MASK_DTYPES:
+        if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):  # SDPA's rule
             return "mask_dtype"
         if attn_mask.requires_grad:
             return "mask_grad"
+        if attn_mask.dim() < 2:  # SDPA indexes the mask's last two dims (and raises)
+            return "mask_shape"
         try:
             if torch.broadcast_shapes(attn_mask.shape, (b, h, tq, tk)) != (b, h, tq, tk):
                 return "mask_shape"

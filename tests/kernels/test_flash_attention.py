@@ -585,6 +585,24 @@ def test_fallbacks_are_counted_and_match_sdpa():
     assert _counts_after(lambda: out.update(o=flash_attention(q, k, v48))) == {"head_dim_v": 1}
     assert torch.equal(out["o"], F.scaled_dot_product_attention(q, k, v48))
 
+    # Masks SDPA refuses go to SDPA, which raises, instead of running in the kernel: a float
+    # mask of neither float32 nor q's dtype, and masks of fewer than 2 dims.
+    for mask, reason in (
+        (torch.zeros(16, 16, dtype=torch.float16), "mask_dtype"),
+        (torch.zeros(16, dtype=torch.bfloat16), "mask_shape"),
+        (torch.ones(16, dtype=torch.bool), "mask_shape"),
+        (torch.zeros((), dtype=torch.bfloat16), "mask_shape"),
+    ):
+        with pytest.raises((RuntimeError, IndexError)):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        def refused(mask=mask):
+            with pytest.raises((RuntimeError, IndexError)):
+                flash_attention(q, k, v, attn_mask=mask)
+
+        assert _counts_after(refused) == {reason: 1}
+    assert _counts_after(lambda: flash_attention(q, k, v, attn_mask=torch.zeros(16, 16))) == {}
+
     def heads_without_gqa():  # SDPA rejects 4 query heads on 2 K/V heads unless enable_gqa
         with pytest.raises(RuntimeError):
             flash_attention(torch.cat([q, q], 1), k, v)
