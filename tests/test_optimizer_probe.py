@@ -90,12 +90,25 @@ def test_large_models_are_measured_in_rotation_within_the_byte_budget():
     assert all(r is not None and r > 0 for r in ratios)  # all four after two updates
 
 
-def test_update_sums_match_a_float64_oracle():
+@pytest.mark.parametrize(
+    "placement",
+    [
+        "cpu",
+        pytest.param(
+            "split",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
+        ),
+    ],
+)
+def test_update_sums_match_a_float64_oracle(placement):
     """Per-parameter sums of a mixed update: weight decay moves weights without a gradient,
     some gradients are zero, and a bf16 weight absorbs small updates; exact counts, the ratio
-    against float64."""
+    against float64. ``split``: the first layer on the GPU, the second on the CPU (a model
+    split over devices, as with offloading): one statistics call per device."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4).to(torch.bfloat16))
+    if placement == "split":
+        model[0].cuda()
     with torch.no_grad():  # Adam's first steps are ~lr: absorbed at 4.0 (half an ULP 2^-6)
         model[1].weight[:, :4] = 4.0
         model[1].weight[:, 4:] = 0.1
@@ -120,6 +133,7 @@ def test_update_sums_match_a_float64_oracle():
         assert snap.value("optimizer_absorbed_fraction", param=name) == pytest.approx(absorbed)
         fractions[name] = absorbed
     assert fractions["0.weight"] == 0 and 0.3 < fractions["1.weight"] < 0.7
+    assert not any(monitor.errors.values())
 
 
 class ComplexAndReal(nn.Module):

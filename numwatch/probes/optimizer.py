@@ -135,6 +135,34 @@ class OptimizerProbe:
         grads = [_real(local_tensor(self.params[i][1].grad)) for i in self._taken]
         updates = torch._foreach_sub(params, self._before)
         self._before = None
+        taken = self._taken
+        if len(set(map(torch.Tensor.get_device, params))) == 1:
+            sums = self._update_sums(params, grads, updates)
+        else:  # a model split over devices: one statistics call per device, gathered on one
+            groups: dict[torch.device, list[int]] = {}
+            for j, p in enumerate(params):
+                groups.setdefault(p.device, []).append(j)
+            # an accelerator where there is one: a non-blocking copy from it into CPU memory
+            # could still be running when the CPU reads it
+            target = next((d for d in groups if d.type != "cpu"), params[0].device)
+            parts = []
+            for js in groups.values():
+                part = self._update_sums(*([x[j] for j in js] for x in (params, grads, updates)))
+                parts.append(part.to(target, non_blocking=True))
+            sums = torch.cat(parts)
+            taken = [taken[j] for js in groups.values() for j in js]
+        index = self._index(sums.device, taken)
+        if self._sums is None or self._sums.device != sums.device:
+            n = len(self.params)
+            self._sums = torch.full((n, 4), float("nan"), dtype=torch.float64, device=sums.device)
+        self._sums.index_copy_(0, index, sums)  # each parameter keeps its latest measurement
+        self._measured.update(taken)
+
+    def _update_sums(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor], updates: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """(n, 4) sums of tensors on one device: update^2, weight^2, elements with a non-zero
+        gradient and, of those, elements whose weight moved. Consumes ``updates``."""
         # Per-parameter sums from the fused statistics kernel (one launch per list): a
         # _foreach_norm returns one tensor per parameter, which made four of them and their
         # stacks most of this probe's host time.
@@ -146,23 +174,17 @@ class OptimizerProbe:
         both = stats(updates)
         moved = g[:, ts.NUMEL] - g[:, ts.ZERO]
         changed = both[:, ts.NUMEL] - both[:, ts.ZERO]
-        sums = torch.stack([_sum_sq(u), _sum_sq(w), moved, changed], dim=1)
-        index = self._index(sums.device)
-        if self._sums is None or self._sums.device != sums.device:
-            n = len(self.params)
-            self._sums = torch.full((n, 4), float("nan"), dtype=torch.float64, device=sums.device)
-        self._sums.index_copy_(0, index, sums)  # each parameter keeps its latest measurement
-        self._measured.update(self._taken)
+        return torch.stack([_sum_sq(u), _sum_sq(w), moved, changed], dim=1)
 
-    def _index(self, device: torch.device) -> torch.Tensor:
+    def _index(self, device: torch.device, taken: list[int]) -> torch.Tensor:
         """The measured parameters' positions on the device; the rotation repeats, so a few
         cached index tensors serve every sample after the first round."""
-        key = (device, tuple(self._taken))
+        key = (device, tuple(taken))
         index = self._index_cache.get(key)
         if index is None:
             if len(self._index_cache) > 64:
                 self._index_cache.clear()
-            index = self._index_cache[key] = to_device(self._taken, torch.long, device)
+            index = self._index_cache[key] = to_device(taken, torch.long, device)
         return index
 
     def _loss_scale(self) -> None:
