@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, JoinHook
 
 from numwatch.buffers import NonfiniteOrigin, NonfiniteTracker, nonfinite_counts
 from numwatch.errors import NumwatchConfigError
@@ -54,6 +55,7 @@ __all__ = [
     "SHARD_COPY",
     "Aggregator",
     "MatrixBlock",
+    "MonitorJoinHook",
     "ShardedPowerIteration",
     "element_ops",
     "get_rank",
@@ -226,10 +228,20 @@ class Aggregator:
         self._counted: dict[torch.device, torch.Tensor] = {}
         self._norms: list[torch.Tensor] = []  # per closed step: (2,) [counted norm^2, bad]
         self.collectives = 0  # issued so far (benchmarks, tests)
+        # Uneven inputs (``Join``): the group of the per-forward flags, the flags not yet read,
+        # and the step from which a rank had run out of inputs (no aggregation from there on).
+        self._flags_group: Any = None
+        self._announced: list[tuple[torch.Tensor, Any, Any]] = []
+        self.joined_step: int | None = None
+
+    @property
+    def configured(self) -> bool:
+        """Aggregation is asked for and there are ranks to aggregate over."""
+        return self.cfg.aggregate and is_initialized() and dist.get_world_size() > 1
 
     @property
     def active(self) -> bool:
-        return self.cfg.aggregate and is_initialized() and dist.get_world_size() > 1
+        return self.joined_step is None and self.configured
 
     @property
     def keeps_local(self) -> bool:
@@ -301,6 +313,65 @@ class Aggregator:
         if n_loss:
             out["loss"] = loss_sum / n_loss
         return out
+
+    # --------------------------------------------------------------------- uneven inputs
+    # Under ``Join([ddp, monitor])`` a rank that ran out of inputs stops stepping, and the
+    # others' next aggregation would wait for it forever. So while a Join is enabled, every
+    # forward of a rank with data issues an asynchronous 1-value all-reduce of 1 on a group of
+    # its own (``announce``), and a joined rank's hook matches it with 0 in each iteration of
+    # Join's loop (``shadow``), which runs once per forward of the others. Before its next
+    # collectives a rank reads its flags (``settle``): a sum below the world size means some
+    # rank has joined, and from that step on every rank keeps its own values (``active`` is
+    # False). The flags' group is separate: on a gloo WORLD they would interleave with DDP's.
+
+    def join_group(self) -> None:
+        """The flags' group, made in Join's constructor (``join_hook``), which every rank runs
+        at the same point: a new group is a collective."""
+        if self.configured and self._flags_group is None:
+            cpu = self._group_cpu()
+            self._flags_group = dist.new_group(backend="gloo") if cpu is dist.group.WORLD else cpu
+
+    def join_device(self) -> torch.device:
+        """Where Join's own all-reduces run when the monitor is its first joinable."""
+        if is_initialized() and "nccl" in _backend():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def announce(self, joinable: Any) -> None:
+        """A forward inside an enabled Join on a rank that still has inputs."""
+        if self._flags_group is None:
+            return
+        notified = Join.notify_join_context(joinable)  # Join's count, if the monitor is first
+        flag = torch.ones(1, dtype=torch.float64)
+        work = dist.all_reduce(flag, group=self._flags_group, async_op=True)
+        self._announced.append((flag, work, notified))
+
+    def settle(self, step: int) -> None:
+        """Read the flags of the forwards since the last call (no device sync: CPU tensors)."""
+        pending, self._announced = self._announced, []
+        for flag, work, notified in pending:
+            work.wait()
+            if notified is not None:
+                notified.wait()
+            if flag.item() < dist.get_world_size() and self.joined_step is None:
+                self._stop(step)
+
+    def shadow(self, step: int) -> None:
+        """Join's main hook on a rank that ran out of inputs: one iteration of the others."""
+        if self._flags_group is None:
+            return
+        dist.all_reduce(torch.zeros(1, dtype=torch.float64), group=self._flags_group)
+        if self.joined_step is None:
+            self._stop(step)
+
+    def _stop(self, step: int) -> None:
+        self.joined_step = step
+        self._norms = []
+        log.warning(
+            "numwatch: a rank ran out of inputs under Join (uneven inputs) by step %d: from "
+            "here on each rank reports and acts on its own values, not aggregated",
+            step,
+        )
 
     # --------------------------------------------------------------------- at flush
     def aggregate(
@@ -465,6 +536,17 @@ class Aggregator:
             has_cpu = "gloo" in _backend()
             self._cpu_group = dist.group.WORLD if has_cpu else dist.new_group(backend="gloo")
         return self._cpu_group
+
+
+class MonitorJoinHook(JoinHook):
+    """What a joined rank's monitor does while the others still train (see ``announce``)."""
+
+    def __init__(self, aggregator: Aggregator, step: Any) -> None:
+        self.aggregator = aggregator
+        self.step = step  # callable: the monitor's current step
+
+    def main_hook(self) -> None:
+        self.aggregator.shadow(self.step())
 
 
 def _backend() -> str:

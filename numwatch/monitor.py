@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Joinable
 
 from numwatch.actions.base import Action
 from numwatch.actions.library import LrBackoff, QKClip, SkipStep, build_action
@@ -34,7 +35,7 @@ from numwatch.buffers import (
     read_to_host,
 )
 from numwatch.config import MonitorConfig
-from numwatch.distributed import Aggregator, get_rank, get_world_size
+from numwatch.distributed import Aggregator, MonitorJoinHook, get_rank, get_world_size
 from numwatch.errors import NumwatchConfigError, NumwatchError
 from numwatch.events import Event, EventBus
 from numwatch.gc_pause import gc_paused
@@ -76,7 +77,7 @@ _COMPONENTS = (
 _OPTIMIZER_ACTIONS = (SkipStep, LrBackoff, QKClip)
 
 
-class Monitor:
+class Monitor(Joinable):
     """Numerical health monitor for one model.
 
     >>> monitor = numwatch.Monitor(model).attach(optimizer)
@@ -92,6 +93,7 @@ class Monitor:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Monitor needs a torch.nn.Module, got {type(model).__name__}")
+        super().__init__()  # Joinable: outside a Join, its config is the disabled one
         self.model = model
         self.config = MonitorConfig.load(config, **overrides)
         self.events: list[Event] = []
@@ -379,6 +381,7 @@ class Monitor:
         # here must stay normal tensors, or every later in-place update of them fails.
         self._depth += 1
         try:
+            self._guard.run("step", self._dist.settle, self._ctx.step)  # a rank joined? (Join)
             self._guard.run("step", self._close_step_body, loss)
             self._ctx.activity = False
             self._apply_routes()
@@ -513,12 +516,14 @@ class Monitor:
     # --- integrations: training steps that run submodules without calling model.forward
     def _mark_activity(self, *_: Any) -> None:
         self._ctx.activity = True
+        if self._join_config.enable:  # inside Join: tell joined ranks this one still trains
+            self._guard.run("step", self._dist.announce, self)
 
     def begin_forward(self) -> None:
         """Open one forward of the model by hand (attention interception and kernel routing
         follow model.forward otherwise); Lightning's training_step needs it. Pair each call
         with ``end_forward()``; nested real forwards inside are fine."""
-        self._ctx.activity = True
+        self._mark_activity()
         if self._attention is not None:
             self._attention.begin_forward()
 
@@ -526,6 +531,19 @@ class Monitor:
         """Close the forward ``begin_forward()`` opened."""
         if self._attention is not None:
             self._attention.end_forward()
+
+    # --- uneven inputs: ``with Join([ddp, monitor]):`` (after DDP), see distributed.announce
+    def join_hook(self, **kwargs: Any) -> MonitorJoinHook:
+        self._dist.join_group()
+        return MonitorJoinHook(self._dist, lambda: self._ctx.step)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._dist.join_device()
+
+    @property
+    def join_process_group(self) -> Any:
+        return torch.distributed.group.WORLD
 
     # ----------------------------------------------------------------------------- flush
     def flush(self) -> Snapshot | None:
@@ -564,6 +582,7 @@ class Monitor:
 
     def _flush(self) -> Snapshot | None:
         start = time.perf_counter()
+        self._guard.run("flush", self._dist.settle, self._ctx.step)
         self._guard.run("flush", self._warn_new_trainable)
         with gc_paused():
             snapshot, fired = self._guard.run("flush", self._collect) or (None, [])

@@ -9,6 +9,7 @@ in-process against ``combine_stats`` with two simulated ranks.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import math
@@ -253,6 +254,44 @@ def scenario_ddp_nan(rank: int, out: Path) -> dict:
     return res
 
 
+def scenario_ddp_join(rank: int, out: Path, accumulate: int) -> dict:
+    """Uneven inputs under ``Join([ddp, monitor])``: rank 0 has 2 steps, rank 1 has 4, each of
+    ``accumulate`` forwards (DDP's no_sync on all but the last); skip_step makes the ranks
+    exchange values at every step too, and every step flushes."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+    monitor = _monitor(net, out, f"join{accumulate}", rules=_skip_rules()).attach(opt)
+    losses = []
+    with Join([ddp, monitor]):
+        for step in range(2 if rank == 0 else 4):
+            for micro in range(accumulate):
+                last = micro == accumulate - 1
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    loss = ddp(batch(rank, 10 * step + micro)).square().mean()
+                    loss.backward()
+            losses.append(loss.item())
+            monitor.step(loss)
+            opt.step()
+            opt.zero_grad()
+    flushed = [
+        (s.step, s.value("loss"), s.value("activation_numel", module="head"))
+        for s in monitor.history
+    ]
+    monitor.detach()
+    return {
+        "steps": monitor.steps,
+        "joined_step": monitor._dist.joined_step,
+        "errors": {k: v for k, v in monitor.errors.items() if v},
+        "losses": losses,
+        "flushed": flushed,
+    }
+
+
 def _fsdp_net() -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
@@ -427,6 +466,8 @@ SCENARIOS = {
     "swap": lambda r, o: scenario_swap(r, o, aggregate=True),
     "swap_local": lambda r, o: scenario_swap(r, o, aggregate=False),
     "sharded_sigma": scenario_sharded_sigma,
+    "join": lambda r, o: scenario_ddp_join(r, o, accumulate=1),
+    "join_accumulate": lambda r, o: scenario_ddp_join(r, o, accumulate=2),
 }
 
 
@@ -827,6 +868,28 @@ def test_ranks_configured_differently_are_refused_at_attach(runs):
     for res in results:
         assert "configured differently" in res["error"] and "ranks [1] differ" in res["error"]
         assert not res["attached"] and res["hooks_kept"]
+
+
+@pytest.mark.parametrize("name", ["join", "join_accumulate"])
+def test_uneven_inputs_under_join_stop_aggregating_instead_of_hanging(runs, name):
+    """Rank 0 runs out of inputs after 2 steps: without the monitor's join hook, rank 1's next
+    collectives would wait for it until the group's timeout. Both ranks stop aggregating from
+    step 2: values up to step 1 are global (the mean loss, both ranks' activations), later
+    ones rank 1's own."""
+    r0, r1 = _ok(runs[name])
+    assert r0["errors"] == r1["errors"] == {}
+    assert (r0["steps"], r1["steps"]) == (2, 4)
+    assert r0["joined_step"] == r1["joined_step"] == 2
+    assert r0["flushed"] == r1["flushed"][:2]
+    per_rank = r1["flushed"][2][2]
+    for step, loss, numel in r1["flushed"]:
+        if step < 2:
+            assert loss == pytest.approx((r0["losses"][step] + r1["losses"][step]) / 2, rel=1e-12)
+            assert numel == 2 * per_rank
+        else:
+            assert loss == pytest.approx(r1["losses"][step], rel=1e-12)
+            assert numel == per_rank
+    assert [s for s, *_ in r1["flushed"]] == [0, 1, 2, 3]
 
 
 def test_scenarios_are_fast(runs):
