@@ -339,9 +339,9 @@ class Aggregator:
 
     def announce(self, joinable: Any) -> None:
         """A forward inside an enabled Join on a rank that still has inputs."""
-        if self._flags_group is None:
-            return
         notified = Join.notify_join_context(joinable)  # Join's count, if the monitor is first
+        if self._flags_group is None:  # not aggregating: nothing of ours to tell
+            return
         flag = torch.ones(1, dtype=torch.float64)
         work = dist.all_reduce(flag, group=self._flags_group, async_op=True)
         self._announced.append((flag, work, notified))
