@@ -3,18 +3,22 @@
     torchrun --nproc_per_node=2 examples/distributed_train.py                 # DDP
     torchrun --nproc_per_node=2 examples/distributed_train.py --fsdp          # FSDP2 fully_shard
     torchrun --nproc_per_node=2 examples/distributed_train.py --nan-step 25   # a fault on rank 1
+    torchrun --nproc_per_node=2 examples/distributed_train.py --uneven 20     # rank 0 ends early
 
 A small GPT learns a synthetic bigram language; every rank draws its own batches. numwatch
 combines its statistics over the ranks at each flush, so rank 0's log and every rank's rules see
 global values. With ``--nan-step``, rank 1 alone gets a NaN in one activation at that step: the
 event names rank 1, and every rank skips that optimizer update (skip_step decides on the global
 value), so the model stays one model: the script checks at the end that the DDP replicas are
-bitwise identical.
+bitwise identical. With ``--uneven N``, rank 0 has N fewer batches than the others: training
+runs inside DDP's ``Join([ddp, monitor])``, and once rank 0 is out of data the monitors stop
+aggregating (each rank reports its own values) instead of waiting for it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -90,7 +94,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--nan-step", type=int, default=None, help="plant a NaN on rank 1 then")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--uneven", type=int, default=0, help="rank 0 gets this many fewer batches")
     args = ap.parse_args()
+    if args.uneven and args.fsdp:
+        ap.error("--uneven uses DDP's Join, which FSDP2 does not support")
+    if not 0 <= args.uneven < args.steps:
+        ap.error(f"--uneven must be in [0, --steps), got {args.uneven}")
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -125,15 +134,22 @@ def main() -> None:
     ).attach(opt)
 
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank its own data
-    for step in range(args.steps):
-        x, y = (t.to(device) for t in bigram_batch(table, gen, batch=16, length=block_size))
-        model.blocks[0].poison = step == args.nan_step and rank == 1
-        logits = train_model(x)
-        loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
-        loss.backward()
-        monitor.step(loss)  # closes the step; skip_step decides here, on global values
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    steps = args.steps - (args.uneven if rank == 0 else 0)
+    uneven = contextlib.nullcontext()
+    if args.uneven:
+        from torch.distributed.algorithms.join import Join
+
+        uneven = Join([train_model, monitor])  # the monitor after DDP
+    with uneven:
+        for step in range(steps):
+            x, y = (t.to(device) for t in bigram_batch(table, gen, batch=16, length=block_size))
+            model.blocks[0].poison = step == args.nan_step and rank == 1
+            logits = train_model(x)
+            loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+            loss.backward()
+            monitor.step(loss)  # closes the step; skip_step decides here, on global values
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     monitor.detach()
 
     snapshot = monitor.snapshot()
@@ -149,6 +165,9 @@ def main() -> None:
                 print(f"  step {event.step}: {event.message}")
         if same is not None:
             print(f"DDP replicas bitwise identical: {same}")
+        if args.uneven:
+            stopped = monitor._dist.joined_step
+            print(f"steps on rank 0: {steps}; aggregation stopped at step {stopped}")
         print(f"JSONL log (global values): {monitor.jsonl_path}")
     dist.destroy_process_group()
 

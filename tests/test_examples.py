@@ -1,6 +1,7 @@
 """The examples run (tiny settings, CPU) and the overhead benchmark's harness works."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -253,3 +254,21 @@ def test_gpt2_example_bursts_data_and_their_aftermath():
     assert effect["step"] == every and effect["burst_losses"] == [9.0] * gpt2.BURST_LEN
     assert effect["max_after_step"] == every + gpt2.BURST_LEN + 3
     assert effect["spike_ratio"] == 2.5
+
+
+def test_distributed_example_with_a_fault_and_uneven_inputs(tmp_path):
+    """torchrun, 2 gloo ranks, DDP: rank 1's NaN at step 5 skips the update on both ranks (the
+    decision on global values), then rank 0 runs out of data 6 steps early under Join, the
+    monitors stop aggregating instead of hanging, and the replicas end identical."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    cmd += [str(ROOT / "examples" / "distributed_train.py"), "--steps", "20"]
+    cmd += ["--nan-step", "5", "--uneven", "6"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert "skipped optimizer updates: 1" in out
+    assert "NaN/Inf first seen in the loss (loss) at step 5 on rank 1" in out
+    assert "steps on rank 0: 14; aggregation stopped at step 14" in out
+    assert "DDP replicas bitwise identical: True" in out
+    assert "monitor errors: {}" in out
