@@ -98,17 +98,24 @@ def test_large_models_are_measured_in_rotation_within_the_byte_budget():
             "split",
             marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
         ),
+        pytest.param(
+            "two_gpus",
+            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+        ),
     ],
 )
 def test_update_sums_match_a_float64_oracle(placement):
     """Per-parameter sums of a mixed update: weight decay moves weights without a gradient,
     some gradients are zero, and a bf16 weight absorbs small updates; exact counts, the ratio
     against float64. ``split``: the first layer on the GPU, the second on the CPU (a model
-    split over devices, as with offloading): one statistics call per device."""
+    split over devices, as with offloading); ``two_gpus``: on two GPUs (``device_map``); one
+    statistics call per device."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4).to(torch.bfloat16))
-    if placement == "split":
-        model[0].cuda()
+    if placement != "cpu":
+        model[0].to("cuda:0")
+    if placement == "two_gpus":
+        model[1].to("cuda:1")
     with torch.no_grad():  # Adam's first steps are ~lr: absorbed at 4.0 (half an ULP 2^-6)
         model[1].weight[:, :4] = 4.0
         model[1].weight[:, 4:] = 0.1
