@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 
 import pytest
 
@@ -83,6 +84,10 @@ def test_persistence_of_one_signed_bias():
 def test_nonfinite_rule_per_step():
     rule = NonfiniteRule(name="nf")
     assert feed(rule, [1.0, math.inf, 2.0, math.nan]) == [1, 3]
+    # the message says what the per-step value is, not the metric's internal name
+    assert rule.check(deque(), math.nan).message == "NaN/Inf in the step's gradients or loss (nan)"
+    other = NonfiniteRule(name="nf", metric="loss")
+    assert other.check(deque(), math.inf).message == "non-finite loss (inf)"
 
 
 def test_engine_label_filters_and_events():

@@ -28,4 +28,6 @@ class NonfiniteRule(Rule):
     def check(self, history: deque[float], value: float) -> Finding | None:
         if math.isfinite(value):
             return None
+        if self.metric == "nonfinite":  # the step's gradient norm plus its loss
+            return Finding(value, None, f"NaN/Inf in the step's gradients or loss ({value})")
         return Finding(value, None, f"non-finite {self.metric} ({value})")
