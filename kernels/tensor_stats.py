@@ -723,9 +723,36 @@ def tensor_stats(
     value waits for nothing). The kernel's sums accumulate in fp32 within a program (at most 2**24
     elements) and in float64 across programs, so a SUM (SUMSQ) whose fp32 partial passes 3.4e38
     reads +inf where the reference's float64 does not; its counts, extremes and numel are exact.
+    A broadcast view (``expand``: stride 0 over a dim of size > 1) is measured on the elements it
+    repeats, its counts and sums multiplied by the repetition: never materialized.
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if all(map(torch.Tensor.is_contiguous, tensors)):  # the every-step case: nothing repeated
+        return _dispatch(tensors, underflow_dtype, backend)
+    bases, repeats = zip(*map(_unrepeated, tensors), strict=True)
+    out = _dispatch(bases, underflow_dtype, backend)
+    if any(r != 1 for r in repeats):
+        additive = [c for c in range(N_STATS) if c not in MAX_COLUMNS + MIN_COLUMNS]
+        factor = to_device(list(repeats), torch.float64, out.device)
+        out[:, additive] *= factor[:, None]
+    return out
+
+
+def _unrepeated(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` without its broadcast dims (stride 0, size > 1: kept at size 1), and how many
+    times each of its elements appears in ``t``."""
+    repeat, shape = 1, list(t.shape)
+    for i, (stride, size) in enumerate(zip(t.stride(), t.shape, strict=True)):
+        if stride == 0 and size > 1:
+            repeat *= size
+            shape[i] = 1
+    return (t, 1) if repeat == 1 else (t.as_strided(shape, t.stride()), repeat)
+
+
+def _dispatch(
+    tensors: Sequence[torch.Tensor], underflow_dtype: torch.dtype | None, backend: str
+) -> torch.Tensor:
     if backend == "auto":
         device_type = tensors[0].device.type if tensors else "cpu"
         if device_type == "cuda" and triton is not None:

@@ -184,6 +184,28 @@ def test_strided_views() -> None:
     _assert_rows_match(got, tensor_stats_reference(views), views)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
+def test_broadcast_views_are_measured_without_materializing(backend: str) -> None:
+    """An expanded view counts each repeated element as often as it appears, without being
+    copied: 10^12 elements (4 TB as a copy) from 10^6, and a small one checked against its
+    copy."""
+    dev = _device()
+    g = torch.Generator().manual_seed(6)
+    base = torch.randn(1, 1_000_000, generator=g).to(dev)
+    base[0, :4] = torch.tensor([float("nan"), 0.0, float("inf"), -1e-40])
+    huge = base.expand(1_000_000, -1)
+    small_base = torch.randn(3, 1, 5, generator=g).to(dev, torch.bfloat16)
+    small = small_base.expand(3, 7, 5).transpose(0, 2)  # stride 0 inside a permuted view
+    got = tensor_stats([huge, base, small], backend=backend).cpu()
+    one = tensor_stats_reference([base]).cpu()[0]
+    for col in EXACT:
+        repeat = 1 if col in (ABSMAX, MIN, MAX) else 10**6
+        assert got[0, col] == one[col] * repeat, col
+    assert got[0, SUM].item() == pytest.approx(one[SUM].item() * 10**6, rel=SUM_RTOL)
+    assert got[0, SUMSQ].item() == pytest.approx(one[SUMSQ].item() * 10**6, rel=SUM_RTOL)
+    _assert_rows_match(got[2:], tensor_stats_reference([small.contiguous()]), [small])
+
+
 def test_deterministic_and_cache_tracks_data() -> None:
     """Same input, bitwise same row; new values at the same address are seen (cache = layout)."""
     g = torch.Generator().manual_seed(5)
