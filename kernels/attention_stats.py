@@ -313,16 +313,20 @@ def _merge_head_partials(acc: torch.Tensor | None, part: torch.Tensor) -> torch.
     if acc is None:
         return part
     out = acc + part
-    hi, lo = list(HEAD_MAX_COLUMNS), list(HEAD_MIN_COLUMNS)
-    out[:, hi] = torch.maximum(acc[:, hi], part[:, hi])
-    out[:, lo] = torch.minimum(acc[:, lo], part[:, lo])
+    # column by column: a list index is a CPU index tensor, copied to the device with a sync
+    for c in HEAD_MAX_COLUMNS:
+        out[:, c] = torch.maximum(acc[:, c], part[:, c])
+    for c in HEAD_MIN_COLUMNS:
+        out[:, c] = torch.minimum(acc[:, c], part[:, c])
     return out
 
 
 def _empty_head_stats(Hq: int, device: torch.device) -> torch.Tensor:
     out = torch.zeros(Hq, N_HEAD_STATS, dtype=torch.float64, device=device)
-    out[:, list(HEAD_MAX_COLUMNS)] = float("-inf")
-    out[:, list(HEAD_MIN_COLUMNS)] = float("inf")
+    for c in HEAD_MAX_COLUMNS:
+        out[:, c] = float("-inf")
+    for c in HEAD_MIN_COLUMNS:
+        out[:, c] = float("inf")
     return out
 
 
@@ -968,9 +972,10 @@ def _reduce_partials(part: torch.Tensor, n_blocks: int) -> torch.Tensor:
     Hq = part.shape[1]
     p = part[:, :, :n_blocks].transpose(0, 1).reshape(Hq, -1, N_HEAD_STATS)
     out = p.sum(1)
-    hi, lo = list(HEAD_MAX_COLUMNS), list(HEAD_MIN_COLUMNS)
-    out[:, hi] = p[:, :, hi].amax(1)
-    out[:, lo] = p[:, :, lo].amin(1)
+    for c in HEAD_MAX_COLUMNS:  # column by column: no index tensor to copy (and sync)
+        out[:, c] = p[:, :, c].amax(1)
+    for c in HEAD_MIN_COLUMNS:
+        out[:, c] = p[:, :, c].amin(1)
     return out
 
 

@@ -733,9 +733,10 @@ def tensor_stats(
     bases, repeats = zip(*map(_unrepeated, tensors), strict=True)
     out = _dispatch(bases, underflow_dtype, backend)
     if any(r != 1 for r in repeats):
-        additive = [c for c in range(N_STATS) if c not in MAX_COLUMNS + MIN_COLUMNS]
         factor = to_device(list(repeats), torch.float64, out.device)
-        out[:, additive] *= factor[:, None]
+        for c in range(N_STATS):  # column by column: a list index would sync to copy it
+            if c not in MAX_COLUMNS + MIN_COLUMNS:
+                out[:, c] *= factor
     return out
 
 

@@ -89,18 +89,17 @@ class _LayerStats:
             self.errors = [merge_errors(self.errors)]
 
 
-_MAX_COLS = list(ats.HEAD_MAX_COLUMNS)
-_MIN_COLS = list(ats.HEAD_MIN_COLUMNS)
-
-
 def merge_heads(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Merge per-call (H, N_HEAD_STATS) rows: extremes by max/min, the rest by sum."""
+    """Merge per-call (H, N_HEAD_STATS) rows: extremes by max/min, the rest by sum. Column by
+    column: a list index would be a CPU index tensor, copied to the device with a host sync."""
     if len(rows) == 1:
         return rows[0]
     stacked = torch.stack(rows)
     out = stacked.sum(0)
-    out[:, _MAX_COLS] = stacked[:, :, _MAX_COLS].amax(0)
-    out[:, _MIN_COLS] = stacked[:, :, _MIN_COLS].amin(0)
+    for c in ats.HEAD_MAX_COLUMNS:
+        out[:, c] = stacked[:, :, c].amax(0)
+    for c in ats.HEAD_MIN_COLUMNS:
+        out[:, c] = stacked[:, :, c].amin(0)
     return out
 
 

@@ -773,3 +773,39 @@ def test_output_error_sees_the_cpu_flash_kernels_one_signed_error():
     assert (bias[SDPBackend.MATH].abs() < 0.3).all(), bias
     stats = A.attention_head_stats(q, k, is_causal=True, backend="torch")
     assert stats[:, A.REPEATED_MAX_ROWS].tolist() == [255.0, 255.0]  # row 0 sees one sink
+
+
+@requires_gpu
+def test_gpu_statistics_never_sync_after_the_first_call():
+    """The host path of a sampled step (launch, per-block reduction, merges of several calls)
+    issues no host sync: a list index into a device tensor, as the merges used, copies a CPU
+    index tensor and waits for the GPU (about 0.1 ms a call on the H200)."""
+    from numwatch.probes.attention import merge_heads
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k = (
+        torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "qk"
+    )
+    mask = torch.rand(2, 1, 1, 256, device="cuda", generator=g) > 0.1
+    rows = torch.arange(0, 256, 3, device="cuda")
+    calls = [
+        {"is_causal": True},
+        {"attn_mask": mask, "entropy": True},
+        {"is_causal": True, "rows": rows},
+    ]
+    for kw in calls:  # compile (and tune) first
+        A.attention_head_stats(q, k, **kw)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        parts = [A.attention_head_stats(q, k, **kw) for kw in calls]
+        merged = merge_heads(parts)
+        acc = A._merge_head_partials(parts[0], parts[1])
+        empty = A._empty_head_stats(4, q.device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert merged[:, A.MAX_LOGIT].equal(torch.stack([p[:, A.MAX_LOGIT] for p in parts]).amax(0))
+    assert acc[:, A.MIN_LOGIT].equal(
+        torch.minimum(parts[0][:, A.MIN_LOGIT], parts[1][:, A.MIN_LOGIT])
+    )
+    assert (empty[:, A.MAX_LOGIT] == -math.inf).all() and (empty[:, A.MIN_LOGIT] == math.inf).all()
