@@ -313,7 +313,7 @@ def _merge_head_partials(acc: torch.Tensor | None, part: torch.Tensor) -> torch.
     if acc is None:
         return part
     out = acc + part
-    # column by column: a list index is a CPU index tensor, copied to the device with a sync
+    # column by column: a list index is a CPU index tensor, copied to the device at each use
     for c in HEAD_MAX_COLUMNS:
         out[:, c] = torch.maximum(acc[:, c], part[:, c])
     for c in HEAD_MIN_COLUMNS:
@@ -972,7 +972,7 @@ def _reduce_partials(part: torch.Tensor, n_blocks: int) -> torch.Tensor:
     Hq = part.shape[1]
     p = part[:, :, :n_blocks].transpose(0, 1).reshape(Hq, -1, N_HEAD_STATS)
     out = p.sum(1)
-    for c in HEAD_MAX_COLUMNS:  # column by column: no index tensor to copy (and sync)
+    for c in HEAD_MAX_COLUMNS:  # column by column: no index tensor to copy to the device
         out[:, c] = p[:, :, c].amax(1)
     for c in HEAD_MIN_COLUMNS:
         out[:, c] = p[:, :, c].amin(1)

@@ -734,7 +734,7 @@ def tensor_stats(
     out = _dispatch(bases, underflow_dtype, backend)
     if any(r != 1 for r in repeats):
         factor = to_device(list(repeats), torch.float64, out.device)
-        for c in range(N_STATS):  # column by column: a list index would sync to copy it
+        for c in range(N_STATS):  # column by column: a list index is a CPU tensor to copy
             if c not in MAX_COLUMNS + MIN_COLUMNS:
                 out[:, c] *= factor
     return out

@@ -91,7 +91,7 @@ class _LayerStats:
 
 def merge_heads(rows: list[torch.Tensor]) -> torch.Tensor:
     """Merge per-call (H, N_HEAD_STATS) rows: extremes by max/min, the rest by sum. Column by
-    column: a list index would be a CPU index tensor, copied to the device with a host sync."""
+    column: a list index would be a CPU index tensor, copied to the device at each use."""
     if len(rows) == 1:
         return rows[0]
     stacked = torch.stack(rows)
