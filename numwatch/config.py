@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 from numwatch.errors import NumwatchConfigError
 from numwatch.rules import RuleConfig
@@ -301,6 +309,12 @@ class DistributedConfig(_Section):
         description="'rank0': only rank 0 writes the JSONL log, with the global values; "
         "'per_rank': every rank writes its own file ({rank} in sinks.jsonl.path) with its own, "
         "un-aggregated values (the events are the global ones).",
+    )
+    attach_timeout: PositiveFloat = Field(
+        300.0,
+        description="Seconds attach() waits until every rank has attached its monitor "
+        "(aggregation needs one on each), then raises NumwatchConfigError instead of hanging "
+        "in the first collective (a monitor attached on rank 0 only, or disabled on some rank).",
     )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ __all__ = [
 
 log = logging.getLogger("numwatch")
 INF = float("inf")
+_ATTACH_KEY = "numwatch/attached"  # a counter on the default store (see Aggregator.agree)
 
 # How one element combines across ranks. NONE: summed, but this rank adds nothing because another
 # rank holds the same shard and counts it (HSDP replicas).
@@ -255,6 +257,7 @@ class Aggregator:
         ``settings``: what decides when and what a rank aggregates. One 2-value all-reduce."""
         if not self.active:
             return
+        self._wait_for_every_rank()
         text = repr(sorted(settings.items()))
         if not self._same_everywhere(text):
             mine: list[Any] = [None] * dist.get_world_size()
@@ -266,6 +269,29 @@ class Aggregator:
                 f"or step-level rules): ranks {differ} differ from rank 0 ({mine[0]}; rank "
                 f"{differ[0]}: {mine[differ[0]]}); aggregation needs the same on every rank"
             )
+
+    def _wait_for_every_rank(self) -> None:
+        """Count this attach on the default store and wait until every rank's is counted, up
+        to ``attach_timeout``: a collective would hang without end when some rank never attaches.
+        Attaches come in generations of world-size counts; one that times out takes its count
+        back, so the ranks' next attach still lines up."""
+        store = dist.distributed_c10d._get_default_store()
+        world = dist.get_world_size()
+        n = store.add(_ATTACH_KEY, 1)
+        target = ((n - 1) // world + 1) * world
+        deadline = time.monotonic() + self.cfg.attach_timeout
+        pause = 0.005
+        while (seen := store.add(_ATTACH_KEY, 0)) < target:
+            if time.monotonic() > deadline:
+                store.add(_ATTACH_KEY, -1)
+                raise NumwatchConfigError(
+                    f"numwatch: {seen - (target - world)} of {world} ranks attached a monitor "
+                    f"within distributed.attach_timeout={self.cfg.attach_timeout:g} s; "
+                    "aggregation needs one monitor on every rank, attached at the same point "
+                    "(to watch some ranks alone, set distributed.aggregate=false)"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
 
     # --------------------------------------------------------------------- per step
     def on_step(self, gradients: GradientProbe | None) -> None:

@@ -224,6 +224,31 @@ def scenario_config_mismatch(rank: int, out: Path) -> dict:
     return {"error": error, "attached": monitor.attached, "hooks_kept": hook_state(net) == before}
 
 
+def scenario_attach_alone(rank: int, out: Path) -> dict:
+    """Rank 0 attaches a monitor and rank 1 does not (monitoring 'on rank 0 only'): rank 0
+    raises after attach_timeout instead of waiting in the first collective for ever; then both
+    ranks attach one, and it aggregates."""
+    net = Net()
+    res: dict = {"raised": ""}
+    if rank == 0:
+        before = hook_state(net)
+        alone = _monitor(net, out, "alone", distributed__attach_timeout=1.0)
+        start = time.perf_counter()
+        try:
+            alone.attach()
+        except NumwatchConfigError as e:
+            res["raised"] = str(e)
+        res["waited"] = time.perf_counter() - start
+        res["hooks_kept"] = hook_state(net) == before and not alone.attached
+    dist.barrier()
+    monitor = _monitor(net, out, "after_alone").attach()
+    net(batch(rank, 0)).square().mean().backward()
+    monitor.step()
+    res["numel"] = monitor.snapshot().value("activation_numel", module="head")
+    monitor.detach()
+    return res
+
+
 def scenario_ddp_nan(rank: int, out: Path) -> dict:
     """DDP: a NaN in rank 1's input at step 2; skip_step on both ranks; rank-0-only JSONL."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -458,6 +483,7 @@ SCENARIOS = {
     "ddp_nan": scenario_ddp_nan,
     "probe_fails": scenario_probe_fails,
     "config_mismatch": scenario_config_mismatch,
+    "attach_alone": scenario_attach_alone,
     "layer_on_one_rank": scenario_layer_on_one_rank,
     "fsdp_stats": scenario_fsdp_stats,
     "fsdp_opt": scenario_fsdp_opt,
@@ -890,6 +916,14 @@ def test_uneven_inputs_under_join_stop_aggregating_instead_of_hanging(runs, name
             assert loss == pytest.approx(r1["losses"][step], rel=1e-12)
             assert numel == per_rank
     assert [s for s, *_ in r1["flushed"]] == [0, 1, 2, 3]
+
+
+def test_a_monitor_attached_on_one_rank_only_raises_instead_of_hanging(runs):
+    r0, r1 = _ok(runs["attach_alone"])
+    assert "1 of 2 ranks attached a monitor" in r0["raised"] and r1["raised"] == ""
+    assert 1.0 <= r0["waited"] < 10 and r0["hooks_kept"]
+    # the next attach of both ranks lines up (the timed-out count was taken back): global rows
+    assert r0["numel"] == r1["numel"] == 2 * 3 * T * 1
 
 
 def test_scenarios_are_fast(runs):
