@@ -277,13 +277,15 @@ class Aggregator:
         back, so the ranks' next attach still lines up."""
         store = dist.distributed_c10d._get_default_store()
         world = dist.get_world_size()
-        n = store.add(_ATTACH_KEY, 1)
+        # a restarted job (torchrun) may keep its store: each attempt counts on its own
+        key = f"{_ATTACH_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        n = store.add(key, 1)
         target = ((n - 1) // world + 1) * world
         deadline = time.monotonic() + self.cfg.attach_timeout
         pause = 0.005
-        while (seen := store.add(_ATTACH_KEY, 0)) < target:
+        while (seen := store.add(key, 0)) < target:
             if time.monotonic() > deadline:
-                store.add(_ATTACH_KEY, -1)
+                store.add(key, -1)
                 raise NumwatchConfigError(
                     f"numwatch: {seen - (target - world)} of {world} ranks attached a monitor "
                     f"within distributed.attach_timeout={self.cfg.attach_timeout:g} s; "
