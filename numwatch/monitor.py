@@ -523,7 +523,7 @@ class Monitor(Joinable):
         """Open one forward of the model by hand (attention interception and kernel routing
         follow model.forward otherwise); Lightning's training_step needs it. Pair each call
         with ``end_forward()``; nested real forwards inside are fine."""
-        self._mark_activity()
+        self._ctx.activity = True  # no Join flag: the model's own forward may follow inside
         if self._attention is not None:
             self._attention.begin_forward()
 
