@@ -204,6 +204,15 @@ class NonfiniteTracker:
         return {f"nonfinite_first/{i}": t for i, t in enumerate(self._first.values())}
 
     def first_origin(self, host: Mapping[str, torch.Tensor]) -> NonfiniteOrigin | None:
+        found = self.first_position(host)
+        return None if found is None else found[0]
+
+    def first_position(
+        self, host: Mapping[str, torch.Tensor]
+    ) -> tuple[NonfiniteOrigin, int] | None:
+        """The first origin and its place among its step's observations. Order numbers run on
+        over the whole run, so ranks that observed different numbers of tensors in earlier steps
+        hold different numbers for the same place: across ranks, compare places within a step."""
         orders = [float(host[f"nonfinite_first/{i}"]) for i in range(len(self._first))]
         best = min(orders, default=INF)
         if best == INF:
@@ -211,7 +220,8 @@ class NonfiniteTracker:
         order = int(best)
         i = bisect.bisect_right(self._batches, order, key=lambda b: b[0]) - 1
         first, phase, label, names, step = self._batches[i]
-        return NonfiniteOrigin(phase, label, names[order - first], step)
+        start = min(b[0] for b in self._batches if b[4] == step)
+        return NonfiniteOrigin(phase, label, names[order - first], step), order - start
 
     def reset(self) -> None:
         self._batches.clear()

@@ -454,20 +454,24 @@ class Aggregator:
 
         Only when some rank saw one: the ranks exchange their own first origin (an object
         all-gather on the CPU), so the names come from the rank that saw it and the event is
-        the same on every rank. First means earliest step, then execution order, then rank.
+        the same on every rank. First means earliest step, then place in that step's execution
+        order (a rank's order numbers run on over the run, so they are compared within a step),
+        then rank.
         """
         if not self.active:
             return tracker.first_origin(host), {}
         orders = [float(v) for k, v in host.items() if k.startswith("nonfinite_first/")]
         if min(orders, default=INF) == INF:
             return None, {}
-        mine = [float(v) for k, v in local_host.items() if k.startswith("nonfinite_first/")]
+        mine = tracker.first_position(local_host)
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(
-            gathered, (min(mine, default=INF), tracker.first_origin(local_host)), self._group_cpu()
-        )
+        dist.all_gather_object(gathered, mine, self._group_cpu())
         self.collectives += 1
-        seen = [(o.step, order, r, o) for r, (order, o) in enumerate(gathered) if o is not None]
+        seen = []
+        for r, found in enumerate(gathered):
+            if found is not None:
+                origin, place = found
+                seen.append((origin.step, place, r, origin))
         if not seen:
             return None, {}
         _, _, rank, origin = min(seen, key=lambda s: s[:3])

@@ -249,6 +249,46 @@ def scenario_attach_alone(rank: int, out: Path) -> dict:
     return res
 
 
+class Chain(nn.Module):
+    """a -> b -> head; ``extra`` runs ``extra_calls`` times first; ``poison`` names the module
+    whose input gets a NaN (so its output is the first non-finite tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra, self.a, self.b, self.head = (nn.Linear(D, D) for _ in range(4))
+        self.extra_calls = 0
+        self.poison = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.extra_calls):
+            x = x + 0 * self.extra(x)
+        for name in ("a", "b", "head"):
+            if self.poison == name:
+                x = x.clone()
+                x[0, 0, 0] = float("nan")
+            x = getattr(self, name)(x)
+        return x
+
+
+def scenario_nan_after_uneven_module_counts(rank: int, out: Path) -> dict:
+    """Rank 1 runs an extra module 20 times per step in steps 0-2, so its observation numbers
+    run ahead of rank 0's. At step 3 rank 1's NaN appears in module a's output (first in the
+    step), rank 0's in head's (last): the first origin is rank 1's a."""
+    torch.manual_seed(0)
+    net = Chain()
+    monitor = _monitor(net, out, "nan_uneven_counts").attach()
+    for step in range(4):
+        net.extra_calls = 20 if rank == 1 and step < 3 else 0
+        net.poison = ("head", "a")[rank] if step == 3 else ""
+        net(batch(rank, step)).square().mean().backward()
+        monitor.step()
+        net.zero_grad()
+    events = [e for e in _events(monitor) if e["kind"] == "nonfinite"]
+    errors = {k: v for k, v in monitor.errors.items() if v}
+    monitor.detach()
+    return {"events": events, "errors": errors}
+
+
 def scenario_ddp_nan(rank: int, out: Path) -> dict:
     """DDP: a NaN in rank 1's input at step 2; skip_step on both ranks; rank-0-only JSONL."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -484,6 +524,7 @@ SCENARIOS = {
     "probe_fails": scenario_probe_fails,
     "config_mismatch": scenario_config_mismatch,
     "attach_alone": scenario_attach_alone,
+    "nan_uneven_counts": scenario_nan_after_uneven_module_counts,
     "layer_on_one_rank": scenario_layer_on_one_rank,
     "fsdp_stats": scenario_fsdp_stats,
     "fsdp_opt": scenario_fsdp_opt,
@@ -924,6 +965,14 @@ def test_a_monitor_attached_on_one_rank_only_raises_instead_of_hanging(runs):
     assert 1.0 <= r0["waited"] < 10 and r0["hooks_kept"]
     # the next attach of both ranks lines up (the timed-out count was taken back): global rows
     assert r0["numel"] == r1["numel"] == 2 * 3 * T * 1
+
+
+def test_first_nonfinite_is_compared_by_place_in_its_step_across_ranks(runs):
+    for res in _ok(runs["nan_uneven_counts"]):
+        assert res["errors"] == {}
+        (event,) = res["events"]
+        assert event["evidence"]["rank"] == 1 and event["evidence"]["ranks"] == [0, 1]
+        assert "module 'a'" in event["message"], event
 
 
 def test_scenarios_are_fast(runs):
