@@ -534,7 +534,11 @@ class Monitor(Joinable):
 
     # --- uneven inputs: ``with Join([ddp, monitor]):`` (after DDP), see distributed.announce
     def join_hook(self, **kwargs: Any) -> MonitorJoinHook:
-        self._dist.join_group()
+        """Join calls this in its constructor: attach before, detach after the Join block. A
+        monitor that is not attached (or disabled) has no forward hook to announce with, so it
+        makes no flags group and its join hook does nothing."""
+        if self._attached and self.config.enabled:
+            self._dist.join_group()
         return MonitorJoinHook(self._dist, lambda: self._ctx.step)
 
     @property

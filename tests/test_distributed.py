@@ -319,6 +319,26 @@ def scenario_ddp_nan(rank: int, out: Path) -> dict:
     return res
 
 
+def scenario_join_disabled(rank: int, out: Path) -> dict:
+    """A disabled monitor in Join([ddp, monitor]) with uneven inputs: nothing of the monitor's
+    runs, and nothing waits for it (its join hook used to wait for flags no rank sent)."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+    monitor = _monitor(net, out, "join_disabled", enabled=False).attach(opt)
+    with Join([ddp, monitor]):
+        for step in range(1 if rank == 0 else 3):
+            ddp(batch(rank, step)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    monitor.detach()
+    return {"steps": monitor.steps}
+
+
 def scenario_ddp_join(rank: int, out: Path, accumulate: int) -> dict:
     """Uneven inputs under ``Join([ddp, monitor])``: rank 0 has 2 steps, rank 1 has 4, each of
     ``accumulate`` forwards (DDP's no_sync on all but the last); skip_step makes the ranks
@@ -535,6 +555,7 @@ SCENARIOS = {
     "sharded_sigma": scenario_sharded_sigma,
     "join": lambda r, o: scenario_ddp_join(r, o, accumulate=1),
     "join_accumulate": lambda r, o: scenario_ddp_join(r, o, accumulate=2),
+    "join_disabled": scenario_join_disabled,
 }
 
 
@@ -973,6 +994,11 @@ def test_first_nonfinite_is_compared_by_place_in_its_step_across_ranks(runs):
         (event,) = res["events"]
         assert event["evidence"]["rank"] == 1 and event["evidence"]["ranks"] == [0, 1]
         assert "module 'a'" in event["message"], event
+
+
+def test_a_disabled_monitor_in_join_does_not_wait_for_flags(runs):
+    r0, r1 = _ok(runs["join_disabled"])
+    assert r0["steps"] == r1["steps"] == 0
 
 
 def test_scenarios_are_fast(runs):
