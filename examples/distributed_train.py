@@ -166,9 +166,9 @@ def main() -> None:
         if same is not None:
             print(f"DDP replicas bitwise identical: {same}")
         if args.uneven:
-            stopped = monitor._dist.joined_step
+            stopped = monitor.joined_step
             print(f"steps on rank 0: {steps}; aggregation stopped at step {stopped}")
-        print(f"JSONL log (global values): {monitor.jsonl_path}")
+        print(f"JSONL log (global values): {monitor.jsonl_path}", flush=True)
     dist.destroy_process_group()
 
 

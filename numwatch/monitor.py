@@ -542,6 +542,12 @@ class Monitor(Joinable):
         return MonitorJoinHook(self._dist, lambda: self._ctx.step)
 
     @property
+    def joined_step(self) -> int | None:
+        """The step from which this monitor stopped aggregating because a rank ran out of
+        inputs under Join (None while it aggregates)."""
+        return self._dist.joined_step
+
+    @property
     def join_device(self) -> torch.device:
         return self._dist.join_device()
 

@@ -370,7 +370,7 @@ def scenario_ddp_join(rank: int, out: Path, accumulate: int) -> dict:
     monitor.detach()
     return {
         "steps": monitor.steps,
-        "joined_step": monitor._dist.joined_step,
+        "joined_step": monitor.joined_step,
         "errors": {k: v for k, v in monitor.errors.items() if v},
         "losses": losses,
         "flushed": flushed,
