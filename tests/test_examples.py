@@ -260,7 +260,7 @@ def test_distributed_example_with_a_fault_and_uneven_inputs(tmp_path):
     """torchrun, 2 gloo ranks, DDP: rank 1's NaN at step 5 skips the update on both ranks (the
     decision on global values), then rank 0 runs out of data 6 steps early under Join, the
     monitors stop aggregating instead of hanging, and the replicas end identical."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += [str(ROOT / "examples" / "distributed_train.py"), "--steps", "20"]
     cmd += ["--nan-step", "5", "--uneven", "6"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
