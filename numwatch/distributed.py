@@ -23,7 +23,7 @@ import math
 import os
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -573,9 +573,9 @@ class Aggregator:
 class MonitorJoinHook(JoinHook):
     """What a joined rank's monitor does while the others still train (see ``announce``)."""
 
-    def __init__(self, aggregator: Aggregator, step: Any) -> None:
+    def __init__(self, aggregator: Aggregator, step: Callable[[], int]) -> None:
         self.aggregator = aggregator
-        self.step = step  # callable: the monitor's current step
+        self.step = step  # the monitor's current step
 
     def main_hook(self) -> None:
         self.aggregator.shadow(self.step())
