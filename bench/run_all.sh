@@ -12,6 +12,8 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_tensor_stats.py --out $R/tensor_stats_h200.json
   $py bench/bench_power_iteration.py --out $R/power_iteration_h200.json
   $py bench/bench_attention_stats.py --out $R/attention_stats.json
+  # the statistics against session 10's code (the commit of attention_stats.json), one process
+  $py bench/ab_attention_stats.py --against 9fdd857 --out $R/attention_stats_ab_9fdd857.json
   $py bench/bench_flash_attention.py --out $R/flash_attention.json
   $py bench/sweep_flash_gluon.py --out $R/flash_attention_gluon_configs_h200.json
   # the Gluon forward's last kernel change (packed P̄ cvt) against its predecessor, one process
