@@ -65,6 +65,7 @@ __all__ = [
     "TIE_ENTRIES",
     "attention_head_stats",
     "attention_output_error",
+    "merge_head_rows",
     "output_error_in_one_launch",
     "saturation_threshold",
     "score_head_stats",
@@ -309,16 +310,20 @@ def _reduce_head_rows(
     return torch.stack(cols, -1)
 
 
-def _merge_head_partials(acc: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
-    if acc is None:
-        return part
-    out = acc + part
-    # column by column: a list index is a CPU index tensor, copied to the device at each use
+def merge_head_rows(rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """Merge head-statistic rows (last dim N_HEAD_STATS) along ``dim``: HEAD_MAX_COLUMNS by
+    max, HEAD_MIN_COLUMNS by min, the rest by sum. Column by column: a list index would be a
+    CPU index tensor, copied to the device at each use."""
+    out = rows.sum(dim)
     for c in HEAD_MAX_COLUMNS:
-        out[:, c] = torch.maximum(acc[:, c], part[:, c])
+        out[..., c] = rows[..., c].amax(dim)
     for c in HEAD_MIN_COLUMNS:
-        out[:, c] = torch.minimum(acc[:, c], part[:, c])
+        out[..., c] = rows[..., c].amin(dim)
     return out
+
+
+def _merge_head_partials(acc: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    return part if acc is None else merge_head_rows(torch.stack([acc, part]), 0)
 
 
 def _empty_head_stats(Hq: int, device: torch.device) -> torch.Tensor:
@@ -970,13 +975,7 @@ def _head_stats_triton(
 def _reduce_partials(part: torch.Tensor, n_blocks: int) -> torch.Tensor:
     """(Bs, Hq, nblk, 9) per-row-block partials -> (Hq, 9): a deterministic torch reduction."""
     Hq = part.shape[1]
-    p = part[:, :, :n_blocks].transpose(0, 1).reshape(Hq, -1, N_HEAD_STATS)
-    out = p.sum(1)
-    for c in HEAD_MAX_COLUMNS:  # column by column: no index tensor to copy to the device
-        out[:, c] = p[:, :, c].amax(1)
-    for c in HEAD_MIN_COLUMNS:
-        out[:, c] = p[:, :, c].amin(1)
-    return out
+    return merge_head_rows(part[:, :, :n_blocks].transpose(0, 1).reshape(Hq, -1, N_HEAD_STATS), 1)
 
 
 # --------------------------------------------------------------------------------------------

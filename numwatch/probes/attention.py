@@ -90,17 +90,8 @@ class _LayerStats:
 
 
 def merge_heads(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Merge per-call (H, N_HEAD_STATS) rows: extremes by max/min, the rest by sum. Column by
-    column: a list index would be a CPU index tensor, copied to the device at each use."""
-    if len(rows) == 1:
-        return rows[0]
-    stacked = torch.stack(rows)
-    out = stacked.sum(0)
-    for c in ats.HEAD_MAX_COLUMNS:
-        out[:, c] = stacked[:, :, c].amax(0)
-    for c in ats.HEAD_MIN_COLUMNS:
-        out[:, c] = stacked[:, :, c].amin(0)
-    return out
+    """Merge per-call (H, N_HEAD_STATS) rows: extremes by max/min, the rest by sum."""
+    return rows[0] if len(rows) == 1 else ats.merge_head_rows(torch.stack(rows), 0)
 
 
 def merge_errors(rows: list[torch.Tensor]) -> torch.Tensor:
