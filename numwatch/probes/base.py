@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -9,7 +10,15 @@ import torch
 from numwatch.buffers import NonfiniteTracker
 from numwatch.guard import Guard
 
-__all__ = ["ProbeContext"]
+__all__ = ["ProbeContext", "gathering_device"]
+
+
+def gathering_device(devices: Iterable[torch.device]) -> torch.device:
+    """Where per-device results of a model split over devices are gathered: an accelerator
+    where there is one, since a non-blocking copy from it into CPU memory could still be
+    running when the CPU reads the gathered result. ``devices`` in order of first appearance."""
+    devices = list(devices)
+    return next((d for d in devices if d.type != "cpu"), devices[0])
 
 
 @dataclass

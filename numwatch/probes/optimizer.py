@@ -25,7 +25,7 @@ from numwatch.config import OptimizerProbeConfig
 from numwatch.distributed import local_tensor
 from numwatch.kernels import tensor_stats as ts
 from numwatch.kernels.host_copy import to_device
-from numwatch.probes.base import ProbeContext
+from numwatch.probes.base import ProbeContext, gathering_device
 from numwatch.snapshot import MetricRecord
 
 __all__ = ["OptimizerProbe"]
@@ -142,9 +142,7 @@ class OptimizerProbe:
             groups: dict[torch.device, list[int]] = {}
             for j, p in enumerate(params):
                 groups.setdefault(p.device, []).append(j)
-            # an accelerator where there is one: a non-blocking copy from it into CPU memory
-            # could still be running when the CPU reads it
-            target = next((d for d in groups if d.type != "cpu"), params[0].device)
+            target = gathering_device(groups)
             parts = []
             for js in groups.values():
                 part = self._update_sums(*([x[j] for j in js] for x in (params, grads, updates)))

@@ -18,7 +18,7 @@ from numwatch.config import WeightsConfig
 from numwatch.distributed import ShardedPowerIteration, weight_blocks
 from numwatch.kernels.host_copy import to_device
 from numwatch.kernels.power_iteration import PowerIteration, qk_logit_bound
-from numwatch.probes.base import ProbeContext
+from numwatch.probes.base import ProbeContext, gathering_device
 from numwatch.probes.qk_layout import QKLayout, find_qk_layout
 from numwatch.selection import matches, select_parameters
 from numwatch.snapshot import MetricRecord
@@ -98,9 +98,7 @@ class WeightProbe:
                 concat = [
                     j for idx in groups.values() for i in idx for j in range(*starts[i : i + 2])
                 ]
-                # gathered on an accelerator where there is one: a non-blocking copy from it
-                # into CPU memory could still be running when the CPU concatenates
-                target = next((d for d in groups if d.type != "cpu"), out[0].device)
+                target = gathering_device(groups)
                 self._order = to_device(concat, torch.long, target).argsort()
             self._views_key = key
         return self._groups
