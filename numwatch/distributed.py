@@ -361,9 +361,7 @@ class Aggregator:
 
     def join_device(self) -> torch.device:
         """Where Join's own all-reduces run when the monitor is its first joinable."""
-        if is_initialized() and "nccl" in _backend():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return self._device(())
 
     def announce(self, joinable: Any) -> None:
         """A forward inside an enabled Join on a rank that still has inputs."""
