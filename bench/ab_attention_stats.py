@@ -16,21 +16,18 @@ version of this script (--against 9fdd857, the commit of attention_stats.json).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
-import subprocess
 from pathlib import Path
 from types import ModuleType
 
 import torch
 import triton
-from bench_attention_stats import THR, bench_ms, make_inputs  # bench/ is first on sys.path
+from _revision import import_at_revision  # bench/ is first on sys.path
+from bench_attention_stats import THR, bench_ms, make_inputs
 
 from numwatch.kernels import attention_stats as A
 
-ROOT = Path(__file__).resolve().parents[1]
-KERNEL = "kernels/attention_stats.py"
 # (head dim, causal, tile config): the configs attention_stats.json's autotuner chose
 CASES = [
     (128, False, (64, 128, 4, 3)),
@@ -38,24 +35,6 @@ CASES = [
     (64, False, (64, 128, 4, 2, 128)),
     (64, True, (64, 128, 4, 2, 128)),
 ]
-
-
-def load_revision(rev: str) -> ModuleType:
-    """attention_stats as of git revision ``rev``, imported as
-    numwatch.kernels._ab_attention_stats_old (a file written next to the package's modules)."""
-    source = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:{KERNEL}"],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    path = Path(A.__file__).with_name("_ab_attention_stats_old.py")
-    path.write_text(source)
-    try:
-        name = "numwatch.kernels._ab_attention_stats_old"
-        importlib.invalidate_caches()
-        module = importlib.import_module(name)
-        return importlib.reload(module)
-    finally:
-        path.unlink()
 
 
 def measure(old: ModuleType, d: int, causal: bool, cfg: tuple, entropy: bool, rounds: int) -> dict:
@@ -90,7 +69,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("skipped: the A/B times the compiled kernel on a GPU")
         return
-    old = load_revision(args.against)
+    old = import_at_revision(args.against, A)
     rows = []
     for d, causal, cfg in CASES:
         rows.append(measure(old, d, causal, cfg, args.entropy, args.rounds))

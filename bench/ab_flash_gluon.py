@@ -17,41 +17,19 @@ flash_attention_gluon_packed_cvt_h200.json) came from scratch versions of this s
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
-import subprocess
 from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 import triton
-from bench_flash_attention import bench_ms, make_inputs  # bench/ is first on sys.path
+from _revision import import_at_revision  # bench/ is first on sys.path
+from bench_flash_attention import bench_ms, make_inputs
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from numwatch.kernels import flash_attention_gluon as fag
-
-ROOT = Path(__file__).resolve().parents[1]
-KERNEL = "kernels/flash_attention_gluon.py"
-
-
-def load_revision(rev: str) -> ModuleType:
-    """The Gluon forward module as of git revision ``rev``, imported as
-    numwatch.kernels._ab_flash_gluon_old (a file written next to the package's modules)."""
-    source = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:{KERNEL}"],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    path = Path(fag.__file__).with_name("_ab_flash_gluon_old.py")
-    path.write_text(source)
-    try:
-        name = "numwatch.kernels._ab_flash_gluon_old"
-        importlib.invalidate_caches()
-        module = importlib.import_module(name)
-        return importlib.reload(module)
-    finally:
-        path.unlink()
 
 
 def measure(old: ModuleType, d: int, t: int, causal: bool, rounds: int) -> dict:
@@ -97,7 +75,7 @@ def main() -> None:
             and torch.cuda.get_device_capability()[0] == 9):  # fmt: skip
         print("skipped: the Gluon forward needs a Hopper GPU and Triton's Gluon Hopper API")
         return
-    old = load_revision(args.against)
+    old = import_at_revision(args.against, fag)
     rows = []
     for d in args.dims:
         for t in args.seqs:
