@@ -12,15 +12,15 @@ from types import ModuleType
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def import_at_revision(rev: str, current: ModuleType) -> ModuleType:
+def import_at_revision(rev: str, current: ModuleType, tag: str) -> ModuleType:
     """``current`` (a module of numwatch.kernels) as of git revision ``rev``, imported as
-    ``<package>._ab_<name>_old``; the file it was loaded from is removed at once."""
+    ``<package>._ab_<tag>_old``; the file it was loaded from is removed at once."""
     path = Path(current.__file__)
     source = subprocess.run(
         ["git", "-C", str(ROOT), "show", f"{rev}:{path.relative_to(ROOT).as_posix()}"],
         check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
-    stem = f"_ab_{path.stem}_old"
+    stem = f"_ab_{tag}_old"
     old_path = path.with_name(f"{stem}.py")
     old_path.write_text(source)
     try:

@@ -69,7 +69,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("skipped: the A/B times the compiled kernel on a GPU")
         return
-    old = import_at_revision(args.against, A)
+    old = import_at_revision(args.against, A, "attention_stats")
     rows = []
     for d, causal, cfg in CASES:
         rows.append(measure(old, d, causal, cfg, args.entropy, args.rounds))

@@ -32,6 +32,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from numwatch.kernels import flash_attention_gluon as fag
 
 
+def load_revision(rev: str) -> ModuleType:
+    """The Gluon forward as of git revision ``rev``: numwatch.kernels._ab_flash_gluon_old."""
+    return import_at_revision(rev, fag, "flash_gluon")
+
+
 def measure(old: ModuleType, d: int, t: int, causal: bool, rounds: int) -> dict:
     h, b = 2048 // d, 16384 // t
     q, k, v, _ = (x.detach() for x in make_inputs(b, h, t, d))
@@ -75,7 +80,7 @@ def main() -> None:
             and torch.cuda.get_device_capability()[0] == 9):  # fmt: skip
         print("skipped: the Gluon forward needs a Hopper GPU and Triton's Gluon Hopper API")
         return
-    old = import_at_revision(args.against, fag)
+    old = load_revision(args.against)
     rows = []
     for d in args.dims:
         for t in args.seqs:
