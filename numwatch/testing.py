@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import math
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -17,6 +20,7 @@ __all__ = [
     "PlantedCounts",
     "devices",
     "hook_state",
+    "host_never_waits",
     "kernel_devices",
     "planted_tensor",
     "planted_tie_attention",
@@ -34,6 +38,42 @@ def hook_state(model: torch.nn.Module) -> list:
         (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks))
         for m in model.modules()
     ] + [dict(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters()]
+
+
+@contextmanager
+def host_never_waits(budget_s: float = 2.0) -> Iterator[None]:
+    """Fail if the host waits for the current CUDA stream inside the block.
+
+    ``torch.cuda.set_sync_debug_mode`` sees the syncs torch itself makes, not a wait inside the
+    driver (a copy from pageable host memory may wait for its stream). Here a sleep kernel of
+    ``budget_s`` holds the stream first: any wait for the stream, or for the whole device, ends
+    only after the sleep, so the sleep still running at the block's end proves there was none.
+    Waits on other streams alone go unseen. The block must issue its work in under ``budget_s``.
+    """
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    probe_cycles = 10_000_000
+    start.record()
+    torch.cuda._sleep(probe_cycles)
+    end.record()
+    end.synchronize()
+    cycles = int(probe_cycles * budget_s * 1e3 / start.elapsed_time(end))
+    torch.cuda._sleep(cycles)
+    slept = torch.cuda.Event()
+    slept.record()
+    t0 = time.perf_counter()
+    yield
+    elapsed = time.perf_counter() - t0
+    if slept.query():
+        if elapsed < budget_s:
+            raise AssertionError(
+                f"the host waited for the GPU inside the block (it returned after {elapsed:.3f} s,"
+                f" with the stream held busy for {budget_s} s)"
+            )
+        raise AssertionError(
+            f"inconclusive: the block took {elapsed:.3f} s, longer than the {budget_s} s budget"
+        )
+    torch.cuda.synchronize()
 
 
 def triton_interpreting() -> bool:

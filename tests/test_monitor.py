@@ -15,7 +15,7 @@ import numwatch
 from numwatch.errors import NumwatchHalt
 from numwatch.sinks.console import ConsoleSink
 from numwatch.sinks.jsonl import read_jsonl
-from numwatch.testing import hook_state, planted_tensor, requires_gpu
+from numwatch.testing import hook_state, host_never_waits, planted_tensor, requires_gpu
 
 
 class Emit(nn.Module):
@@ -823,13 +823,25 @@ def test_hooks_and_steps_do_no_host_sync(make_monitor):
 
 
 @requires_gpu
+def test_host_never_waits_fails_on_a_wait_and_passes_without_one():
+    x = torch.arange(8.0, device="cuda")
+    with host_never_waits():
+        y = (x * 2).sum()  # issued, not waited for
+    assert y.item() == 56.0
+    with pytest.raises(AssertionError, match="the host waited"), host_never_waits():
+        (x * 2).sum().item()
+    with pytest.raises(AssertionError, match="the host waited"), host_never_waits():
+        torch.cuda.synchronize()
+
+
+@requires_gpu
 def test_no_host_sync_between_flushes_on_gpu(make_monitor):
-    """CUDA's own sync detector: any sync inside the window raises."""
+    """CUDA's own sync detector, then a stream held busy: any sync inside the window fails."""
     from examples_gpt2 import tiny_gpt_on_cuda
 
     model, opt, x, y = tiny_gpt_on_cuda()
     monitor = make_monitor(
-        model, flush_every=4, activations__every=1, attention__every=1, weights__every=1
+        model, flush_every=6, activations__every=1, attention__every=1, weights__every=1
     ).attach(opt)
 
     def step():
@@ -849,9 +861,12 @@ def test_no_host_sync_between_flushes_on_gpu(make_monitor):
         step()  # steps 1 and 2: every probe runs, nothing flushes
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    step()  # step 3 flushes
+    with host_never_waits():  # also the waits inside the driver, which the mode above misses
+        step()
+        step()  # steps 3 and 4, the same
+    step()  # step 5 flushes
     snap = monitor.snapshot()
-    assert snap.step == 3
+    assert snap.step == 5
     assert snap.series("attn_max_logit") and snap.series("weight_spectral_norm")
 
 
