@@ -137,6 +137,24 @@ def test_lr_backoff_composes_with_a_scheduler_and_restores():
     assert monitor.snapshot().value("mitigation_lr_factor") == 1.0
 
 
+def test_a_skipped_update_does_not_use_up_an_lr_backoff_step():
+    model = nn.Linear(1, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    backoff = {"type": "lr_backoff", "factor": 0.5, "steps": 2}
+    rules = only("threshold", "big_loss", "loss", "skip_step", backoff, threshold=100)
+    monitor = monitor_for(model, rules=rules).attach(opt)
+    used = []
+    for step in range(6):
+        before = model.weight.item()
+        model(torch.ones(1, 1)).sum().backward()  # d/dw = 1: the update is -lr exactly
+        monitor.step(1000.0 if step == 2 else 1.0)
+        opt.step()
+        opt.zero_grad()
+        used.append(before - model.weight.item())
+    # step 2 skipped; the next 2 updates that run do so at half the LR
+    assert used == pytest.approx([1.0, 1.0, 0.0, 0.5, 0.5, 1.0])
+
+
 @pytest.mark.parametrize("before", ["scheduler", "user wrapper", "none"])
 def test_detach_restores_the_step_that_was_installed_before(before):
     model = nn.Linear(2, 1)

@@ -99,8 +99,7 @@ class OptimizerControl:
             self._skip = False
             self.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)
-            self._tick()
-            return loss
+            return loss  # a back-off counts the updates that run at its LR
         factor = self.lr_factor
         saved = [group["lr"] for group in self.optimizer.param_groups]
         if factor != 1.0:
