@@ -433,8 +433,8 @@ class Monitor(Joinable):
         self, loss: torch.Tensor | float | None, step: int
     ) -> torch.Tensor | float | None:
         """Record the loss of ``step``; returns the value kept (detached, or a float)."""
-        if loss is None:
-            return None
+        if loss is None or (isinstance(loss, torch.Tensor) and loss.is_meta):
+            return None  # a meta loss (a dry run) has no value to read
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 raise ValueError(

@@ -84,6 +84,51 @@ def test_sparse_module_output_is_left_out_alone(make_monitor):
     assert snap.get("activation_numel", module="sp") is None
 
 
+class NestedBranch(nn.Module):
+    """A module that hands on a strided nested tensor (nn.TransformerEncoder's fast path does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2, bias=False)
+        self.nest = Nest()
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.nest(h)
+
+
+class Nest(nn.Module):
+    def forward(self, h):
+        return torch.nested.nested_tensor([h[0], h[1, :1]])
+
+
+def test_nested_module_output_is_left_out_alone(make_monitor):
+    model = NestedBranch()
+    with torch.no_grad():
+        model.lin.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, -2.0]]))
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    out = model(torch.tensor([[1.0, 3.0], [2.0, 0.5]]))  # lin: [[1, -6], [2, -1]]
+    assert out.is_nested
+    monitor.step()
+    snap = monitor.snapshot()
+    assert no_errors(monitor)
+    assert min_max(snap, "activation", module="lin") == (-6.0, 2.0)
+    assert snap.get("activation_numel", module="nest") is None
+
+
+def test_a_meta_loss_is_not_recorded(make_monitor):
+    """A dry run on the meta device: its loss has no value to read at flush."""
+    with torch.device("meta"):
+        model = nn.Linear(2, 1)
+    monitor = make_monitor(model, flush_every=1).attach()
+    loss = model(torch.ones(3, 2, device="meta")).sum()
+    loss.backward()
+    monitor.step(loss)
+    assert no_errors(monitor)
+    assert monitor.snapshot().step == 0
+    assert monitor.snapshot().get("loss") is None
+
+
 def test_activation_headroom_follows_autocast(make_monitor):
     """A first step in fp32, the next under fp16 autocast: the second window's headroom is the
     fp16 one, which the activation_overflow_risk rule reads."""

@@ -146,8 +146,15 @@ def _floating(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(t,)`` if the statistics kernels can read ``t`` (floating, with values, strided), else
     ``()``. Sparse tensors are left out: an uncoalesced one (nn.Embedding(sparse=True)'s
     gradient) repeats indices, so its values' extremes and sum of squares are not the tensor's,
-    and coalescing it reads its size back to the host."""
-    ok = t.layout is torch.strided and t.is_floating_point() and t.numel() > 0 and not t.is_meta
+    and coalescing it reads its size back to the host. Nested tensors (nn.TransformerEncoder's
+    fast path) report a strided layout but cannot be flattened."""
+    ok = (
+        t.layout is torch.strided
+        and not t.is_nested
+        and t.is_floating_point()
+        and t.numel() > 0
+        and not t.is_meta
+    )
     return (t,) if ok else ()
 
 
