@@ -166,15 +166,11 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int
     return B, Hq, Tq, D, Hkv, Tk
 
 
-def _check_mask(
-    attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, int, int, int]
-) -> None:
+def _check_mask(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int]) -> None:
     """``shape`` is (B, Hq, Tq, Tk): the torch path indexes the un-broadcast mask chunk by chunk,
     where a mask that does not broadcast would fail late and obscurely (or not at all)."""
     if attn_mask is None:
         return
-    if is_causal:
-        raise ValueError("pass either attn_mask or is_causal=True, not both (SDPA's rule)")
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise ValueError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
     try:
@@ -185,6 +181,20 @@ def _check_mask(
         raise ValueError(
             f"attn_mask {tuple(attn_mask.shape)} does not broadcast to (B, Hq, Tq, Tk) = {shape}"
         )
+
+
+def _fold_causal(
+    attn_mask: torch.Tensor | None, is_causal: bool, Tq: int, Tk: int
+) -> tuple[torch.Tensor | None, bool]:
+    """A mask together with ``is_causal`` (SDPA's CPU path takes both: they apply together) as
+    one mask with the causal entries masked. It holds (Tq, Tk) entries per broadcast index of
+    the mask: a rare call's memory, where the kernels keep one mask path."""
+    if attn_mask is None or not is_causal:
+        return attn_mask, is_causal
+    keep = torch.ones(Tq, Tk, dtype=torch.bool, device=attn_mask.device).tril()
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & keep, False
+    return attn_mask.masked_fill(~keep, float("-inf")), False
 
 
 def _check_index(name: str, idx: torch.Tensor | None, n: int) -> None:
@@ -1002,7 +1012,8 @@ def attention_head_stats(
 
     Inputs use SDPA's layout and conventions: q (B, Hq, Tq, D), k (B, Hkv, Tk, D) with
     Hq % Hkv == 0 and D >= 1, ``attn_mask`` bool (True = keep) or additive, broadcastable to
-    (B, Hq, Tq, Tk), ``is_causal`` top-left aligned, ``scale`` default 1/sqrt(D). ``rows`` and
+    (B, Hq, Tq, Tk), ``is_causal`` top-left aligned (with a mask: both apply), ``scale``
+    default 1/sqrt(D). ``rows`` and
     ``batch`` are optional 1-D LongTensors of query rows and batch elements to sample (best on
     q's device). Indices outside [0, Tq) or [0, B) raise ValueError when the index tensor is on
     the CPU; on a GPU, checking would cost a host sync, so they are skipped instead: not read,
@@ -1013,7 +1024,8 @@ def attention_head_stats(
     Triton autotuner's timing runs at the first call of each shape class (once per process).
     """
     B, Hq, Tq, D, _, Tk = _check_qk(q, k)
-    _check_mask(attn_mask, is_causal, (B, Hq, Tq, Tk))
+    _check_mask(attn_mask, (B, Hq, Tq, Tk))
+    attn_mask, is_causal = _fold_causal(attn_mask, is_causal, Tq, Tk)
     _check_index("batch", batch, B)
     _check_index("rows", rows, Tq)
     thr = saturation_threshold(saturation_dtype)
@@ -1158,7 +1170,8 @@ def attention_output_error(
     Dv = v.shape[-1]
     if out.shape != (B, Hq, Tq, Dv):
         raise ValueError(f"out must be (B, Hq, Tq, Dv) = {(B, Hq, Tq, Dv)}, got {out.shape}")
-    _check_mask(attn_mask, is_causal, (B, Hq, Tq, Tk))
+    _check_mask(attn_mask, (B, Hq, Tq, Tk))
+    attn_mask, is_causal = _fold_causal(attn_mask, is_causal, Tq, Tk)
     _check_index("batch", batch, B)
     _check_index("rows", rows, Tq)
     mask4 = _as_4d(attn_mask)

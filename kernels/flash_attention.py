@@ -104,7 +104,12 @@ try:
 except ImportError:  # platforms without triton: the torch reference runs on CPU, CUDA falls back
     _tri = _glu = None
 
-__all__ = ["flash_attention", "flash_attention_fallbacks", "flash_attention_reference"]
+__all__ = [
+    "autocast_like_sdpa",
+    "flash_attention",
+    "flash_attention_fallbacks",
+    "flash_attention_reference",
+]
 
 _MODES = {
     "stabilized": MODE_STABILIZED,
@@ -191,14 +196,24 @@ def _fallback_reason(
     return None
 
 
-def _autocast_inputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Cast fp32 inputs to the autocast dtype when autocast is on, as SDPA does under autocast."""
+def autocast_like_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The operands SDPA computes with under autocast: every fp32, fp16 or bf16 input, a float
+    mask included, in the autocast dtype (fp64 and bool stay)."""
     device_type = q.device.type
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        if q.dtype == torch.float32 and dtype in _DTYPES:
-            return q.to(dtype), k.to(dtype), v.to(dtype)
-    return q, k, v
+        if dtype in _DTYPES:
+
+            def cast(t: Tensor | None) -> Tensor | None:
+                return t.to(dtype) if t is not None and t.dtype in _AUTOCAST_CASTS else t
+
+            return cast(q), cast(k), cast(v), cast(attn_mask)  # type: ignore[return-value]
+    return q, k, v, attn_mask
+
+
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _use_triton(q: Tensor) -> bool:
@@ -264,7 +279,7 @@ def _run(
     beta: float,
     use_triton: bool,
 ) -> Tensor:
-    q, k, v = _autocast_inputs(q, k, v)
+    q, k, v, attn_mask = autocast_like_sdpa(q, k, v, attn_mask)
     reason = _fallback_reason(q, k, v, attn_mask, dropout_p, scale, enable_gqa)
     if reason == "empty" and 0 in q.shape[:2]:
         # No output element; SDPA's CUDA path returns None for an empty batch (torch 2.11). The

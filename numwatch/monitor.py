@@ -40,6 +40,7 @@ from numwatch.errors import NumwatchConfigError, NumwatchError
 from numwatch.events import Event, EventBus
 from numwatch.gc_pause import gc_paused
 from numwatch.guard import Guard
+from numwatch.hooks import UserHook
 from numwatch.kernels import launch
 from numwatch.kernels.flash_attention import flash_attention_fallbacks
 from numwatch.kernels.host_copy import to_device
@@ -181,7 +182,7 @@ class Monitor(Joinable):
                     self._build_sinks()
                     # A step is under way once the model runs (step()/optimizer hook need it).
                     self._activity_handle = self.model.register_forward_pre_hook(
-                        self._mark_activity
+                        UserHook(self._mark_activity)
                     )
             if optimizer is not None and self.config.enabled and self._optimizer is None:
                 self._attach_optimizer(optimizer, scaler)
@@ -215,7 +216,7 @@ class Monitor(Joinable):
             self._control = OptimizerControl(optimizer, self._before_optimizer_update)
         else:
             self._optimizer_handles = [
-                optimizer.register_step_pre_hook(self._on_optimizer_step),
+                optimizer.register_step_pre_hook(UserHook(self._on_optimizer_step)),
             ]
 
     def detach(self) -> None:

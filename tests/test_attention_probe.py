@@ -575,6 +575,81 @@ def test_unbatched_sdpa_is_measured_as_one_batch_element(make_monitor):
     assert snap.value("attn_output_error_rms", layer="block.attn", head="0") < 0.05
 
 
+def test_a_mask_with_is_causal_is_measured_with_both(make_monitor):
+    """SDPA's CPU path takes attn_mask and is_causal together (both apply); such calls were
+    dropped as errors."""
+    q, k, v = planted_sink_attention(B=1, H=2, T=8, D=16, n_sink=2)
+    keep = torch.ones(8, 8, dtype=torch.bool)
+    keep[5:, 1] = False  # rows 5-7 lose one of the two sinks
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=True)
+    model = Net(Fixed(q, k, v, sdpa))
+    monitor = make_monitor(model)
+    model()
+    monitor.step()
+    snap = monitor.snapshot()
+    assert not any(monitor.errors.values())
+    rep, ties, rows = oracle(q, k, causal=True, mask=keep)
+    assert head_values(snap, "attn_repeated_max_rows", "block.attn", 2) == rep.tolist() == [4, 4]
+    assert head_values(snap, "attn_tie_entries", "block.attn", 2) == ties.tolist()
+    assert head_values(snap, "attn_rows", "block.attn", 2) == rows.tolist()
+
+
+@pytest.mark.parametrize("batch", [0, 2])
+@pytest.mark.parametrize("broadcast", ["kv_batch", "q_heads"])
+def test_broadcast_batch_and_heads_are_measured_as_sdpa_broadcasts_them(
+    make_monitor, batch, broadcast
+):
+    """K/V shared by the batch (batch dim 1), or one query head against several K/V heads:
+    SDPA broadcasts them, and the statistics are those of the broadcast call."""
+    q, k, v = planted_sink_attention(B=2, H=2, T=8, D=16, n_sink=2)
+    if broadcast == "kv_batch":
+        k, v = k[:1], v[:1]
+        full = (q, k.expand(2, -1, -1, -1))
+    else:
+        q = q[:, :1]
+        full = (q.expand(-1, 2, -1, -1), k)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    model = Net(Fixed(q, k, v, sdpa))
+    monitor = make_monitor(model, attention__batch=batch)
+    model()
+    monitor.step()
+    snap = monitor.snapshot()
+    assert not any(monitor.errors.values())
+    rep, ties, rows = oracle(*full)
+    assert head_values(snap, "attn_repeated_max_rows", "block.attn", 2) == rep.tolist()
+    assert head_values(snap, "attn_tie_entries", "block.attn", 2) == ties.tolist()
+    assert head_values(snap, "attn_rows", "block.attn", 2) == rows.tolist() == [16, 16]
+    assert snap.value("attn_output_error_rms", layer="block.attn", head="1") < 0.05
+
+
+def test_fp32_inputs_under_autocast_are_measured_as_the_kernel_sees_them(make_monitor):
+    """Under autocast SDPA computes with bf16 copies of fp32 q, k, v: two keys that differ in
+    fp32 but round to one bf16 value tie for the kernel, and the statistics must say so."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 4, 8, generator=g).bfloat16().float()
+    k = torch.randn(1, 1, 4, 8, generator=g).bfloat16().float()
+    v = torch.randn(1, 1, 4, 8, generator=g)
+    k[:, :, 0] = (q[0, 0].sum(0) * 2).bfloat16().float()
+    k[:, :, 1] = k[:, :, 0] * (1 + 2**-12)  # a different fp32 key, the same bf16 one
+    assert not torch.equal(k[:, :, 0], k[:, :, 1])
+
+    def sdpa(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    model = Net(Fixed(q, k, v, sdpa))
+    monitor = make_monitor(model)
+    model()
+    monitor.step()
+    snap = monitor.snapshot()
+    rep, ties, _ = oracle(q.bfloat16(), k.bfloat16(), causal=False)
+    assert rep.tolist() == [4]
+    assert snap.value("attn_repeated_max_rows", layer="block.attn", head="0") == 4
+    assert snap.value("attn_tie_entries", layer="block.attn", head="0") == ties.item()
+    # the bf16 kernel against a recomputation from its own bf16 operands: correct rounding
+    assert snap.value("attn_output_systematic_error", layer="block.attn", head="0") < 0.5
+
+
 def test_float64_attention_and_calls_without_keys_are_skipped(make_monitor):
     """float64 attention (the statistics are defined for bf16/fp16/fp32) and calls without keys
     (nothing to measure) failed on every sampled step; they are skipped, in every path."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import math
@@ -797,6 +798,34 @@ class SyncCounter(TorchFunctionMode):
                 self.host.add(id(t))
                 self._alive.append(t)
         return out
+
+
+def test_a_monitored_model_copies_and_pickles_as_an_unmonitored_one(make_monitor):
+    """An EMA copy (deepcopy) or torch.save(model) while attached: the hooks' copies are inert,
+    where bound methods dragged the monitor along (its open JSONL file failed to pickle)."""
+    from numwatch.hooks import InertHook
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = make_monitor(model, flush_every=2, activations__every=1).attach(opt)
+    train_steps(model, monitor, 1, opt=opt)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    copies = [copy.deepcopy(model), torch.load(buf, weights_only=False)]
+    x = torch.randn(3, 4)
+    for other in copies:
+        hooks = [
+            h
+            for m in other.modules()
+            for d in (m._forward_pre_hooks, m._forward_hooks)
+            for h in d.values()
+        ]
+        assert hooks and all(isinstance(h, InertHook) for h in hooks)
+        assert torch.equal(other(x), model(x))
+    monitor.detach()
+    assert all(torch.equal(other(x), model(x)) for other in copies)
 
 
 def test_hooks_and_steps_do_no_host_sync(make_monitor):

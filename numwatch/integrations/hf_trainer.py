@@ -30,6 +30,7 @@ import torch
 
 from numwatch.config import MonitorConfig
 from numwatch.errors import NumwatchHalt
+from numwatch.hooks import UserHook
 from numwatch.integrations._driver import MonitorDriver
 from numwatch.monitor import Monitor
 
@@ -85,7 +86,9 @@ class NumwatchTrainerCallback(TrainerCallback):
         if not isinstance(torch_optimizer, torch.optim.Optimizer):
             torch_optimizer = None
         self._driver.start(model, torch_optimizer)
-        self._loss_hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
+        self._loss_hook = model.register_forward_hook(
+            UserHook(self._capture_loss), with_kwargs=True
+        )
 
     def _capture_loss(self, module: Any, args: Any, kwargs: dict, output: Any) -> None:
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)

@@ -27,8 +27,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from numwatch.config import AttentionConfig
+from numwatch.hooks import UserHook
 from numwatch.kernels import attention_stats as ats
-from numwatch.kernels.flash_attention import flash_attention
+from numwatch.kernels.flash_attention import autocast_like_sdpa, flash_attention
 from numwatch.probes.base import ProbeContext
 from numwatch.selection import matches
 from numwatch.snapshot import MetricRecord
@@ -200,8 +201,8 @@ class AttentionProbe:
         # them can skip the entry and still get the exit (an always_call hook runs even when a
         # pre-hook raised).
         self._handles = [
-            self.model.register_forward_pre_hook(self._enter, prepend=True),
-            self.model.register_forward_hook(self._exit, always_call=True),
+            self.model.register_forward_pre_hook(UserHook(self._enter), prepend=True),
+            self.model.register_forward_hook(UserHook(self._exit), always_call=True),
         ]
 
     def detach(self) -> None:
@@ -374,6 +375,7 @@ class AttentionProbe:
                 "attention statistics measure SDPA calls with 4-D (B, H, T, D) or unbatched 3-D "
                 f"(H, T, D) q, k, v; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
             )
+        q, k, v = _broadcast_like_sdpa(q, k, v)
         if not _measured(q) or k.shape[2] == 0:  # no keys: no score to measure
             return
         n = self._n_batch(q.shape[0])
@@ -387,15 +389,17 @@ class AttentionProbe:
             and out.shape[:-1] == q.shape[:-1]
         )
         saturation = self._saturation_dtype(q)
+        # What the kernel computed with: under autocast SDPA casts its inputs (and a float mask)
+        q, k, v, mask = autocast_like_sdpa(q[:n], k[:n], v[:n], mask)
         # A mask with one entry per head cannot follow heads stacked across layers.
         stackable = mask is None or mask.dim() < 3 or mask.shape[-3] == 1
         key = (
             tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype,
             q.device, bool(call.is_causal), call.scale, saturation, with_error,
             call.attn_mask if stackable else object(),  # the tensor itself: held, id-hashed
-            out.dtype if with_error else None,
+            None if mask is None else mask.dtype, out.dtype if with_error else None,
         )  # fmt: skip
-        held = [t[:n].clone() for t in ((q, k, v, out.detach()) if with_error else (q, k, v))]
+        held = [t.clone() for t in ((q, k, v, out.detach()[:n]) if with_error else (q, k, v))]
         out_n = held[3] if with_error else None
         sampled = _Sampled(
             layer, held[0], held[1], held[2], out_n, mask, bool(call.is_causal), call.scale,
@@ -593,6 +597,20 @@ class AttentionProbe:
 
 def _is_heads_key(key: str) -> bool:
     return key.startswith("attn/") and key.endswith("/heads")
+
+
+def _broadcast_like_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch dim of 1 (K/V shared by the batch), or one query head against several K/V heads,
+    broadcast as SDPA broadcasts them: expanded views (the held copies are of sampled rows)."""
+    B = max(q.shape[0], k.shape[0], v.shape[0])
+    Hq, Hk = q.shape[1], k.shape[1]
+    if Hq == 1 < Hk:
+        q = q.expand(B, Hk, *q.shape[2:])
+    if v.shape[1] == 1 < Hk:
+        v = v.expand(B, Hk, *v.shape[2:])
+    return tuple(t.expand(B, *t.shape[1:]) for t in (q, k, v))  # type: ignore[return-value]
 
 
 def _measured(x: torch.Tensor) -> bool:

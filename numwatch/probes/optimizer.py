@@ -23,6 +23,7 @@ from torch import nn
 from numwatch.buffers import nonfinite_counts
 from numwatch.config import OptimizerProbeConfig
 from numwatch.distributed import local_tensor
+from numwatch.hooks import UserHook
 from numwatch.kernels import tensor_stats as ts
 from numwatch.kernels.host_copy import to_device
 from numwatch.probes.base import ProbeContext, gathering_device
@@ -81,8 +82,8 @@ class OptimizerProbe:
 
     def attach(self) -> None:
         self._handles = [
-            self.optimizer.register_step_pre_hook(self._pre),
-            self.optimizer.register_step_post_hook(self._post),
+            self.optimizer.register_step_pre_hook(UserHook(self._pre)),
+            self.optimizer.register_step_post_hook(UserHook(self._post)),
         ]
 
     def detach(self) -> None:

@@ -29,6 +29,7 @@ from numwatch.buffers import (
 )
 from numwatch.config import ActivationConfig, GradientConfig
 from numwatch.distributed import is_dtensor, local_tensor
+from numwatch.hooks import UserHook
 from numwatch.kernels import tensor_stats as ts
 from numwatch.kernels.host_copy import to_device
 from numwatch.probes.base import ProbeContext
@@ -426,7 +427,9 @@ class ActivationProbe:
         self._plans: dict[tuple[torch.device, tuple[int, ...]], tuple[Any, Any, int]] = {}
 
     def attach(self) -> None:
-        self._handles.append(self.model.register_forward_hook(self._forward_done, always_call=True))
+        self._handles.append(
+            self.model.register_forward_hook(UserHook(self._forward_done), always_call=True)
+        )
         if self.ctx.step % self.cfg.every == 0:
             self._arm()
 
@@ -443,7 +446,7 @@ class ActivationProbe:
         call path, which costs every forward of every step, sampled or not."""
         if not self._module_handles:
             self._module_handles = [
-                m.register_forward_hook(partial(self._hook, i))
+                m.register_forward_hook(UserHook(self._hook, i))
                 for i, (_, m) in enumerate(self.modules)
             ]
 

@@ -696,11 +696,21 @@ def test_cpu_without_interpreter_runs_the_reference(monkeypatch):
     assert torch.equal(o, ref) and all(map(torch.equal, grads, grads_ref))
 
 
-def test_autocast_casts_fp32_inputs_like_sdpa():
-    q, k, v, _ = _inputs(1, 2, 2, 12, 12, 32, torch.float32, "cpu")
+@pytest.mark.parametrize(
+    ("dtype", "autocast"),
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float16, torch.bfloat16),  # SDPA casts every 16/32-bit input, not only fp32
+        (torch.bfloat16, torch.float16),
+    ],
+)
+def test_autocast_casts_inputs_like_sdpa(dtype, autocast):
+    q, k, v, _ = _inputs(1, 2, 2, 12, 12, 32, dtype, "cpu")
     q, k, v = (t.detach() for t in (q, k, v))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        o = flash_attention_reference(q, k, v)
-    assert o.dtype == torch.bfloat16
-    lo = (t.bfloat16() for t in (q, k, v))
-    assert torch.equal(o, flash_attention_reference(*lo))
+    mask = torch.randn(12, 12, dtype=torch.float32)  # cast too, as SDPA casts it
+    with torch.autocast("cpu", dtype=autocast):
+        o = flash_attention_reference(q, k, v, attn_mask=mask)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert o.dtype == want.dtype == autocast
+    lo = (t.to(autocast) for t in (q, k, v))
+    assert torch.equal(o, flash_attention_reference(*lo, attn_mask=mask.to(autocast)))
