@@ -516,7 +516,10 @@ class Monitor(Joinable):
 
     # --- integrations: training steps that run submodules without calling model.forward
     def _mark_activity(self, *_: Any) -> None:
-        self._ctx.activity = True
+        # An evaluation forward (no_grad, inference_mode) between optimizer.step() and a late
+        # step(loss) is not part of a training step: it must not make that call close one.
+        if torch.is_grad_enabled():
+            self._ctx.activity = True
         if self._join_config.enable:  # inside Join: tell joined ranks this one still trains
             self._guard.run("step", self._dist.announce, self)
 

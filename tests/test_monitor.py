@@ -800,6 +800,28 @@ class SyncCounter(TorchFunctionMode):
         return out
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_an_evaluation_forward_before_a_late_step_call_opens_no_step(make_monitor, set_to_none):
+    """optimizer.step(), then a no_grad forward (validation, logging), then step(loss): the call
+    only records the loss, as without the forward. It closed an extra, empty step."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = make_monitor(model, flush_every=100).attach(opt)
+    for _ in range(4):
+        loss = model(torch.randn(5, 4)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        with torch.no_grad():
+            model(torch.randn(5, 4))
+        monitor.step(loss)
+    assert monitor.steps == 4
+    snap = monitor.flush()
+    assert snap.value("grad_numel", param="a.weight") == 4 * 32  # 4 steps of the 4x8 weight
+    assert snap.value("loss") == pytest.approx(loss.item())
+
+
 def test_a_monitored_model_copies_and_pickles_as_an_unmonitored_one(make_monitor):
     """An EMA copy (deepcopy) or torch.save(model) while attached: the hooks' copies are inert,
     where bound methods dragged the monitor along (its open JSONL file failed to pickle)."""
