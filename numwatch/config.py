@@ -326,7 +326,9 @@ class MonitorConfig(_Section):
 
     enabled: bool = Field(True, description="False makes attach() a no-op (no hooks at all).")
     run_name: str | None = Field(
-        None, description="Name of the run in logs; default: a UTC timestamp at attach()."
+        None,
+        description="Name of the run in logs; default: run-<UTC timestamp> of the Monitor's "
+        "creation (-2, -3... for more monitors made in that second in one process).",
     )
     flush_every: PositiveInt = Field(
         50,

@@ -78,6 +78,18 @@ _COMPONENTS = (
 _OPTIMIZER_ACTIONS = (SkipStep, LrBackoff, QKClip)
 
 
+_last_default_name = ["", 0]  # the last default run name of this process, and its count
+
+
+def _default_run_name() -> str:
+    """``run-<UTC second>``; monitors made within one second in one process (a GAN's two) get
+    ``-2``, ``-3``... so that their default logs do not mix."""
+    base = datetime.datetime.now(datetime.timezone.utc).strftime("run-%Y%m%dT%H%M%SZ")
+    n = _last_default_name[1] + 1 if _last_default_name[0] == base else 1
+    _last_default_name[:] = [base, n]
+    return base if n == 1 else f"{base}-{n}"
+
+
 class Monitor(Joinable):
     """Numerical health monitor for one model.
 
@@ -99,9 +111,7 @@ class Monitor(Joinable):
         self.config = MonitorConfig.load(config, **overrides)
         self.events: list[Event] = []
         self.rank = get_rank()
-        self.run_name = self.config.run_name or datetime.datetime.now(
-            datetime.timezone.utc
-        ).strftime("run-%Y%m%dT%H%M%SZ")
+        self.run_name = self.config.run_name or _default_run_name()
         self._bus = EventBus()
         self._guard = Guard(self.config.strict)
         self._ctx = ProbeContext(

@@ -70,3 +70,46 @@ def test_non_finite_event_values_read_back_as_floats(tmp_path):
     first, second = read_jsonl(path)[0]["events"]
     assert (first["value"], first["threshold"]) == (math.inf, -math.inf)
     assert math.isnan(second["value"]) and second["threshold"] is None
+
+
+def test_two_monitors_of_one_process_keep_their_logs_apart(tmp_path, monkeypatch):
+    """A GAN's generator and discriminator monitors, made in the same second with the default
+    run name and path: each gets its own name and log (they shared one, records interleaved),
+    and one explicit path for two attached monitors is refused until the first detaches."""
+    import pytest
+    import torch
+    from torch import nn
+
+    import numwatch
+    from numwatch.errors import NumwatchConfigError
+
+    monkeypatch.chdir(tmp_path)
+    gen, disc = nn.Linear(4, 4), nn.Linear(4, 1)
+    quiet = {"flush_every": 1, "sinks__console__enabled": False}
+    mg = numwatch.Monitor(gen, **quiet).attach()
+    md = numwatch.Monitor(disc, **quiet).attach()
+    assert mg.run_name != md.run_name and mg.jsonl_path != md.jsonl_path
+    for _ in range(2):
+        disc(gen(torch.randn(2, 4))).sum().backward()
+        mg.step()
+        md.step()
+    mg.detach()
+    md.detach()
+    for monitor, numel in ((mg, 16), (md, 4)):  # each log holds its own model's weight
+        records = read_jsonl(monitor.jsonl_path)
+        assert [r["step"] for r in records] == [0, 1]
+        assert {r["run"] for r in records} == {monitor.run_name}
+        sizes = {
+            m["value"]
+            for r in records
+            for m in r["metrics"]
+            if m["name"] == "grad_numel" and m["labels"].get("param") == "weight"
+        }
+        assert sizes == {numel}
+
+    path = str(tmp_path / "shared.jsonl")
+    first = numwatch.Monitor(gen, sinks__jsonl__path=path, **quiet).attach()
+    with pytest.raises(NumwatchConfigError, match="another attached monitor"):
+        numwatch.Monitor(disc, sinks__jsonl__path=path, **quiet).attach()
+    first.detach()
+    numwatch.Monitor(disc, sinks__jsonl__path=path, **quiet).attach().detach()

@@ -13,11 +13,13 @@ import logging
 import lzma
 import math
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from itertools import compress, pairwise
 from pathlib import Path
 from typing import IO, Any
 
+from numwatch.errors import NumwatchConfigError
 from numwatch.events import Event
 from numwatch.selection import matches
 from numwatch.snapshot import Snapshot
@@ -31,6 +33,7 @@ __all__ = [
     "read_jsonl",
     "run_starts",
     "warn_unreadable",
+    "writing",
 ]
 
 SCHEMA_VERSION = 1
@@ -59,6 +62,15 @@ def _numbers(values: list[float]) -> list[str]:  # floats: json.dumps would writ
     return [_NONFINITE.get(t, t) for t in texts]
 
 
+# Logs open for writing in this process (resolved paths), one writer each.
+_WRITING: set[str] = set()
+
+
+def writing(path: str | Path) -> bool:
+    """Whether an attached monitor of this process writes its log at ``path``."""
+    return str(Path(path).resolve()) in _WRITING
+
+
 class JsonlSink:
     name = "jsonl"
 
@@ -76,8 +88,17 @@ class JsonlSink:
         self._held: Snapshot | None = None  # the last skipped flush: written at close
         self._rank = 0  # the last flush's, for records of late events
         self._kept: dict[str, bool] = {}  # metric name -> written (the globs tested once)
+        self._key = str(self.path.resolve())
+        if self._key in _WRITING:
+            raise NumwatchConfigError(
+                f"sinks.jsonl.path {str(path)!r} is the log of another attached monitor in this "
+                "process: two runs would interleave their records in one file (give each "
+                "monitor its own run_name or path)"
+            )
         _end_partial_line(self.path)
         self._file = self.path.open("a", encoding="utf-8")
+        _WRITING.add(self._key)
+        self._release = weakref.finalize(self, _WRITING.discard, self._key)  # also if dropped
         # '{"name": ..., "labels": {...}, "value": ' per series: the same every flush, so a flush
         # encodes only its numbers (thousands of series per flush on a large model).
         self._prefixes: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
@@ -168,6 +189,7 @@ class JsonlSink:
             self._write(self._held, [])
             self._held = None
         self._file.close()
+        self._release()
 
 
 def _end_partial_line(path: Path) -> None:
