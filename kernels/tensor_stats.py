@@ -675,8 +675,9 @@ def _tensor_stats_triton(
     if not tensors:
         raise ValueError("tensor_stats needs at least one tensor")
     device = tensors[0].device
-    # Hot path (every step): the cache key is the layout, read with C-level maps; the checks
-    # below run only when a table is built. Pointers are unique across devices (UVA).
+    # Hot path (every step): the cache key is the device and the layout, read with C-level
+    # maps; the checks below run only when a table is built. A table lives on its device: one
+    # layout on two GPUs (a model split over them) needs two.
     if all(map(torch.Tensor.is_contiguous, tensors)):
         views = tensors
     else:
@@ -684,7 +685,7 @@ def _tensor_stats_triton(
     ptrs = tuple(map(torch.Tensor.data_ptr, views))
     # the kernel's vectorized loads need 16-byte aligned tensors: one OR tells when all are
     aligned = not functools.reduce(operator.or_, ptrs) & 15
-    key = (cfg, aligned, *map(torch.Tensor.numel, views), *map(_DTYPE, views))
+    key = (cfg, device, aligned, *map(torch.Tensor.numel, views), *map(_DTYPE, views))
     if not aligned:
         key += tuple(p % 16 == 0 for p in ptrs)
     plan = _PLAN_CACHE.get(key)

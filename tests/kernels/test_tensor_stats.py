@@ -350,3 +350,16 @@ def test_gpu_auto_is_triton_and_never_syncs() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     _assert_rows_match(got, tensor_stats_reference(xs, torch.float16), xs)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_one_layout_on_two_gpus_gets_a_table_on_each():
+    """A model split over two GPUs with the same gradient layout on each: the cached table of
+    the first device must not serve the second (its launch failed: no gradient statistics)."""
+    g = torch.Generator().manual_seed(0)
+    host = [torch.randn(64, generator=g), torch.randn(8, generator=g)]
+    for dev in ("cuda:0", "cuda:1"):
+        rows = ts.tensor_stats([t.to(dev) for t in host], backend="triton")
+        assert rows.device == torch.device(dev)
+        want = ts.tensor_stats(host, backend="torch")
+        torch.testing.assert_close(rows.cpu(), want, rtol=1e-5, atol=1e-6)
