@@ -17,6 +17,7 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -223,7 +224,9 @@ class Monitor(Joinable):
             isinstance(a, _OPTIMIZER_ACTIONS) for acts in self._actions.values() for a in acts
         )
         if uses_optimizer:  # the step wrapper closes steps itself, before deciding a skip
-            self._control = OptimizerControl(optimizer, self._before_optimizer_update)
+            self._control = OptimizerControl(
+                optimizer, self._before_optimizer_update, partial(self._guard.run, "actions")
+            )
         else:
             self._optimizer_handles = [
                 optimizer.register_step_pre_hook(UserHook(self._on_optimizer_step)),

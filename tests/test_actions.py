@@ -203,6 +203,76 @@ def test_qk_clip_brings_max_logit_under_tau():
         assert after.value("attn_max_logit", layer="attn", head=str(h)) <= tau * (1 + 1e-4)
 
 
+class HiddenHeads(Attn):
+    """Its head count under a name numwatch does not know: no Q/K layout to clip."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.nh = self.__dict__.pop("n_heads")
+
+    def forward(self, x):
+        self.__dict__["n_heads"] = self.nh
+        try:
+            return super().forward(x)
+        finally:
+            del self.__dict__["n_heads"]
+
+
+def clipped_model(hidden_heads=False):
+    torch.manual_seed(0)
+    attn = HiddenHeads(d=16, heads=2) if hidden_heads else Attn(d=16, heads=2)
+    with torch.no_grad():
+        attn.qkv.weight[:32] *= 30  # large queries and keys: logits in the hundreds
+    model = nn.Sequential()
+    model.add_module("attn", attn)
+    return model
+
+
+def test_qk_clip_after_withheld_updates_clips_once():
+    """Clips queued while updates are withheld (skip_step here; a GradScaler's overflow steps
+    alike) run once after the next update that happens: queued twice, the logits fell to
+    tau**2 / max_logit instead of tau."""
+    model = clipped_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # only the clip moves the weights
+    tau = 20.0
+    rules = {
+        "defaults": False,
+        "add": [
+            {"type": "threshold", "name": "logit", "metric": "attn_max_logit",
+             "threshold": tau, "actions": [{"type": "qk_clip", "tau": tau}]},
+            {"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]},
+        ],
+    }  # fmt: skip
+    monitor = monitor_for(model, rules=rules, attention__every=1).attach(opt)
+    x = torch.randn(2, 6, 16)
+    for step in range(4):
+        model(x).square().mean().backward()
+        if step < 2:  # two withheld updates, each after a flush that queues the clip
+            model.attn.qkv.bias.grad[0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+    after = monitor.snapshot()
+    for h in (0, 1):
+        assert after.value("attn_max_logit", layer="attn", head=str(h)) == pytest.approx(
+            tau, rel=1e-4
+        )
+
+
+def test_a_qk_clip_that_cannot_run_is_counted_not_raised_from_the_optimizer():
+    model = clipped_model(hidden_heads=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    rules = only("threshold", "logit", "attn_max_logit", {"type": "qk_clip", "tau": 1.0},
+                 threshold=1.0)  # fmt: skip
+    monitor = monitor_for(model, rules=rules, attention__every=1).attach(opt)
+    x = torch.randn(2, 6, 16)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()  # raised NumwatchError from the queued clip
+        opt.zero_grad()
+    assert monitor.errors["actions"] >= 1
+    assert not [e for e in monitor.events if e.kind == "action"]
+
+
 def test_qk_clip_layouts():
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(8, 2)

@@ -26,7 +26,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 from numwatch.actions.base import Action, ActionContext
 from numwatch.errors import NumwatchConfigError, NumwatchError, NumwatchHalt
 from numwatch.events import Event
-from numwatch.probes.qk_layout import find_qk_layout
+from numwatch.probes.qk_layout import QKLayout, find_qk_layout
 
 __all__ = [
     "ACTIONS",
@@ -103,13 +103,7 @@ class LrBackoff(Action):
 def qk_clip(model: torch.nn.Module, layer: str, head: int, max_logit: float, tau: float) -> float:
     """Scale head ``head``'s W_q and W_k rows (and biases) of ``layer`` by sqrt(tau / max_logit)
     each, so that its logits shrink by tau / max_logit (Kimi K2's QK-clip). Returns the factor."""
-    module = model.get_submodule(layer)
-    layout = find_qk_layout(module)
-    if layout is None:
-        raise NumwatchError(
-            f"qk_clip: no known Q/K projection layout in {layer!r} ({type(module).__name__}); "
-            "supported: q_proj/k_proj, fused qkv/c_attn/Wqkv, nn.MultiheadAttention"
-        )
+    layout = _qk_layout(model, layer)
     ratio = tau / max_logit
     q, k = layout.q[head], layout.k_for(head)
     if len(layout.k) == len(layout.q):
@@ -117,6 +111,17 @@ def qk_clip(model: torch.nn.Module, layer: str, head: int, max_logit: float, tau
     else:  # a key head is shared by several query heads: clip the query side only
         q.scale_(ratio)
     return ratio
+
+
+def _qk_layout(model: torch.nn.Module, layer: str) -> QKLayout:
+    module = model.get_submodule(layer)
+    layout = find_qk_layout(module)
+    if layout is None:
+        raise NumwatchError(
+            f"qk_clip: no known Q/K projection layout in {layer!r} ({type(module).__name__}); "
+            "supported: q_proj/k_proj, fused qkv/c_attn/Wqkv, nn.MultiheadAttention"
+        )
+    return layout
 
 
 @torch.no_grad()
@@ -144,7 +149,11 @@ class QKClip(Action):
         clip = lambda: qk_clip(ctx.model, layer, int(head), value, self.tau)
         control = ctx.optimizer_control
         if control is not None:
-            control.after_next_step(clip)  # as Kimi K2: right after the optimizer update
+            _qk_layout(ctx.model, layer)  # fails here, counted, rather than after the update
+            # As Kimi K2: right after the optimizer update. A clip still pending (an update
+            # withheld meanwhile) is replaced by this one, measured on the same weights: queued
+            # twice, it would shrink the head's logits twice.
+            control.after_next_step(clip, key=("qk_clip", layer, head))
             when = "after the next optimizer update"
         else:
             clip()

@@ -23,8 +23,10 @@ class OptimizerControl:
         self,
         optimizer: torch.optim.Optimizer,
         before_step: Callable[[torch.Tensor | None], None],
+        run_guarded: Callable[[Callable[[], None]], Any] = lambda fn: fn(),
     ) -> None:
         self.optimizer = optimizer
+        self._run_guarded = run_guarded  # the monitor's guard: failures counted, not raised
         self.active = True
         self.skipped_steps = 0
         self._before_step = before_step
@@ -32,7 +34,7 @@ class OptimizerControl:
         self._instance_step = optimizer.__dict__.get("step")  # a wrapper installed before us
         self._skip = False
         self._backoffs: list[tuple[float, int, Hashable]] = []  # (factor, steps left, key)
-        self._after_step: list[Callable[[], None]] = []
+        self._after_step: dict[Hashable, Callable[[], None]] = {}
 
         def step(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             return self._step(*args, **kwargs)
@@ -62,9 +64,11 @@ class OptimizerControl:
             self._backoffs = [b for b in self._backoffs if b[2] != key]
         self._backoffs.append((factor, steps, key))
 
-    def after_next_step(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` right after the next optimizer update (e.g. QK-clip)."""
-        self._after_step.append(fn)
+    def after_next_step(self, fn: Callable[[], None], key: Hashable | None = None) -> None:
+        """Run ``fn`` right after the next optimizer update (e.g. QK-clip), under the monitor's
+        guard: its failure is counted, never raised from optimizer.step(). A pending function
+        of the same ``key`` is replaced."""
+        self._after_step[object() if key is None else key] = fn
 
     @property
     def lr_factor(self) -> float:
@@ -112,9 +116,9 @@ class OptimizerControl:
             for group, lr in zip(self.optimizer.param_groups, saved, strict=True):
                 group["lr"] = lr
         self._tick()
-        pending, self._after_step = self._after_step, []
-        for fn in pending:
-            fn()
+        pending, self._after_step = self._after_step, {}
+        for fn in pending.values():
+            self._run_guarded(fn)
         return out
 
     def _tick(self) -> None:
