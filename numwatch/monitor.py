@@ -815,26 +815,28 @@ class Monitor(Joinable):
 
     def _run_actions(self, fired: Sequence[tuple[Event, Rule | None]]) -> None:
         done = []
-        for event, rule in fired:
-            for action in self._actions.get(rule.name, []) if rule is not None else []:
-                what = self._guard.run("actions", action.maybe_run, self, event)
-                if what:
-                    done.append(
-                        Event(
-                            kind="action",
-                            step=event.step,
-                            message=f"{action.type}: {what} (rule {event.rule})",
-                            severity="info",
-                            rule=event.rule,
-                            metric=event.metric,
-                            labels=event.labels,
-                            value=event.value,
-                            evidence={"action": action.type},
+        try:
+            for event, rule in fired:
+                for action in self._actions.get(rule.name, []) if rule is not None else []:
+                    what = self._guard.run("actions", action.maybe_run, self, event)
+                    if what:
+                        done.append(
+                            Event(
+                                kind="action",
+                                step=event.step,
+                                message=f"{action.type}: {what} (rule {event.rule})",
+                                severity="info",
+                                rule=event.rule,
+                                metric=event.metric,
+                                labels=event.labels,
+                                value=event.value,
+                                evidence={"action": action.type},
+                            )
                         )
-                    )
-        for event in done:
-            self._event_counts[(event.kind, event.rule)] += 1
-        self._publish(done)
+        finally:  # a halt among the actions: those that ran before it are on record too
+            for event in done:
+                self._event_counts[(event.kind, event.rule)] += 1
+            self._publish(done)
 
     @property
     def optimizer_control(self) -> OptimizerControl | None:

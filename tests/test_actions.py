@@ -302,6 +302,33 @@ def test_halt_raises_with_a_report(tmp_path):
     assert json.loads(lines[-1])["events"][0]["rule"] == "loss_high"  # logged before halting
 
 
+def test_an_action_before_a_halt_in_the_same_flush_is_on_record(tmp_path):
+    """Two rules fire at one flush: a back-off, then a halt. The back-off happened; its event
+    was lost with the halt (neither in monitor.events nor in the log)."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    backoff = {"type": "lr_backoff", "factor": 0.5, "steps": 2}
+    rules = {
+        "defaults": False,
+        "add": [
+            {"type": "threshold", "name": "a_backoff", "metric": "loss", "threshold": 10,
+             "actions": [backoff]},
+            {"type": "threshold", "name": "b_halt", "metric": "loss", "threshold": 10,
+             "actions": ["halt"]},
+        ],
+    }  # fmt: skip
+    path = tmp_path / "r.jsonl"
+    monitor = monitor_for(
+        model, rules=rules, sinks__jsonl__enabled=True, sinks__jsonl__path=str(path)
+    ).attach(opt)
+    with pytest.raises(NumwatchHalt):
+        monitor.step(50.0)
+    monitor.detach()
+    assert [e.rule for e in monitor.events if e.kind == "action"] == ["a_backoff"]
+    logged = [e for r in read_jsonl(path) for e in r["events"] if e["kind"] == "action"]
+    assert [e["rule"] for e in logged] == ["a_backoff"]
+
+
 def test_snapshot_action_saves_bounded_forensics(tmp_path):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     save = {"type": "snapshot", "directory": str(tmp_path), "max_bytes": 100}
