@@ -51,7 +51,7 @@ from numwatch.probes.optimizer import OptimizerProbe
 from numwatch.probes.tensors import ActivationProbe, GradientProbe
 from numwatch.probes.weights import WeightProbe
 from numwatch.rules import Rule, RuleEngine, configured_rules
-from numwatch.selection import select_parameters
+from numwatch.selection import matches_any, select_parameters
 from numwatch.sinks.base import Sink
 from numwatch.sinks.console import ConsoleSink
 from numwatch.sinks.jsonl import JsonlSink
@@ -506,6 +506,15 @@ class Monitor(Joinable):
         if not self._attached or not self.config.enabled:
             raise NumwatchError("attention routing needs an attached, enabled monitor")
         patterns = [None] if layers is None else [layers] if isinstance(layers, str) else layers
+        names = [name for name, _ in self.model.named_modules()]
+        for p in patterns:
+            if p is not None and not matches_any(names, p):  # a typo would route nothing
+                log.warning(
+                    "numwatch: layer pattern %r matches no module path of the model (paths "
+                    "as in named_modules(), e.g. %r); no call is routed by it",
+                    p,
+                    names[-1],
+                )
         self._pending_routes += [(p, kernel) for p in patterns]
         if not self._ctx.activity:  # between steps: nothing of this step has run yet
             self._apply_routes()

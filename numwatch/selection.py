@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["matches", "select_modules", "select_parameters"]
+__all__ = ["matches", "matches_any", "select_modules", "select_parameters"]
 
 
 def matches(name: str, include: Iterable[str], exclude: Iterable[str] = ()) -> bool:
@@ -16,6 +16,11 @@ def matches(name: str, include: Iterable[str], exclude: Iterable[str] = ()) -> b
     return any(fnmatch.fnmatchcase(name, p) for p in include) and not any(
         fnmatch.fnmatchcase(name, p) for p in exclude
     )
+
+
+def matches_any(names: Iterable[str], pattern: str) -> bool:
+    """True if some name matches the glob ``pattern``."""
+    return any(fnmatch.fnmatchcase(name, pattern) for name in names)
 
 
 def select_parameters(

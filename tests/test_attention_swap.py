@@ -147,6 +147,15 @@ def test_swap_needs_an_attached_monitor():
         monitor.swap_attention(beta=0.5)
 
 
+def test_a_layer_pattern_that_matches_no_module_says_so(caplog):
+    monitor = monitor_for(Two())
+    with caplog.at_level("WARNING", logger="numwatch"):
+        monitor.swap_attention(["a", "blocks.*.attn"])  # the second: a typo'd path
+        monitor.restore_attention("b*")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "'blocks.*.attn' matches no module" in said[0]
+
+
 class Planted(nn.Module):
     def __init__(self, q, k, v):
         super().__init__()
