@@ -257,3 +257,36 @@ def test_default_rules_swap_on_a_sustained_systematic_output_error():
         if fires:
             assert got[0][0].labels == {"layer": "l", "head": "1"}
             assert list(got[0][1].actions) == ["swap_attention_kernel"]
+
+
+def test_a_nonfinite_rule_keeps_its_label_filter_and_cooldown_at_flush():
+    """Its labels select the origins it fires on, and its cooldown silences the flushes after
+    it fires; both were accepted and ignored (it fired on every NaN, every flush)."""
+    import torch
+    from torch import nn
+
+    import numwatch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    rules = {
+        "defaults": False,
+        "add": [
+            {"type": "nonfinite", "name": "first_layer", "labels": {"param": "0.*"}},
+            {"type": "nonfinite", "name": "any_quiet", "cooldown": 2},
+        ],
+    }
+    monitor = numwatch.Monitor(
+        model, flush_every=1, rules=rules, sinks__console__enabled=False,
+        sinks__jsonl__enabled=False,
+    ).attach()  # fmt: skip
+    x = torch.randn(3, 4)
+    for _ in range(5):
+        model(x).sum().backward()
+        model[1].weight.grad[0, 0] = float("nan")  # NaN in layer 1's gradient only
+        monitor.step()
+        model.zero_grad()
+    fired = [(e.rule, e.step) for e in monitor.events if e.rule != "nonfinite"]
+    assert fired == [("any_quiet", 0), ("any_quiet", 3)]
+    # the NaNs the rules let pass are still reported, as the monitor's own event
+    assert [e.step for e in monitor.events if e.rule == "nonfinite"] == [1, 2, 4]

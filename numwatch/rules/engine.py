@@ -58,7 +58,8 @@ class RuleEngine:
         keys: dict[str, list[SeriesKey]] = {}
         for rule in self.flush_rules:
             if isinstance(rule, NonfiniteRule):
-                fired += [(_adopt(e, rule), rule) for e in nonfinite]
+                fired += [(e, rule) for e in rule.adopt(nonfinite)]
+                rule.end_flush()
                 continue
             recs = by_name[rule.metric]
             if rule.labels:
@@ -125,7 +126,3 @@ class RuleEngine:
             threshold=finding.threshold,
             evidence=finding.evidence,
         )
-
-
-def _adopt(event: Event, rule: NonfiniteRule) -> Event:
-    return Event(**{**event.to_dict(), "rule": rule.name, "severity": rule.severity})

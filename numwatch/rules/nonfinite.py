@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import Literal
 
+from numwatch.events import Event
 from numwatch.rules.base import Finding, Rule
+from numwatch.selection import matches
 
 __all__ = ["NonfiniteRule"]
 
@@ -31,3 +34,18 @@ class NonfiniteRule(Rule):
         if self.metric == "nonfinite":  # the step's gradient norm plus its loss
             return Finding(value, None, f"NaN/Inf in the step's gradients or loss ({value})")
         return Finding(value, None, f"non-finite {self.metric} ({value})")
+
+    def adopt(self, events: Sequence[Event]) -> list[Event]:
+        """The monitor's ``nonfinite`` events of one flush this rule fires on: those whose
+        labels (``param`` or ``module``) its ``labels`` select, none during its cooldown."""
+        picked = [
+            e
+            for e in events
+            if all(matches(str(e.labels.get(k, "")), [glob]) for k, glob in self.labels.items())
+        ]
+        if not picked or self._flushes < self._quiet_until.get((), 0):
+            return []
+        self._quiet_until[()] = self._flushes + 1 + self.cooldown
+        return [
+            Event(**{**e.to_dict(), "rule": self.name, "severity": self.severity}) for e in picked
+        ]
