@@ -152,6 +152,8 @@ class Monitor(Joinable):
         self._flushing = False
         self._detaching = False
         self._detach_deferred = False
+        self._closing_step = False  # inside a step close, before the step counts as closed
+        self._flush_deferred = False  # flush() called there: it runs when the close ends
         self._told_nested_flush = False
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -396,12 +398,17 @@ class Monitor(Joinable):
         self._depth += 1
         try:
             self._guard.run("step", self._dist.settle, self._ctx.step)  # a rank joined? (Join)
-            self._guard.run("step", self._close_step_body, loss)
+            self._closing_step = True
+            try:
+                self._guard.run("step", self._close_step_body, loss)
+            finally:
+                self._closing_step = False
             self._ctx.activity = False
             self._apply_routes()
             self._ctx.step += 1
             self._window_steps += 1
-            if self._window_steps >= self.config.flush_every:
+            if self._window_steps >= self.config.flush_every or self._flush_deferred:
+                self._flush_deferred = False
                 self.flush()
         finally:
             self._leave()
@@ -588,11 +595,16 @@ class Monitor(Joinable):
         Called from inside a flush (a callback or an action), it does nothing and returns the
         running flush's snapshot: that flush covers every step closed so far, and a second one
         would only write an empty record of the same step (or recurse, flushing on its events).
+        Called from a step-level callback (skip_step's rules decide inside the step close), it
+        runs once that step is closed, and returns the previous snapshot now.
         """
         if not self._attached:
             raise NumwatchError("Monitor.flush() before attach(): call monitor.attach() first")
         if not self.config.enabled:
             return None
+        if self._closing_step:  # a step-level callback: flush once this step is closed
+            self._flush_deferred = True
+            return self._snapshot
         if self._flushing:
             if not self._told_nested_flush:
                 self._told_nested_flush = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import warnings
 
 import pytest
@@ -550,3 +551,26 @@ def test_detach_from_a_step_level_callback_waits_for_the_end_of_the_step():
     assert not monitor.attached and "step" not in opt.__dict__
     assert torch.isfinite(model.weight).all()
     assert not any(monitor.errors.values()), monitor.errors
+
+
+def test_flush_from_a_step_level_callback_runs_when_the_step_is_closed():
+    """It ran inside the step close, before the step counted: a record labelled with the
+    previous step held this step's NaN gradient norm."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # every step has the same gradients
+    monitor = monitor_for(model, rules=SKIP_NONFINITE, flush_every=100).attach(opt)
+    returned = []
+    monitor.on("nonfinite", lambda e: returned.append(monitor.flush()))
+    x = torch.randn(3, 4)
+    for step in range(8):
+        model(x).sum().backward()
+        if step == 5:
+            model.weight.grad[0, 0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+    assert returned[0] is None  # no flush had run yet
+    flushed = [(s.step, math.isnan(s.value("grad_norm"))) for s in monitor.history]
+    assert flushed == [(5, True)]
+    monitor.detach()
+    assert [(s.step, math.isnan(s.value("grad_norm"))) for s in monitor.history][-1] == (7, False)
