@@ -229,12 +229,23 @@ class Aggregator:
         self._roles: dict[str, tuple[int, ...]] = {}
         self._counted: dict[torch.device, torch.Tensor] = {}
         self._norms: list[torch.Tensor] = []  # per closed step: (2,) [counted norm^2, bad]
+        # Whether the last flush's values were combined: when the ranks' layouts disagree they
+        # stay local, and nothing may be exchanged on the strength of them.
+        self._combined = False
         self.collectives = 0  # issued so far (benchmarks, tests)
         # Uneven inputs (``Join``): the group of the per-forward flags, the flags not yet read,
         # and the step from which a rank had run out of inputs (no aggregation from there on).
         self._flags_group: Any = None
         self._announced: list[tuple[torch.Tensor, Any, Any]] = []
         self.joined_step: int | None = None
+
+    def forget_layouts(self) -> None:
+        """At a new attach: the probes are rebuilt, so are their rows' roles (a parameter
+        unfrozen between a detach and an attach adds rows)."""
+        self._roles.clear()
+        self._counted.clear()
+        self._plans.clear()
+        self._norms = []
 
     @property
     def configured(self) -> bool:
@@ -418,18 +429,21 @@ class Aggregator:
         local = {
             k: t for k, t in tensors.items() if self.keeps_local or k.startswith("nonfinite_first/")
         }
+        own_norms = {}
         if "grad_norm_sq_last" in tensors and norms:
             # Max over steps of a sum over ranks: the per-step shares go, not the local maxima.
             device = norms[0].device
             tensors["grad_norm_steps"] = torch.stack([n.to(device) for n in norms])  # (steps, 2)
-            del tensors["grad_norm_sq_last"], tensors["grad_norm_sq_max"]
+            own_norms = {k: tensors.pop(k) for k in ("grad_norm_sq_last", "grad_norm_sq_max")}
         if gradients is not None and "grad_table" not in self._roles:
             self._roles["grad_table"] = tuple(shard_role(p) for _, p in gradients.params)
         if optimizer is not None and "opt" not in self._roles:
             self._roles["opt"] = tuple(shard_role(p) for _, p in optimizer.params)
         out = self._reduce(tensors)
         steps = out.pop("grad_norm_steps", None)
-        if steps is not None:
+        if not self._combined:  # layouts disagree: this rank's own norms, not its shares
+            out.update(own_norms)
+        elif steps is not None:
             norm_sq = steps[:, 0].masked_fill(steps[:, 1] > 0, math.nan)  # (steps,)
             out["grad_norm_sq_last"], out["grad_norm_sq_max"] = norm_sq[-1], norm_sq.max()
         out.update({self.LOCAL + k: t for k, t in local.items()})
@@ -456,7 +470,7 @@ class Aggregator:
         order (a rank's order numbers run on over the run, so they are compared within a step),
         then rank.
         """
-        if not self.active:
+        if not self.active or not self._combined:  # uncombined: a rank's own NaN, not all's
             return tracker.first_origin(host), {}
         orders = [float(v) for k, v in host.items() if k.startswith("nonfinite_first/")]
         if min(orders, default=INF) == INF:
@@ -490,6 +504,7 @@ class Aggregator:
         layout = [(k, tuple(tensors[k].shape)) for k in sorted(tensors)]
         device = self._device(tensors.values())
         agreed = self._agree(layout)
+        self._combined = agreed is not None
         if agreed is None:  # shapes disagree: no aggregation this flush, on any rank
             return dict(tensors)
         plan_key = (tuple(agreed), tuple(sorted(self._roles.items())), device)

@@ -189,6 +189,8 @@ class Monitor(Joinable):
             if first:
                 self._window_start = time.perf_counter()
                 if self.config.enabled:
+                    self.rank = get_rank()  # torch.distributed may start after __init__
+                    self._dist.forget_layouts()
                     self._dist.agree(self._aggregation_settings())  # before any hook
                     launch.CUDA_GRAPHS = self.config.cuda_graphs
                     self._build_probes()
@@ -210,9 +212,11 @@ class Monitor(Joinable):
         cfg = self.config
         probes = ("gradients", "activations", "attention", "weights", "optimizer")
         out: dict[str, Any] = {"flush_every": cfg.flush_every, "distributed": cfg.distributed}
-        for name in probes:
-            section = getattr(cfg, name)
-            out[name] = (section.enabled, getattr(section, "every", None))
+        for name in probes:  # their selections decide the layouts the ranks combine
+            out[name] = getattr(cfg, name).model_dump()
+        # Rules decide actions (a skip on one rank only desyncs DDP replicas), step-level ones
+        # collectives too.
+        out["rules"] = sorted(repr(r.model_dump()) for r in self._engine.rules)
         out["step_rules"] = sorted(r.name for r in self._engine.step_rules)
         return out
 

@@ -224,6 +224,81 @@ def scenario_config_mismatch(rank: int, out: Path) -> dict:
     return {"error": error, "attached": monitor.attached, "hooks_kept": hook_state(net) == before}
 
 
+def scenario_rule_mismatch(rank: int, out: Path) -> dict:
+    """A step-level rule of one name but another threshold on rank 1 (and a gradient selection
+    of its own): one rank would skip an update the other applies, and the DDP replicas part
+    silently. attach() refuses on both ranks."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net = Net()
+    ddp = DDP(net)
+    rule = {"type": "threshold", "name": "big_grad", "metric": "grad_norm",
+            "threshold": 1e-3 if rank == 0 else 1e9, "actions": ["skip_step"]}  # fmt: skip
+    errors = []
+    for kw in ({"rules": {"defaults": False, "add": [rule]}},
+               {"gradients__exclude": ["head.bias"] if rank else []}):  # fmt: skip
+        monitor = _monitor(net, out, "rule_mismatch", **kw)
+        try:
+            monitor.attach()
+            errors.append("")
+        except NumwatchConfigError as e:
+            errors.append(str(e))
+    ddp(batch(rank, 0)).sum().backward()  # the ranks are still in step
+    return {"errors": errors}
+
+
+def scenario_layouts_differ(rank: int, out: Path) -> dict:
+    """Pipeline-like: the ranks watch different models, so their statistics cannot combine and
+    stay local. A NaN on rank 1 alone must not start an exchange rank 0 never joins (the ranks'
+    next collectives then timed out), and each rank reports its own gradient norm."""
+    torch.manual_seed(rank)
+    net = nn.Sequential(*[nn.Linear(4, 4) for _ in range(rank + 1)])
+    monitor = _monitor(net, out, "layouts_differ").attach()
+    norms = []
+    for step in range(3):
+        x = torch.ones(2, 4)
+        if rank == 1 and step == 1:
+            x[0, 0] = float("nan")
+        net(x).square().mean().backward()
+        norms.append(
+            math.sqrt(sum(p.grad.double().square().sum().item() for p in net.parameters()))
+        )
+        monitor.step()
+        net.zero_grad()
+    snaps = [(s.step, s.value("grad_norm")) for s in monitor.history]
+    nonfinite = [e.step for e in monitor.events if e.kind == "nonfinite"]
+    monitor.detach()
+    return {"snaps": snaps, "norms": norms, "nonfinite": nonfinite, "errors": dict(monitor.errors)}
+
+
+def scenario_reattach_unfrozen(rank: int, out: Path) -> dict:
+    """Detach, unfreeze a layer, attach again (README's advice for newly trainable parameters):
+    the rows' roles are rebuilt; every later step and flush failed on the old ones."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    net[0].requires_grad_(False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    monitor = _monitor(net, out, "reattach_unfrozen", activations__every=50).attach(opt)
+    got = []
+    for phase in ("frozen", "unfrozen"):
+        if phase == "unfrozen":
+            monitor.detach()
+            net[0].requires_grad_(True)
+            monitor.attach()
+        net(torch.ones(2, 4) * (rank + 1)).square().mean().backward()
+        for p in net.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= WORLD
+        want = math.sqrt(sum(p.grad.double().square().sum().item()
+                             for p in net.parameters() if p.grad is not None))  # fmt: skip
+        monitor.step()
+        opt.zero_grad()
+        got.append((monitor.snapshot().value("grad_norm"), want))
+    monitor.detach()
+    return {"norms": got, "errors": dict(monitor.errors)}
+
+
 def scenario_attach_alone(rank: int, out: Path) -> dict:
     """Rank 0 attaches a monitor and rank 1 does not (monitoring 'on rank 0 only'): rank 0
     raises after attach_timeout instead of waiting in the first collective for ever; then both
@@ -556,6 +631,9 @@ SCENARIOS = {
     "join": lambda r, o: scenario_ddp_join(r, o, accumulate=1),
     "join_accumulate": lambda r, o: scenario_ddp_join(r, o, accumulate=2),
     "join_disabled": scenario_join_disabled,
+    "rule_mismatch": scenario_rule_mismatch,
+    "layouts_differ": scenario_layouts_differ,
+    "reattach_unfrozen": scenario_reattach_unfrozen,
 }
 
 
@@ -958,6 +1036,29 @@ def test_ranks_configured_differently_are_refused_at_attach(runs):
         assert not res["attached"] and res["hooks_kept"]
 
 
+def test_rules_and_selections_that_differ_between_ranks_are_refused_at_attach(runs):
+    for res in _ok(runs["rule_mismatch"]):
+        assert len(res["errors"]) == 2
+        assert all("configured differently" in e and "ranks [1] differ" in e for e in res["errors"])
+
+
+def test_statistics_that_cannot_combine_stay_local_and_a_nan_on_one_rank_does_not_hang(runs):
+    results = _ok(runs["layouts_differ"])
+    for rank, res in enumerate(results):
+        assert not any(res["errors"].values()), res["errors"]
+        assert [s for s, _ in res["snaps"]] == [0, 1, 2]
+        for (_, got), want in zip(res["snaps"], res["norms"], strict=True):
+            assert math.isnan(got) if math.isnan(want) else got == pytest.approx(want, rel=1e-6)
+        assert res["nonfinite"] == ([1] if rank == 1 else [])
+
+
+def test_a_new_attach_rebuilds_the_rows_roles(runs):
+    for res in _ok(runs["reattach_unfrozen"]):
+        assert not any(res["errors"].values()), res["errors"]
+        for got, want in res["norms"]:
+            assert got == pytest.approx(want, rel=1e-6)
+
+
 @pytest.mark.parametrize("name", ["join", "join_accumulate"])
 def test_uneven_inputs_under_join_stop_aggregating_instead_of_hanging(runs, name):
     """Rank 0 runs out of inputs after 2 steps: without the monitor's join hook, rank 1's next
@@ -1004,3 +1105,19 @@ def test_a_disabled_monitor_in_join_does_not_wait_for_flags(runs):
 def test_scenarios_are_fast(runs):
     for name, results in runs.items():
         assert max(r["seconds"] for r in results) < 30, name
+
+
+def test_the_rank_is_read_at_attach(monkeypatch, tmp_path):
+    """A Monitor made before init_process_group (mp.spawn sets no RANK) took rank 0 on every
+    rank: all of them wrote rank 0's log and printed to the console."""
+    import numwatch.monitor as nm
+
+    monkeypatch.setattr(nm, "get_rank", lambda: 0)
+    monitor = numwatch.Monitor(
+        nn.Linear(2, 1), sinks__console__enabled=False,
+        sinks__jsonl__path=str(tmp_path / "log.rank{rank}.jsonl"), distributed__jsonl="per_rank",
+    )  # fmt: skip
+    monkeypatch.setattr(nm, "get_rank", lambda: 1)  # the process group started meanwhile
+    monitor.attach()
+    assert monitor.rank == 1 and monitor.jsonl_path.endswith("log.rank1.jsonl")
+    monitor.detach()
