@@ -280,6 +280,41 @@ def test_hf_loss_is_the_trainers_training_loss_under_accumulation(hf, tmp_path, 
     assert losses == pytest.approx(logged, rel=1e-5)  # not a micro-batch's, nor a quarter of it
 
 
+def test_hf_train_again_after_an_interrupted_train(hf, tmp_path):
+    """A train() that raised (Ctrl-C) never reaches on_train_end; the next train() counted each
+    loss twice (two loss hooks) and left a hook on the model."""
+    from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+
+    losses = []
+
+    class Interrupt(hf.TrainerCallback):
+        armed = True
+
+        def on_step_end(self, args, state, control, **kw):
+            if self.armed and state.global_step == 2:
+                self.armed = False
+                raise KeyboardInterrupt
+
+    class Keep(hf.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            losses.append(callback.monitor.snapshot().value("loss"))
+
+    callback = NumwatchTrainerCallback(**monitor_options())
+    model = TokenSumLMWrapper()
+    trainer = hf_trainer(
+        hf, tmp_path, model, [callback, Interrupt(), Keep()], steps=4, logging_strategy="steps",
+        logging_steps=1,
+    )  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    losses.clear()
+    trainer.train()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h][-4:]
+    assert losses == pytest.approx(logged, rel=1e-5)
+    assert not callback.monitor.attached
+    assert not model._forward_hooks
+
+
 def test_hf_statistics_are_after_clipping(hf, tmp_path):
     from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
 

@@ -82,6 +82,11 @@ class NumwatchTrainerCallback(TrainerCallback):
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw
     ) -> None:
+        if self._loss_hook is not None:
+            # An earlier train() that raised (Ctrl-C, OOM) never reached on_train_end: end it
+            # here, or its loss hook would count every loss twice from now on.
+            self.on_train_end(args, state, control)
+        self._losses = []
         torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # inside Accelerate's wrapper
         if not isinstance(torch_optimizer, torch.optim.Optimizer):
             torch_optimizer = None
