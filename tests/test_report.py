@@ -147,6 +147,21 @@ def test_last_run_of_a_reused_log(log):
     assert "the last of 2 runs" in render_html(run)
 
 
+def test_a_second_flush_of_one_step_replaces_its_values(tmp_path):
+    """flush() at the end of training, then detach(): two records of the last step; the report
+    summed them (the last loss doubled)."""
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path, "twice")
+    sink.emit(flush(9, logit=10.0, repeated=0.0, stabilized=0.0, loss=3.0), [])
+    sink.emit(flush(19, logit=40.0, repeated=0.0, stabilized=0.0, loss=2.0), [])
+    sink.emit(flush(19, logit=40.0, repeated=0.0, stabilized=0.0, loss=2.0), [])
+    sink.close()
+    run = load_run(path)
+    assert run.scalar("loss") == [(9, 3.0), (19, 2.0)]
+    assert run.scalar("step_seconds") == [(9, 0.1), (19, 0.1)]
+    assert run.layer_series("attn_max_logit")["blocks.1.attn"] == [(9, 10.0), (19, 40.0)]
+
+
 @pytest.mark.parametrize("suffix, opener", [(".gz", gzip.open), (".xz", lzma.open)])
 def test_compressed_log_reads_the_same(log, tmp_path, suffix, opener):
     """Archived logs are compressed (the harness writes gzip, bench/results keeps xz); the

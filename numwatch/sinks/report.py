@@ -123,7 +123,10 @@ def load_run(path: str | Path) -> Run:
     for record in records:
         step = record["step"]
         for m in record["metrics"]:
-            series[m["name"]][tuple(sorted(m["labels"].items()))].append((step, m["value"]))
+            points = series[m["name"]][tuple(sorted(m["labels"].items()))]
+            if points and points[-1][0] == step:  # a second flush of one step (flush() at the
+                points.pop()  # end of training, then detach): its latest value, not a sum
+            points.append((step, m["value"]))
         events += record["events"]
     flushes = list(filter(is_flush, records))
     return Run(
