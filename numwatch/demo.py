@@ -8,6 +8,7 @@ path the attention probe intercepts.
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -171,6 +172,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _run_name() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("demo-%Y%m%dT%H%M%SZ")
+
+
 def main(argv: list[str] | None = None) -> int:
     import numwatch
 
@@ -186,14 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     every = args.flush_every
     overrides = {
         "flush_every": every,
-        "run_name": "demo",
+        # One log path for every demo (README's commands read it), one run name each: a second
+        # demo appending there is a new run, not the first one continued.
+        "run_name": _run_name(),
+        "sinks__jsonl__path": args.jsonl or "numwatch-runs/demo.rank{rank}.jsonl",
         "activations__every": every,
         "attention__every": every,
         "weights__every": every,
         "optimizer__every": every,
     }
-    if args.jsonl:
-        overrides["sinks__jsonl__path"] = args.jsonl
     if not args.no_metrics:
         overrides |= {
             "sinks__prometheus__enabled": True,

@@ -3,7 +3,7 @@
 import pytest
 
 from numwatch.demo import main
-from numwatch.sinks.jsonl import read_jsonl
+from numwatch.sinks.jsonl import read_jsonl, run_starts
 
 
 def test_demo_short_run_with_planted_nan(tmp_path, capsys):
@@ -15,6 +15,22 @@ def test_demo_short_run_with_planted_nan(tmp_path, capsys):
     assert events[0]["kind"] == "nonfinite" and events[0]["step"] == 5
     assert events[0]["labels"] == {"param": "blocks.1.mlp.2.weight"}
     assert "8 steps" in capsys.readouterr().out
+
+
+def test_two_demos_on_one_log_are_two_runs(tmp_path, monkeypatch):
+    """Every demo wrote run 'demo': a second one appending to the same log at higher steps read
+    back as the first one continued (report, replay, tail)."""
+    import numwatch.demo as demo
+
+    log = tmp_path / "demo.jsonl"
+    names = iter(["demo-20261130T100000Z", "demo-20261130T100100Z"])
+    monkeypatch.setattr(demo, "_run_name", lambda: next(names))
+    common = ["--flush-every", "4", "--jsonl", str(log), "--no-metrics"]
+    assert main(["--steps", "4", *common]) == 0
+    assert main(["--steps", "8", *common]) == 0
+    records = read_jsonl(log)
+    assert [r["step"] for r in records] == [3, 3, 7]
+    assert run_starts(records) == [0, 1]
 
 
 @pytest.mark.parametrize(
