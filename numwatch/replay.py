@@ -26,7 +26,7 @@ from numwatch.config import MonitorConfig, RulesConfig
 from numwatch.errors import NumwatchError
 from numwatch.events import Event
 from numwatch.rules import RuleEngine, configured_rules
-from numwatch.sinks.jsonl import is_flush, read_jsonl, run_starts
+from numwatch.sinks.jsonl import is_flush, json_safe, read_jsonl, run_starts
 from numwatch.sinks.tail import record_to_snapshot
 
 __all__ = ["main", "replay", "summarize"]
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             "by_rule": summary,
             "events": [e.to_dict() for e in events],
         }
-        print(json.dumps(result, default=str))
+        print(json.dumps(json_safe(result), default=str, allow_nan=False))
         return 0
     span = f", steps {min(steps)}-{max(steps)}" if steps else ""
     runs = f" (the last of {len(starts)} runs in the log)" if len(starts) > 1 else ""

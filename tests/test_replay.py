@@ -179,3 +179,23 @@ def test_replay_of_a_live_log_gives_the_live_events(tmp_path):
     again = [key(e) for e in replay(read_jsonl(log), monitor.config.rules)]
     assert {k[0] for k in live} == {"logits", "loss_z", "grad_growth"}  # all three fired
     assert again == live
+
+
+def test_cli_json_is_strict_json_with_an_infinite_value(tmp_path, capsys):
+    """A rule firing on an inf loss: --json wrote a bare Infinity, which strict parsers reject."""
+    log = tmp_path / "run.jsonl"
+    records = [record(9, 1.0), record(19, 1.0), {**record(29, 1.0), "metrics": [
+        {"name": "loss", "labels": {}, "value": "inf"}]}]  # fmt: skip
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = tmp_path / "rules.yaml"
+    config.write_text(
+        "rules:\n  defaults: false\n  add:\n"
+        "    - {type: threshold, name: big_loss, metric: loss, threshold: 3.0}\n"
+    )
+    assert cli(["replay", str(log), "--config", str(config), "--json"]) == 0
+
+    def strict(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    out = json.loads(capsys.readouterr().out, parse_constant=strict)
+    assert [e["value"] for e in out["events"]] == ["inf"]

@@ -28,6 +28,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "JsonlSink",
     "is_flush",
+    "json_safe",
     "open_log",
     "parse_record",
     "read_jsonl",
@@ -41,13 +42,15 @@ SCHEMA_VERSION = 1
 _log = logging.getLogger("numwatch")
 
 
-def _finite_or_str(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """``value`` with its non-finite floats spelled as this log spells them ("nan", "inf"):
+    strict JSON has no NaN or Infinity."""
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
-        return {k: _finite_or_str(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite_or_str(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -149,7 +152,7 @@ class JsonlSink:
                 names, labels = list(compress(names, keep)), list(compress(labels, keep))
                 values = list(compress(values, keep))
         metrics = self._metrics(names, labels, values)
-        tail = json.dumps(_finite_or_str([e.to_dict() for e in events]), allow_nan=False)
+        tail = json.dumps(json_safe([e.to_dict() for e in events]), allow_nan=False)
         line = f'{json.dumps(head)[:-1]}, "metrics": [{metrics}], "events": {tail}}}\n'
         self._file.write(line)
         self._file.flush()
@@ -180,7 +183,7 @@ class JsonlSink:
             "time": max(e.time for e in events),
             "rank": self._rank,
         }
-        tail = json.dumps(_finite_or_str([e.to_dict() for e in events]), allow_nan=False)
+        tail = json.dumps(json_safe([e.to_dict() for e in events]), allow_nan=False)
         self._file.write(f'{json.dumps(head)[:-1]}, "metrics": [], "events": {tail}}}\n')
         self._file.flush()
 
