@@ -131,9 +131,11 @@ def _port(text: str) -> int:
 
 def _device(text: str) -> str:
     try:
-        torch.device(text)
+        device = torch.device(text)
     except RuntimeError as e:
         raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this torch has no usable CUDA device")
     return text
 
 

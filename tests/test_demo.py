@@ -1,6 +1,7 @@
 """The demo runs end to end and leaves a JSONL log that a planted NaN shows up in."""
 
 import pytest
+import torch
 
 from numwatch.demo import main
 from numwatch.sinks.jsonl import read_jsonl, run_starts
@@ -41,6 +42,11 @@ def test_two_demos_on_one_log_are_two_runs(tmp_path, monkeypatch):
         (["--batch", "0"], "--batch: must be >= 1, got 0"),
         (["--metrics-port", "70000"], "--metrics-port: must be a TCP port in [0, 65535]"),
         (["--device", "bogus"], "--device: Expected one of"),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device: 'cuda': this torch has no usable CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here"),
+        ),
         (["--steps", "ten"], "--steps: invalid integer >= 1 value: 'ten'"),
     ],
 )

@@ -113,3 +113,25 @@ def test_two_monitors_of_one_process_keep_their_logs_apart(tmp_path, monkeypatch
         numwatch.Monitor(disc, sinks__jsonl__path=path, **quiet).attach()
     first.detach()
     numwatch.Monitor(disc, sinks__jsonl__path=path, **quiet).attach().detach()
+
+
+def test_bad_bytes_and_a_compressed_log_cut_short_are_read_up_to_the_damage(tmp_path):
+    """A line of bad UTF-8 raised UnicodeDecodeError for the whole log, and a .gz cut short
+    (copied while written) raised EOFError: the records around them are still the run."""
+    import gzip
+    import json as _json
+
+    good = [
+        _json.dumps({"schema": 1, "run": "r", "step": s, "time": 0.0, "rank": 0,
+                     "metrics": [{"name": "loss", "labels": {}, "value": 1.0}], "events": []})
+        for s in range(200)
+    ]  # fmt: skip
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(("\n".join(good[:2]) + "\nnot json\n").encode() + b"\x00\xff\n")
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1]
+
+    whole = gzip.compress(("\n".join(good) + "\n").encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    steps = [r["step"] for r in read_jsonl(cut)]
+    assert steps == list(range(len(steps))) and 0 < len(steps) < 200

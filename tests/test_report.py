@@ -147,6 +147,11 @@ def test_last_run_of_a_reused_log(log):
     assert "the last of 2 runs" in render_html(run)
 
 
+def test_the_report_folder_is_made(log, tmp_path):
+    target = write_report(log, tmp_path / "new" / "folder" / "run.html")
+    assert target.is_file()
+
+
 def test_a_second_flush_of_one_step_replaces_its_values(tmp_path):
     """flush() at the end of training, then detach(): two records of the last step; the report
     summed them (the last loss doubled)."""

@@ -255,14 +255,18 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Records of a run log (``open_log``, ``parse_record``); lines that are not records are
     skipped with a warning (``warn_unreadable``)."""
     out, skipped = [], []
-    with open_log(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                record = parse_record(line)
-                if record is None:
-                    skipped.append(number)
-                else:
-                    out.append(record)
+    # Bytes: a line of bad UTF-8 is one unreadable line, not the end of the log.
+    with open_log(path, "rb") as f:
+        try:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    record = parse_record(line)
+                    if record is None:
+                        skipped.append(number)
+                    else:
+                        out.append(record)
+        except (EOFError, gzip.BadGzipFile, lzma.LZMAError):  # a compressed log cut short
+            _log.warning("numwatch: %s: the compressed log ends early; read up to there", path)
     warn_unreadable(path, skipped)
     return out
 

@@ -601,6 +601,7 @@ def write_report(path: str | Path, out: str | Path | None = None, *, top: int = 
     log = Path(path)
     stem = log.with_suffix("") if log.suffix in (".gz", ".xz") else log
     target = Path(out) if out is not None else stem.with_suffix(".html")
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(render_html(run, top=top), encoding="utf-8")
     return target
 
