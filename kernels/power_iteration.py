@@ -19,7 +19,9 @@ A matrix's first v is A^T g / ||A^T g|| for a random g (half an iteration ahead 
 When ``w`` is 0 (A == 0, or v orthogonal to A's rows) the estimate is 0; when it is not finite
 (A holds Inf or NaN, or sigma is beyond ~1e19) the estimate is NaN; in both cases v restarts from
 its first value (a random unit vector where that was 0), so a weight that recovers is tracked
-again.
+again. At the other end the squares underflow fp32: weights of magnitude below ~1e-22 (below
+~1e-20 in the compiled kernel, which flushes subnormals) read 0 or NaN instead of their tiny
+sigma (known limitation; a per-matrix scale carried with v would lift it).
 
 ``PowerIteration`` is what probes call. ``power_iteration_reference`` is the pure-torch path (the
 CPU path and the oracle of the Triton kernels): it groups matrices of one shape and dtype into
