@@ -753,6 +753,36 @@ def test_transformers_numwatch_implementation_keeps_padding_masks():
     assert torch.allclose(a, c, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "numwatch"])
+def test_generate_with_a_padding_mask_measures_every_forward_by_query_head(make_monitor, impl):
+    """Decoding with a mask, Hugging Face's SDPA attention packs a GQA query (B, heads, 1, D) as
+    (B, key heads, group, D). Measured as it came, the layer's head count changed after the
+    prefill and the window's statistics started over (the prefill lost), with key heads
+    labelled as heads."""
+    from numwatch.integrations.transformers import register_attention
+
+    if impl == "numwatch":
+        register_attention()
+    model = tiny_llama(impl)
+    ids = torch.randint(2, 32, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # a left-padded batch
+    layer = "model.layers.0.self_attn"
+    for new in (1, 3):
+        monitor = make_monitor(
+            model, attention__training_only=False, attention__batch=1, flush_every=1000,
+            strict=True,
+        )  # fmt: skip
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0
+        )
+        snap = monitor.flush()
+        assert snap.value("attn_calls", layer=layer) == new
+        # batch element 0 (7 real tokens): 7 prefill rows, then one row per decoded token
+        assert head_values(snap, "attn_rows", layer, 4) == [7 + new - 1] * 4
+        monitor.detach()
+
+
 def test_activation_statistics_do_not_pass_through_the_attention_mode(make_monitor, monkeypatch):
     """On sampled steps the attention probe's TorchFunctionMode sees every torch call of the
     forward; the activation probe's own calls (hooks, statistics) must not add to them."""

@@ -155,6 +155,7 @@ class AttentionProbe:
         self.ctx = ctx
         self.model = model
         self._names = {id(m): name for name, m in model.named_modules()}
+        self._modules: dict[str, nn.Module] = {}  # layer name -> module, looked up once
         self._selected: dict[str, bool] = {}
         self._stats: dict[str, _LayerStats] = {}
         self._handles: list[Any] = []
@@ -378,8 +379,15 @@ class AttentionProbe:
         q, k, v = _broadcast_like_sdpa(q, k, v)
         if not _measured(q) or k.shape[2] == 0:  # no keys: no score to measure
             return
-        n = self._n_batch(q.shape[0])
         mask = call.attn_mask
+        groups = self._packed_gqa_groups(layer, q, k, call.is_causal)
+        if groups:  # back to (B, heads, 1, D): the rows of one key head are query heads
+            q = q.reshape(q.shape[0], -1, 1, q.shape[-1])
+            if isinstance(out, torch.Tensor):
+                out = out.reshape(out.shape[0], -1, 1, out.shape[-1])
+            if mask is not None and mask.dim() == 4 and mask.shape[-2] == groups:
+                mask = mask.reshape(mask.shape[0], -1, 1, mask.shape[-1])
+        n = self._n_batch(q.shape[0])
         if mask is not None and mask.dim() == 4 and mask.shape[0] == q.shape[0]:
             mask = mask[:n]
         with_error = (
@@ -409,6 +417,24 @@ class AttentionProbe:
         self._held_bytes += sum(t.numel() * t.element_size() for t in held)
         if self._held_bytes >= _HOLD_BYTES:
             self._measure_held()
+
+    def _packed_gqa_groups(
+        self, layer: str, q: torch.Tensor, k: torch.Tensor, is_causal: bool
+    ) -> int:
+        """Query heads per key head when ``q`` is a one-token GQA query that Hugging Face's
+        SDPA attention packed as (B, key heads, group, D) (``pack_gqa``, decoding with a mask),
+        else 0. Measured as it comes, its rows would be query heads and its heads key heads, and
+        the layer's head count would change within a window (generate's prefill, then decode)."""
+        module = self._modules.get(layer)
+        if module is None:
+            module = self._modules[layer] = self.model.get_submodule(layer)
+        g = getattr(module, "num_key_value_groups", 1)
+        heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+        packed = (
+            isinstance(g, int) and g > 1 and not is_causal and q.shape[1] == k.shape[1]
+            and q.shape[2] == g and heads == q.shape[1] * g
+        )  # fmt: skip
+        return g if packed else 0
 
     @torch.no_grad()
     def _measure_held(self) -> None:
