@@ -410,15 +410,19 @@ class MonitorConfig(_Section):
 def _read_yaml(path: Path) -> dict[str, Any]:
     where = f"config file {str(path)!r}"
     if not path.is_file():
-        raise NumwatchConfigError(f"{where} does not exist")
+        raise NumwatchConfigError(
+            f"{where} " + ("is not a file" if path.exists() else "does not exist")
+        )
     try:
-        data = yaml.safe_load(path.read_bytes().decode()) or {}
+        data = yaml.safe_load(path.read_bytes().decode())
     except UnicodeDecodeError as exc:
         raise NumwatchConfigError(f"{where} is not UTF-8 text: {exc}") from None
     except yaml.YAMLError as exc:
         raise NumwatchConfigError(f"{where} is not valid YAML: {_yaml_problem(exc)}") from None
+    if data is None:  # empty, or comments only
+        return {}
     if not isinstance(data, dict):
-        raise NumwatchConfigError(f"{where} must hold a mapping at top level")
+        raise NumwatchConfigError(f"{where} must hold a mapping at top level, not {data!r}")
     return data
 
 
@@ -456,6 +460,8 @@ def _expand_dunder(flat: Mapping[str, Any]) -> dict[str, Any]:
     """{'sinks__jsonl__path': x} -> {'sinks': {'jsonl': {'path': x}}}."""
     out: dict[str, Any] = {}
     for key, value in flat.items():
+        if not isinstance(key, str):
+            raise NumwatchConfigError(f"config keys are setting names (text), got {key!r}")
         if isinstance(value, _Section):
             value = _given(value)
         parts = key.split("__")
@@ -482,7 +488,12 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
                 continue
             try:
                 flat[key] = yaml.safe_load(raw)
-            except yaml.YAMLError:
+            except yaml.YAMLError as e:
+                if raw.lstrip()[:1] in "[{":  # meant as a list or mapping: say why it is not one
+                    raise NumwatchConfigError(
+                        f"{name}={raw!r} does not parse as YAML ({str(e).splitlines()[0]}); "
+                        "quote items that start with * or & (e.g. ['*embed*', '*wte*'])"
+                    ) from None
                 flat[key] = raw
     return _expand_dunder(flat)
 
@@ -522,6 +533,13 @@ def _describe(exc: ValidationError) -> str:
         field = ".".join(str(p) for p in err["loc"]) or "<root>"
         kind = err["type"]
         if kind == "extra_forbidden":
+            key = str(err["loc"][-1]) if err["loc"] else ""
+            if "." in key:  # a dotted name given as one key
+                lines.append(
+                    f"{key!r} is not a setting name: nest dicts, or join names with '__' "
+                    f"({key.replace('.', '__')}=...)"
+                )
+                continue
             lines.append(f"{field}: unknown setting (check the spelling; env names use '__')")
             continue
         value = err.get("input")

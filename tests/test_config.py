@@ -1,5 +1,7 @@
 """MonitorConfig: every source, precedence, and errors that name the field and the fix."""
 
+import re
+
 import pytest
 
 from numwatch import MonitorConfig, NumwatchConfigError
@@ -149,3 +151,34 @@ def test_unreadable_yaml_file_names_file_and_line(tmp_path):
     bad.write_bytes(b"flush_every: \xff\n")
     with pytest.raises(NumwatchConfigError, match=r"bad\.yaml' is not UTF-8 text: .* position 13"):
         MonitorConfig.load(bad, env={})
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ({"sinks.jsonl.path": "x.jsonl"}, "is not a setting name: nest dicts, or join names"),
+        ({1: 2}, "config keys are setting names (text), got 1"),
+    ],
+)
+def test_keys_that_are_not_setting_names_say_what_to_write(source, message):
+    with pytest.raises(NumwatchConfigError, match=re.escape(message)):
+        MonitorConfig.load(source)
+
+
+@pytest.mark.parametrize("text", ["false\n", "[]\n", "0\n"])
+def test_a_yaml_file_of_a_falsy_value_is_refused_not_read_as_empty(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(NumwatchConfigError, match="must hold a mapping at top level"):
+        MonitorConfig.load(path)
+    path.write_text("# nothing set yet\n")
+    assert MonitorConfig.load(path).flush_every == 50
+    with pytest.raises(NumwatchConfigError, match="is not a file"):
+        MonitorConfig.load(tmp_path)
+
+
+def test_an_env_list_of_unquoted_globs_says_to_quote_them():
+    with pytest.raises(NumwatchConfigError, match="quote items that start with"):
+        MonitorConfig.load(env={"NUMWATCH_WEIGHTS__EXCLUDE": "[*embed*, *wte*]"})
+    cfg = MonitorConfig.load(env={"NUMWATCH_WEIGHTS__EXCLUDE": "['*embed*', '*wte*']"})
+    assert cfg.weights.exclude == ["*embed*", "*wte*"]
