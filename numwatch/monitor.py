@@ -79,6 +79,16 @@ _COMPONENTS = (
 _OPTIMIZER_ACTIONS = (SkipStep, LrBackoff, QKClip)
 
 
+def _local_rank() -> int:
+    text = os.environ.get("LOCAL_RANK")
+    if text is None:
+        return get_rank()
+    try:
+        return int(text)
+    except ValueError:
+        raise NumwatchConfigError(f"LOCAL_RANK={text!r} is not an integer") from None
+
+
 _last_default_name = ["", 0]  # the last default run name of this process, and its count
 
 
@@ -152,6 +162,7 @@ class Monitor(Joinable):
         self._flushing = False
         self._detaching = False
         self._detach_deferred = False
+        self._skipped_earlier = 0  # updates skipped while attached before (re-attach)
         self._closing_step = False  # inside a step close, before the step counts as closed
         self._flush_deferred = False  # flush() called there: it runs when the close ends
         self._told_nested_flush = False
@@ -271,6 +282,7 @@ class Monitor(Joinable):
             handle.remove()
         if self._control is not None:
             self._control.uninstall()
+            self._skipped_earlier += self._control.skipped_steps  # a counter: never goes back
             self._control = None
         for sink in self._sinks:
             self._guard.run("sinks", sink.close)
@@ -330,7 +342,7 @@ class Monitor(Joinable):
             cfg.prometheus,
             rank=self.rank,
             # mp.spawn sets no LOCAL_RANK: the global rank keeps the ranks' ports apart
-            local_rank=int(os.environ.get("LOCAL_RANK", get_rank())),
+            local_rank=_local_rank(),
             run_name=self.run_name,
         )
         if exporter is not None:
@@ -789,7 +801,9 @@ class Monitor(Joinable):
         control = self._control
         out.append(
             MetricRecord(
-                "mitigation_skipped_steps_total", {}, float(control.skipped_steps if control else 0)
+                "mitigation_skipped_steps_total",
+                {},
+                float(self._skipped_earlier + (control.skipped_steps if control else 0)),
             )
         )
         out.append(MetricRecord("mitigation_lr_factor", {}, control.lr_factor if control else 1.0))

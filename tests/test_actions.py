@@ -574,3 +574,22 @@ def test_flush_from_a_step_level_callback_runs_when_the_step_is_closed():
     assert flushed == [(5, True)]
     monitor.detach()
     assert [(s.step, math.isnan(s.value("grad_norm"))) for s in monitor.history][-1] == (7, False)
+
+
+def test_the_skipped_steps_counter_never_goes_back_across_a_reattach():
+    """It is exported as a Prometheus counter; a new attach restarted it at 0."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE)
+    seen = []
+    for steps in (3, 2):
+        monitor.attach(opt)
+        for _ in range(steps):
+            model(torch.randn(8, 4)).square().mean().backward()
+            model.weight.grad[0, 0] = float("nan")
+            opt.step()
+            opt.zero_grad()
+            seen.append(monitor.snapshot().value("mitigation_skipped_steps_total"))
+        monitor.detach()
+    assert seen == sorted(seen) and seen[-1] >= 4

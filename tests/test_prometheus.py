@@ -385,3 +385,19 @@ def test_promtool_accepts_exposition(heads):
     )
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
     assert b"numwatch_attn_max_logit" in body and b"numwatch_grad_mean" in body
+
+
+def test_a_port_past_65535_for_a_local_rank_is_a_clear_error(monkeypatch):
+    import numwatch
+    from numwatch.errors import NumwatchError
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monitor = numwatch.Monitor(
+        torch.nn.Linear(2, 2), sinks__console__enabled=False, sinks__jsonl__enabled=False,
+        sinks__prometheus__enabled=True, sinks__prometheus__port=65535,
+    )  # fmt: skip
+    with pytest.raises(NumwatchError, match="65535 \\+ local rank 1 = 65536 is past 65535"):
+        monitor.attach()
+    monkeypatch.setenv("LOCAL_RANK", "abc")
+    with pytest.raises(NumwatchError, match="LOCAL_RANK='abc' is not an integer"):
+        monitor.attach()

@@ -600,6 +600,11 @@ class PrometheusSink:
         if not cfg.enabled or (cfg.ranks == "rank0" and rank != 0):
             return None
         port = cfg.port + local_rank if cfg.port and cfg.ranks == "each" else cfg.port
+        if port > 65535:
+            raise NumwatchError(
+                f"sinks.prometheus: port {cfg.port} + local rank {local_rank} = {port} is past "
+                "65535; lower sinks.prometheus.port, or set it to 0 for ephemeral ports"
+            )
         return cls(
             host=cfg.host,
             port=port,
