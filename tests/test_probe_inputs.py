@@ -226,3 +226,32 @@ def test_a_row_measured_only_by_other_ranks_has_records_without_a_dtype():
     headroom = {r.labels["module"]: r.value for r in records if r.name == "activation_headroom"}
     assert absmax == {"a": 2.0, "b": 4.0}
     assert headroom["a"] == 2.0 / 65504.0 and math.isnan(headroom["b"])
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_counts_each_output_once(make_monitor, reentrant):
+    """The backward pass recomputes a checkpointed segment's forward: its outputs were counted
+    a second time (numel and every count doubled)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.body, x, use_reentrant=reentrant))
+
+    torch.manual_seed(0)
+    model = Net()
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()
+    monitor.step()
+    snap = monitor.snapshot()
+    assert no_errors(monitor)
+    for name in ("body.0", "body.1", "body.2"):
+        assert snap.value("activation_numel", module=name) == 32
+    relu = model.body[1](model.body[0](x))
+    assert snap.value("activation_zeros", module="body.1") == (relu == 0).sum().item()

@@ -468,6 +468,8 @@ class ActivationProbe:
     def _collect(self, index: int, module: nn.Module, output: Any) -> None:
         if self.cfg.training_only and not module.training:
             return
+        if torch._C._current_graph_task_id() != -1:
+            return  # activation checkpointing's recompute, inside backward: counted already
         # a plain tensor (most modules) skips the structure walk: 136 hooks per GPT-2 forward
         plain = type(output) is torch.Tensor
         now = index in self._unbatched
