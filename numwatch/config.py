@@ -362,6 +362,11 @@ class MonitorConfig(_Section):
     optimizer: OptimizerProbeConfig = Field(default_factory=OptimizerProbeConfig)
     rules: RulesConfig = Field(default_factory=RulesConfig)
     history: PositiveInt = Field(20, description="Recent flushes kept for halt reports/snapshots.")
+    events_kept: PositiveInt = Field(
+        10_000,
+        description="Most recent events kept in Monitor.events (a long run with a rule firing "
+        "every flush would otherwise grow without bound); all are logged and counted.",
+    )
     sinks: SinksConfig = Field(default_factory=SinksConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 

@@ -120,7 +120,7 @@ class Monitor(Joinable):
         super().__init__()  # Joinable: outside a Join, its config is the disabled one
         self.model = model
         self.config = MonitorConfig.load(config, **overrides)
-        self.events: list[Event] = []
+        self.events: deque[Event] = deque(maxlen=self.config.events_kept)  # the most recent
         self.rank = get_rank()
         self.run_name = self.config.run_name or _default_run_name()
         self._bus = EventBus()

@@ -1211,3 +1211,16 @@ def test_a_callback_that_detaches_waits_for_the_end_of_the_flush(make_monitor):
     records = read_jsonl(monitor.jsonl_path)  # the flush finished before the sinks closed
     assert [(r["step"], len(r["events"])) for r in records] == [(1, 1)]
     assert monitor.snapshot().get("grad_norm") is not None
+
+
+def test_events_keep_the_most_recent_within_their_bound(make_monitor):
+    """A rule firing every flush grew Monitor.events without bound over a long run."""
+    rules = {"add": [{"type": "threshold", "name": "always", "metric": "grad_absmax",
+                      "op": ">", "threshold": 0.0}]}  # fmt: skip
+    model = Net()
+    monitor = make_monitor(model, flush_every=1, events_kept=5, rules=rules).attach()
+    train_steps(model, monitor, 4)
+    assert len(monitor.events) == 5
+    assert [e.step for e in monitor.events][-1] == 3 and monitor.events[0].step >= 2
+    counts = monitor.snapshot().value("events_total", kind="precursor", rule="always")
+    assert counts == 4 * 6  # every flush, each of the 6 parameters: all counted
