@@ -163,7 +163,7 @@ def test_nan_gradient_named_at_its_step(make_monitor, flush_every):
 
     train_steps(model, monitor, 5, plant=plant)
     monitor.detach()
-    assert len(seen) == 1 and monitor.events == seen
+    assert len(seen) == 1 and list(monitor.events) == seen
     event = seen[0]
     assert (event.kind, event.step, event.labels) == ("nonfinite", 3, {"param": "b.weight"})
     assert event.evidence["phase"] == "backward"
