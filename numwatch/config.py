@@ -87,7 +87,9 @@ class ActivationConfig(_Section):
         default_factory=list, description="Glob patterns of module names to leave out."
     )
     training_only: bool = Field(
-        True, description="Skip forwards of modules in eval mode (validation passes)."
+        True,
+        description="Skip forwards of modules in eval mode, and forwards of the model under "
+        "no_grad or inference_mode (validation passes).",
     )
     max_pending_bytes: PositiveInt = Field(
         256 * 2**20,
@@ -116,7 +118,9 @@ class AttentionConfig(_Section):
     )
     entropy: bool = Field(True, description="Also compute the softmax-row entropy.")
     training_only: bool = Field(
-        True, description="Skip forwards of the model in eval mode (validation passes)."
+        True,
+        description="Skip forwards of the model in eval mode or under no_grad / "
+        "inference_mode (validation passes).",
     )
     output_error: bool = Field(
         True,

@@ -204,12 +204,42 @@ def test_output_changed_in_place_is_never_measured_from_its_alias(make_monitor, 
 def test_inference_outputs_are_measured_in_their_hook(make_monitor):
     """Inference tensors have no version counter: measured before the ReLU can change them."""
     model = relu_after_linear()
-    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    monitor = make_monitor(
+        model, flush_every=1, activations__every=1, activations__training_only=False
+    ).attach()
     with torch.inference_mode():
         model(X)
     monitor.step()
     assert_true_rows(monitor.snapshot())
     assert no_errors(monitor)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_a_no_grad_forward_in_train_mode_is_not_training(make_monitor, context):
+    """Validation under no_grad with the model left in train mode was mixed into the step's
+    activation and attention statistics (training_only looked at the mode alone)."""
+    import torch.nn.functional as F
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            q = self.proj(x).view(1, 2, -1, 4)
+            return F.scaled_dot_product_attention(q, q, q)
+
+    model = Attn()
+    monitor = make_monitor(
+        model, flush_every=1, activations__every=1, attention__every=1, attention__batch=0
+    ).attach()
+    model(torch.randn(6, 8)).sum().backward()  # training: 6 rows of 8
+    with context():
+        model(torch.randn(10, 8))  # validation in train mode: not counted
+    monitor.step()
+    snap = monitor.snapshot()
+    assert snap.value("activation_numel", module="proj") == 48
+    assert snap.value("attn_calls", layer="") == 1
 
 
 def test_a_row_measured_only_by_other_ranks_has_records_without_a_dtype():

@@ -234,7 +234,8 @@ class AttentionProbe:
         self.sampling = (
             self.cfg.enabled
             and self.ctx.step % self.cfg.every == 0
-            and (self.model.training or not self.cfg.training_only)
+            # validation: eval mode, or no_grad / inference_mode with the model in train mode
+            and ((self.model.training and torch.is_grad_enabled()) or not self.cfg.training_only)
         )
         if self.sampling or self.routing:
             self._mode = _Interceptor(self)
