@@ -171,3 +171,29 @@ def test_complex_parameter_is_measured_through_its_real_view():
     want = math.sqrt(0.05) / w_after.norm().item()
     assert snap.value("optimizer_update_ratio", param="lin.weight") == pytest.approx(want, rel=1e-6)
     assert not any(monitor.errors.values())
+
+
+def test_an_optimizer_that_frees_gradients_in_its_step_is_measured():
+    """p.grad = None inside step() (freeing memory as soon as it is applied): the measurement
+    after the step read the freed gradient and failed on every sampled step."""
+
+    class FreeingSGD(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure=None):
+            loss = super().step(closure)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            return loss
+
+    model = nn.Linear(4, 1, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(1.0)  # lr * g = 1e-3, under half an ulp of 1.0 in bf16: absorbed
+    opt = FreeingSGD(model.parameters(), lr=1e-3)
+    monitor = monitor_for(model, opt)
+    model.weight.grad = torch.ones_like(model.weight)
+    opt.step()
+    snap = monitor.flush()
+    assert snap.value("monitor_errors_total", component="optimizer") == 0
+    assert snap.value("optimizer_absorbed_fraction", param="weight") == 1.0
+    assert snap.value("optimizer_update_ratio", param="weight") == 0.0

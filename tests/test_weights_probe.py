@@ -259,3 +259,75 @@ def test_grouped_key_heads_are_a_layout():
     layout = find_qk_layout(QK(8, 4))  # 2 query heads of 4 rows share 1 key head
     assert (len(layout.q), len(layout.k)) == (2, 1)
     assert (layout.k[0].start, layout.k[0].stop) == (0, 4)
+
+
+def _sigma(w: torch.Tensor) -> float:
+    return torch.linalg.matrix_norm(w.detach().double(), ord=2).item()
+
+
+def _head_norms(snap, layer: str, heads: int) -> list[tuple[float, float]]:
+    return [
+        (snap.value("attn_q_spectral_norm", layer=layer, head=str(h)),
+         snap.value("attn_k_spectral_norm", layer=layer, head=str(h)))
+        for h in range(heads)
+    ]  # fmt: skip
+
+
+def test_gpt2_cross_attention_reads_q_attn_and_the_key_part_of_c_attn():
+    """There c_attn holds [k | v] and the queries are in q_attn: read as [q | k | v], the 'q'
+    norms came from K columns and the 'k' ones from V, and W_Q's growth was invisible."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_embd=96, n_head=4, n_layer=1, vocab_size=16, n_positions=8, add_cross_attention=True
+    )
+    model = transformers.GPT2LMHeadModel(cfg)
+    xa = model.transformer.h[0].crossattention
+    with torch.no_grad():
+        xa.q_attn.weight.mul_(10)
+    monitor = monitor_for(model, weights__iters=300)
+    monitor.step()
+    got = _head_norms(monitor.snapshot(), "transformer.h.0.crossattention", 4)
+    for h, (sq, sk) in enumerate(got):
+        cols = slice(24 * h, 24 * (h + 1))
+        assert sq == pytest.approx(_sigma(xa.q_attn.weight[:, cols]), rel=1e-3)
+        assert sk == pytest.approx(_sigma(xa.c_attn.weight[:, cols]), rel=1e-3)
+
+
+def test_fused_qkv_with_key_heads_under_another_name():
+    """gemma_pytorch names the key heads num_kv_heads: assumed equal to the query heads, the
+    slices were wrong whenever the widths happened to divide."""
+
+    class GemmaLike(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads, self.num_kv_heads, self.head_dim = 4, 1, 16
+            self.qkv_proj = nn.Linear(32, (4 + 2) * 16)
+
+    torch.manual_seed(0)
+    layout = find_qk_layout(GemmaLike())
+    assert [(s.start, s.stop) for s in layout.q] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+    assert [(s.start, s.stop) for s in layout.k] == [(64, 80)]
+
+    class Unnamed(GemmaLike):  # key heads under a name not known: head_dim says it is wrong
+        def __init__(self):
+            super().__init__()
+            self.groups = self.__dict__.pop("num_kv_heads")
+
+    assert find_qk_layout(Unnamed()) is None
+
+
+def test_multihead_attention_with_kdim_and_the_default_bias():
+    """Separate q/k weights (kdim != embed_dim) come with one [q | k | v] bias by default: no
+    per-head norms were reported for it."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, kdim=16, vdim=16, batch_first=True)
+    layout = find_qk_layout(mha)
+    assert layout is not None and layout.k[1].views()[1].data_ptr() == (
+        mha.in_proj_bias[32 + 8 :].data_ptr()
+    )
+    monitor = monitor_for(nn.Sequential(mha), weights__iters=300)
+    monitor.step()
+    for h, (sq, sk) in enumerate(_head_norms(monitor.snapshot(), "0", 4)):
+        assert sq == pytest.approx(_sigma(mha.q_proj_weight[8 * h : 8 * h + 8]), rel=1e-3)
+        assert sk == pytest.approx(_sigma(mha.k_proj_weight[8 * h : 8 * h + 8]), rel=1e-3)

@@ -70,6 +70,7 @@ class OptimizerProbe:
         self._handles: list[Any] = []
         self._updates = 0
         self._before: list[torch.Tensor] | None = None
+        self._grads: list[torch.Tensor] = []  # the measured parameters' gradients, held
         self._taken: list[int] = []
         self._cursor = 0  # the next parameter to measure (rotating sample)
         self._measured: set[int] = set()
@@ -99,7 +100,7 @@ class OptimizerProbe:
 
     @torch.no_grad()
     def _keep_before(self) -> None:
-        self._before = None
+        self._before, self._grads = None, []
         if self._updates % self.cfg.every:
             return
         # Copy at most max_bytes of parameters, continuing where the last sample stopped, so a
@@ -123,6 +124,9 @@ class OptimizerProbe:
         # clone per parameter cost ~10 µs of host time each
         params = [_real(local_tensor(self.params[i][1]).detach()) for i in self._taken]
         self._before = torch._foreach_mul(params, 1.0) if params else None
+        # The gradients the update is made of, held from here: an optimizer may free them inside
+        # step() (p.grad = None), which the measurement after it would otherwise find.
+        self._grads = [self.params[i][1].grad for i in self._taken]
 
     @torch.no_grad()
     def _measure(self) -> None:
@@ -133,9 +137,9 @@ class OptimizerProbe:
         # FSDP2 parameters are DTensors: each rank measures its shard; the per-parameter sums
         # below add up across ranks at flush (numwatch/distributed.py, key 'opt/sums').
         params = [_real(local_tensor(self.params[i][1]).detach()) for i in self._taken]
-        grads = [_real(local_tensor(self.params[i][1].grad)) for i in self._taken]
+        grads = [_real(local_tensor(g)) for g in self._grads]
         updates = torch._foreach_sub(params, self._before)
-        self._before = None
+        self._before, self._grads = None, []
         taken = self._taken
         if len(set(map(torch.Tensor.get_device, params))) == 1:
             sums = self._update_sums(params, grads, updates)

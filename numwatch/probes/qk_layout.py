@@ -22,7 +22,7 @@ class HeadSlice:
     """Rows [start, stop) of a projection along ``dim`` (0 = Linear rows, 1 = Conv1D columns)."""
 
     weight: nn.Parameter
-    bias: nn.Parameter | None
+    bias: torch.Tensor | None  # a Parameter, or a view of one (a [q | k | v] bias)
     dim: int
     start: int
     stop: int
@@ -63,6 +63,10 @@ class QKLayout:
         return self.k[q_head // (len(self.q) // len(self.k))]
 
 
+# Names of the key/value head count (HF, Meta, gemma_pytorch, litgpt).
+_KV_HEAD_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_query_groups")
+
+
 def _heads_of(module: nn.Module) -> tuple[int | None, int | None]:
     cfg = getattr(module, "config", None)
     for owner in (module, cfg):
@@ -71,14 +75,19 @@ def _heads_of(module: nn.Module) -> tuple[int | None, int | None]:
         for name in ("num_heads", "n_heads", "n_head", "num_attention_heads"):
             h = getattr(owner, name, None)
             if isinstance(h, int):
-                kv = getattr(owner, "num_key_value_heads", None) or getattr(
-                    owner, "n_kv_heads", None
+                kv = next(
+                    (
+                        getattr(owner, n)
+                        for n in _KV_HEAD_NAMES
+                        if isinstance(getattr(owner, n, None), int)
+                    ),
+                    None,
                 )
-                return h, kv if isinstance(kv, int) else h
+                return h, kv if kv else h
     return None, None
 
 
-def _slices(weight: nn.Parameter, bias: nn.Parameter | None, dim: int, offset: int, heads: int,
+def _slices(weight: nn.Parameter, bias: torch.Tensor | None, dim: int, offset: int, heads: int,
             head_dim: int) -> list[HeadSlice]:  # fmt: skip
     return [
         HeadSlice(weight, bias, dim, offset + h * head_dim, offset + (h + 1) * head_dim)
@@ -115,11 +124,20 @@ def find_qk_layout(module: nn.Module, n_heads: int | None = None) -> QKLayout | 
         if module.in_proj_weight is not None:
             w, b = module.in_proj_weight, module.in_proj_bias
             return QKLayout(_slices(w, b, 0, 0, heads, hd), _slices(w, b, 0, d, heads, hd))
-        if module.in_proj_bias is not None:  # one bias tensor beside two weights: unsupported
+        b = module.in_proj_bias  # kdim/vdim != embed_dim: two weights, one [q | k | v] bias
+        return QKLayout(
+            _slices(module.q_proj_weight, None if b is None else b[:d], 0, 0, heads, hd),
+            _slices(module.k_proj_weight, None if b is None else b[d : 2 * d], 0, 0, heads, hd),
+        )
+    cross_q = getattr(module, "q_attn", None)  # GPT-2 cross-attention: q apart, c_attn = [k | v]
+    if cross_q is not None and isinstance(getattr(cross_q, "weight", None), nn.Parameter):
+        kv = getattr(module, "c_attn", None)
+        hd = cross_q.weight.shape[1] // heads
+        if kv is None or hd * heads != cross_q.weight.shape[1] or _wrong_head_dim(module, hd):
             return None
         return QKLayout(
-            _slices(module.q_proj_weight, None, 0, 0, heads, hd),
-            _slices(module.k_proj_weight, None, 0, 0, heads, hd),
+            _slices(cross_q.weight, cross_q.bias, 1, 0, heads, hd),
+            _slices(kv.weight, kv.bias, 1, 0, heads, hd),
         )
     for name in ("qkv", "c_attn", "Wqkv", "qkv_proj"):  # [q heads | k heads | v heads] layout
         fused = getattr(module, name, None)
@@ -133,10 +151,17 @@ def find_qk_layout(module: nn.Module, n_heads: int | None = None) -> QKLayout | 
         out = weight.shape[dim]
         kvh = kv_heads or heads
         hd = out // (heads + 2 * kvh)
-        if not hd or heads % kvh or hd * (heads + 2 * kvh) != out:
+        if not hd or heads % kvh or hd * (heads + 2 * kvh) != out or _wrong_head_dim(module, hd):
             continue
         return QKLayout(
             _slices(weight, bias, dim, 0, heads, hd),
             _slices(weight, bias, dim, heads * hd, kvh, hd),
         )
     return None
+
+
+def _wrong_head_dim(module: nn.Module, hd: int) -> bool:
+    """The module states its head dim and ``hd`` is another: the slicing assumed a wrong layout
+    (key heads under a name not known here, a projection of other parts)."""
+    stated = getattr(module, "head_dim", None)
+    return isinstance(stated, int) and stated != hd
