@@ -25,19 +25,24 @@ from typing import Any
 from numwatch.config import MonitorConfig, RulesConfig
 from numwatch.errors import NumwatchError
 from numwatch.events import Event
-from numwatch.rules import RuleEngine, configured_rules
+from numwatch.rules import Rule, RuleEngine, configured_rules
 from numwatch.sinks.jsonl import is_flush, json_safe, read_jsonl, run_starts
 from numwatch.sinks.tail import record_to_snapshot
 
 __all__ = ["main", "replay", "summarize"]
 
 
-def replay(records: Iterable[dict[str, Any]], rules: RulesConfig | None = None) -> list[Event]:
+def replay(
+    records: Iterable[dict[str, Any]], rules: RulesConfig | Sequence[Rule] | None = None
+) -> list[Event]:
     """Events that ``rules`` (default: the default rule set) raise on one run's records, in order.
 
+    ``rules``: a ``RulesConfig``, or rules themselves (``default_rules()``, or your own list).
     ``records``: parsed JSONL records (``read_jsonl``) of one run; a log whose path was reused
     holds several (``run_starts`` says where each begins). Each event carries the time of the
     flush that raised it."""
+    if isinstance(rules, (list, tuple)):
+        rules = RulesConfig(defaults=False, add=list(rules))
     engine = RuleEngine(configured_rules(rules or RulesConfig()).values())
     out: list[Event] = []
     for record in records:

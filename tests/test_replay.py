@@ -42,6 +42,10 @@ def test_default_rules_find_the_planted_spike_once():
         ("loss_rise", "spike", SPIKE_STEP),
     ]
     assert events[0].time == float(SPIKE_STEP)  # the flush's time, not the replay's
+    from numwatch.rules import default_rules
+
+    as_list = replay(planted_log(), default_rules())  # rules themselves, not a RulesConfig
+    assert [(e.rule, e.step) for e in as_list] == [(e.rule, e.step) for e in events]
     assert summarize(events) == {
         "loss_spike": {"first_step": SPIKE_STEP, "events": 1},
         "loss_rise": {"first_step": SPIKE_STEP, "events": 1},
