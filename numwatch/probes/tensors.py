@@ -493,6 +493,7 @@ class ActivationProbe:
         # a reentrant checkpoint runs its segment under no_grad in training too.
         self._no_grad_forward = not torch.is_grad_enabled()
 
+    @torch.compiler.disable
     def _forward_done(self, *_: Any) -> None:
         self._no_grad_forward = False  # submodules run outside the model's forward count
         if self._pending:
