@@ -67,14 +67,11 @@ def host_never_waits(budget_s: float = 2.0) -> Iterator[None]:
     t0 = time.perf_counter()
     yield
     elapsed = time.perf_counter() - t0
-    if slept.query():
-        if elapsed < budget_s:
-            raise AssertionError(
-                f"the host waited for the GPU inside the block (it returned after {elapsed:.3f} s,"
-                f" with the stream held busy for {budget_s} s)"
-            )
+    if slept.query():  # a wait ends with the sleep, so its time says nothing more
         raise AssertionError(
-            f"inconclusive: the block took {elapsed:.3f} s, longer than the {budget_s} s budget"
+            f"the host waited for the GPU inside the block (it returned after {elapsed:.3f} s, "
+            f"the stream held busy for about {budget_s} s; unless the block's own host work "
+            "outlasted that)"
         )
     torch.cuda.synchronize()
 
