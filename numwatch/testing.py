@@ -48,7 +48,9 @@ def host_never_waits(budget_s: float = 2.0) -> Iterator[None]:
     driver (a copy from pageable host memory may wait for its stream). Here a sleep kernel of
     ``budget_s`` holds the stream first: any wait for the stream, or for the whole device, ends
     only after the sleep, so the sleep still running at the block's end proves there was none.
-    Waits on other streams alone go unseen. The block must issue its work in under ``budget_s``.
+    Waits on other streams alone go unseen. The block must issue its work in under ``budget_s``,
+    and run warm: the first launch of a kernel loads its module (CUDA's lazy loading), which can
+    wait for the device.
     """
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
