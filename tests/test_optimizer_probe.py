@@ -173,9 +173,11 @@ def test_complex_parameter_is_measured_through_its_real_view():
     assert not any(monitor.errors.values())
 
 
-def test_an_optimizer_that_frees_gradients_in_its_step_is_measured():
-    """p.grad = None inside step() (freeing memory as soon as it is applied): the measurement
-    after the step read the freed gradient and failed on every sampled step."""
+@pytest.mark.parametrize("after_step", ["free", "zero"])
+def test_an_optimizer_that_frees_or_zeroes_gradients_in_its_step_is_measured(after_step):
+    """p.grad = None (freeing memory as soon as it is applied) or p.grad.zero_() inside step():
+    the measurement after the step read the gradient then, and failed on every sampled step or
+    counted a fully absorbed update as no update at all."""
 
     class FreeingSGD(torch.optim.SGD):
         @torch.no_grad()
@@ -183,7 +185,10 @@ def test_an_optimizer_that_frees_gradients_in_its_step_is_measured():
             loss = super().step(closure)
             for group in self.param_groups:
                 for p in group["params"]:
-                    p.grad = None
+                    if after_step == "free":
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
             return loss
 
     model = nn.Linear(4, 1, bias=False).to(torch.bfloat16)

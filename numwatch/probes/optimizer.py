@@ -70,7 +70,7 @@ class OptimizerProbe:
         self._handles: list[Any] = []
         self._updates = 0
         self._before: list[torch.Tensor] | None = None
-        self._grads: list[torch.Tensor] = []  # the measured parameters' gradients, held
+        self._grads: list[torch.Tensor] = []  # signs of the measured parameters' gradients
         self._taken: list[int] = []
         self._cursor = 0  # the next parameter to measure (rotating sample)
         self._measured: set[int] = set()
@@ -124,9 +124,10 @@ class OptimizerProbe:
         # clone per parameter cost ~10 µs of host time each
         params = [_real(local_tensor(self.params[i][1]).detach()) for i in self._taken]
         self._before = torch._foreach_mul(params, 1.0) if params else None
-        # The gradients the update is made of, held from here: an optimizer may free them inside
-        # step() (p.grad = None), which the measurement after it would otherwise find.
-        self._grads = [self.params[i][1].grad for i in self._taken]
+        # The signs of the gradients the update is made of (all the measurement needs), taken
+        # here: an optimizer may free (p.grad = None) or zero them inside step().
+        grads = [_real(local_tensor(self.params[i][1].grad)) for i in self._taken]
+        self._grads = torch._foreach_sign(grads) if grads else []
 
     @torch.no_grad()
     def _measure(self) -> None:
@@ -137,7 +138,7 @@ class OptimizerProbe:
         # FSDP2 parameters are DTensors: each rank measures its shard; the per-parameter sums
         # below add up across ranks at flush (numwatch/distributed.py, key 'opt/sums').
         params = [_real(local_tensor(self.params[i][1]).detach()) for i in self._taken]
-        grads = [_real(local_tensor(g)) for g in self._grads]
+        grads = self._grads
         updates = torch._foreach_sub(params, self._before)
         self._before, self._grads = None, []
         taken = self._taken
@@ -165,15 +166,16 @@ class OptimizerProbe:
         self, params: list[torch.Tensor], grads: list[torch.Tensor], updates: list[torch.Tensor]
     ) -> torch.Tensor:
         """(n, 4) sums of tensors on one device: update^2, weight^2, elements with a non-zero
-        gradient and, of those, elements whose weight moved. Consumes ``updates``."""
+        gradient and, of those, elements whose weight moved. ``grads``: the gradients' signs.
+        Consumes ``updates``."""
         # Per-parameter sums from the fused statistics kernel (one launch per list): a
         # _foreach_norm returns one tensor per parameter, which made four of them and their
         # stacks most of this probe's host time.
         stats = functools.partial(ts.tensor_stats, underflow_dtype=None, backend=self.ctx.backend)
         u, w, g = stats(updates), stats(params), stats(grads)
         # u * sign(g) is u exactly where g != 0 and 0 where g == 0: its zeros are the elements
-        # without a gradient or whose weight did not change
-        torch._foreach_mul_(updates, torch._foreach_sign(grads))
+        # without a gradient or whose weight did not change (``grads`` are the signs already)
+        torch._foreach_mul_(updates, grads)
         both = stats(updates)
         moved = g[:, ts.NUMEL] - g[:, ts.ZERO]
         changed = both[:, ts.NUMEL] - both[:, ts.ZERO]
