@@ -722,6 +722,26 @@ def test_console_plain_lines_when_not_a_terminal():
     assert "\x1b[" not in line and "[bold" not in line
 
 
+def test_console_shows_module_names_as_they_are():
+    """A name ending in a backslash (an nn.ModuleDict key) printed with it doubled; one holding
+    brackets must not be read as markup."""
+    from rich.console import Console
+
+    buf = io.StringIO()
+    sink = ConsoleSink(console=Console(file=buf, force_terminal=False, width=300))
+    R = numwatch.MetricRecord
+    snap = numwatch.Snapshot(
+        1,
+        [R("activation_absmax", {"module": "d.C:\\"}, 3.0),
+         R("grad_absmax", {"param": "d.[x].weight"}, 2.0)],
+        time=0.0,
+    )  # fmt: skip
+    sink.emit(snap, [])
+    line = buf.getvalue()
+    assert "(d.C:\\)" in line and "(d.C:\\\\)" not in line
+    assert "(d.[x].weight)" in line
+
+
 def test_snapshot_lookups_by_metric_name():
     R = numwatch.MetricRecord
     records = [

@@ -23,7 +23,10 @@ def _worst(snapshot: Snapshot, metric: str, label: str) -> tuple[float, str] | N
     if not series:
         return None
     best = max(series, key=lambda r: r.value)
-    return best.value, escape(best.labels.get(label, ""))  # a name may hold '[...]'
+    name = best.labels.get(label, "")
+    text = escape(name)  # a name may hold '[...]'
+    # escape() doubles a trailing backslash against a tag that may follow; a ')' follows here
+    return best.value, text[:-1] if name.endswith("\\") else text
 
 
 # (metric, what): the attention precursors counted in rows, shown as shares of attn_rows.
