@@ -102,6 +102,7 @@ def _compile_task(task: tuple) -> tuple[tuple, str]:
     caches the binaries on disk for the main process."""
     overrides, d, causal, mode, backward = task
     try:
+        fag.ENABLED = False  # the candidates are the Triton forward's: Gluon would serve instead
         fat.CONFIG_OVERRIDES.update(overrides)
         q, k, v, do = make_inputs(1, 2, 128, d)  # lengths and head counts are not specialized
         o = flash_attention(q, k, v, is_causal=causal, mode=mode)
@@ -166,7 +167,16 @@ def _choose(kern: str, d: int, causal: bool, timings: dict, log: dict) -> None:
 
 
 def sweep(dims, t_seq: int, tokens: int, hd: int, workers: int, log: dict) -> None:
-    """Pick the forward config per (mode, D, causal) at T=t_seq; sets CONFIG_OVERRIDES."""
+    """Pick the Triton forward's config per (mode, D, causal) at T=t_seq; sets CONFIG_OVERRIDES.
+    Gluon is off meanwhile: it serves most of these calls and would be timed instead."""
+    gluon, fag.ENABLED = fag.ENABLED, False
+    try:
+        _sweep_fwd(dims, t_seq, tokens, hd, workers, log)
+    finally:
+        fag.ENABLED = gluon
+
+
+def _sweep_fwd(dims, t_seq: int, tokens: int, hd: int, workers: int, log: dict) -> None:
     tasks = {(kern, d, c, cfg): _task({(kern, d, c): cfg}, d, c, SWEEP_MODES[kern], False)
              for kern in SWEEP_MODES for d in dims for c in (False, True)
              for cfg in FWD_CANDIDATES[d]}  # fmt: skip

@@ -319,6 +319,11 @@ def _by_phase(times: list[float], base: list[float], phases: list[str]) -> dict:
 
 
 def _monitor(model: torch.nn.Module, name: str, spec: dict, logdir: str) -> numwatch.Monitor:
+    """The configuration's monitor, console off (its lines would time the terminal). The
+    ``*_plain_launches`` ones say so in their config too: attach sets the process-wide switch,
+    which the block mode relies on (the interleaved mode sets it before every step)."""
+    if name in PLAIN_LAUNCHES:
+        spec = {**spec, "cuda_graphs": False}
     return numwatch.Monitor(
         model, sinks__console__enabled=False, sinks__jsonl__path=f"{logdir}/{name}.jsonl", **spec
     )
