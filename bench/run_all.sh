@@ -13,17 +13,21 @@ if [[ $what == gpu || $what == all ]]; then
   $py bench/bench_power_iteration.py --out $R/power_iteration_h200.json
   $py bench/bench_attention_stats.py --out $R/attention_stats.json
   # the statistics against session 10's code (the commit of attention_stats.json), one process
-  $py bench/ab_attention_stats.py --against 9fdd857 --out $R/attention_stats_ab_9fdd857.json
-  $py bench/bench_flash_attention.py --out $R/flash_attention.json
+  $py bench/ab_attention_stats.py --against 9fdd857 --out $R/attention_stats_ab_9fdd857_session21_h200.json
+  $py bench/bench_flash_attention.py --out $R/flash_attention_h200.json
   $py bench/sweep_flash_gluon.py --out $R/flash_attention_gluon_configs_h200.json
   # the Gluon forward's last kernel change (packed P̄ cvt) against its predecessor, one process
   $py bench/ab_flash_gluon.py --against 6a67384 --out $R/flash_attention_gluon_packed_cvt_h200.json
-  $py bench/bench_flash_host.py --out $R/flash_attention_host_h200.json
+  $py bench/bench_flash_host.py --rounds 5 --out $R/flash_attention_host_h200.json
   # stall reasons and occupancy under Nsight Compute, where ncu is installed
   if command -v ncu >/dev/null || [[ -x /usr/local/cuda/bin/ncu ]]; then
     bash bench/profile_ncu.sh $R/ncu_stalls_h200.txt
   fi
   $py bench/bench_overhead.py --out $R/overhead_gpt2_h200.json
+  # README's headline overhead figures (runs 31-33: 400-1000 interleaved steps)
+  $py bench/bench_overhead.py --interleave --steps 1000 \
+    --configs baseline,default,gradients_only,grads_spectral_every_step \
+    --out $R/overhead_gpt2_h200_interleaved_rerun.json
   $py bench/bench_overhead.py --interleave --steps 400 \
     --configs baseline,default,attention_only,grads_spectral_every_step,everything_every_step,detect_anomaly,nan_check_hooks \
     --out $R/overhead_gpt2_h200_interleaved.json
@@ -65,8 +69,8 @@ if [[ $what == gpu || $what == all ]]; then
   # the paper's mechanism failing a run (LR 2e-2): kernels, SDPA, seed 1, safe-LR controls
   pm="bench/repro_paper_mechanism.py --device cuda --preset small --steps 3000 --batch 32 --data sinks --no-pos-emb"
   $py $pm --lr 0.02 --max-seconds 90 --out $R/repro_paper_mechanism_sinks_h200_lr2e-2.json
-  $py $pm --lr 0.02 --runs sdpa --max-seconds 90 --out $R/repro_paper_mechanism_sinks_h200_lr2e-2_sdpa.json
-  $py $pm --lr 0.02 --seed 1 --max-seconds 90 --out $R/repro_paper_mechanism_sinks_h200_lr2e-2_seed1.json
+  $py $pm --lr 0.02 --runs sdpa --max-seconds 80 --out $R/repro_paper_mechanism_sinks_h200_lr2e-2_sdpa.json
+  $py $pm --lr 0.02 --seed 1 --max-seconds 80 --out $R/repro_paper_mechanism_sinks_h200_lr2e-2_seed1.json
   $py $pm --lr 0.003 --runs sdpa,paper_repro --max-seconds 45 \
     --out $R/repro_paper_mechanism_sinks_h200_lr3e-3_control.json
   # the paper's own fix (the shift) on its BF16-accumulating kernel, and intermediate LRs
