@@ -89,6 +89,18 @@ def get_rank() -> int:
     return dist.get_rank() if is_initialized() else int(os.environ.get("RANK", "0"))
 
 
+def get_local_rank() -> int:
+    """Rank on this host: the LOCAL_RANK torchrun sets, else the global rank (mp.spawn sets
+    none; the global rank still keeps the ranks' ports apart)."""
+    text = os.environ.get("LOCAL_RANK")
+    if text is None:
+        return get_rank()
+    try:
+        return int(text)
+    except ValueError:
+        raise NumwatchConfigError(f"LOCAL_RANK={text!r} is not an integer") from None
+
+
 def get_world_size() -> int:
     return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 

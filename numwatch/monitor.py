@@ -36,7 +36,13 @@ from numwatch.buffers import (
     read_to_host,
 )
 from numwatch.config import MonitorConfig
-from numwatch.distributed import Aggregator, MonitorJoinHook, get_rank, get_world_size
+from numwatch.distributed import (
+    Aggregator,
+    MonitorJoinHook,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+)
 from numwatch.errors import NumwatchConfigError, NumwatchError
 from numwatch.events import Event, EventBus
 from numwatch.gc_pause import gc_paused
@@ -77,16 +83,6 @@ _COMPONENTS = (
     "sinks",
 )
 _OPTIMIZER_ACTIONS = (SkipStep, LrBackoff, QKClip)
-
-
-def _local_rank() -> int:
-    text = os.environ.get("LOCAL_RANK")
-    if text is None:
-        return get_rank()
-    try:
-        return int(text)
-    except ValueError:
-        raise NumwatchConfigError(f"LOCAL_RANK={text!r} is not an integer") from None
 
 
 _last_default_name = ["", 0]  # the last default run name of this process, and its count
@@ -341,8 +337,7 @@ class Monitor(Joinable):
         exporter = PrometheusSink.from_config(
             cfg.prometheus,
             rank=self.rank,
-            # mp.spawn sets no LOCAL_RANK: the global rank keeps the ranks' ports apart
-            local_rank=_local_rank(),
+            local_rank=get_local_rank(),
             run_name=self.run_name,
         )
         if exporter is not None:
@@ -562,8 +557,11 @@ class Monitor(Joinable):
     # --- integrations: training steps that run submodules without calling model.forward
     def _mark_activity(self, *_: Any) -> None:
         # An evaluation forward (no_grad, inference_mode) between optimizer.step() and a late
-        # step(loss) is not part of a training step: it must not make that call close one.
-        if torch.is_grad_enabled():
+        # step(loss) is not part of a training step: it must not make that call close one, nor
+        # count in the activation statistics (training_only).
+        grad = torch.is_grad_enabled()
+        self._ctx.no_grad_forward = not grad
+        if grad:
             self._ctx.activity = True
         if self._join_config.enable:  # inside Join: tell joined ranks this one still trains
             self._guard.run("step", self._dist.announce, self)

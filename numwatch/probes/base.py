@@ -29,6 +29,9 @@ class ProbeContext:
     underflow_dtype: torch.dtype | None
     step: int = 0  # the step in progress (0-based)
     activity: bool = False  # a hook fired since the last closed step
+    # The model's running forward is under no_grad / inference_mode (validation left in train
+    # mode): set at the model's entry, where a reentrant checkpoint's no_grad segment is not yet
+    no_grad_forward: bool = False
 
     def backend_for(self, device: torch.device) -> str:
         """The kernel backend a computation on ``device`` uses: 'auto' = Triton on CUDA only."""

@@ -421,17 +421,15 @@ class ActivationProbe:
         # (module index, output, its version counter or None) in order
         self._pending: list[tuple[int, torch.Tensor, int | None]] = []
         self._pending_bytes = 0
-        self._no_grad_forward = False  # the model's running forward is under no_grad
         self._unbatched: set[int] = set()  # modules whose outputs changed in place
         # device -> (first order number, module indices, stat rows) per measurement
         self._measured: dict[torch.device, list[tuple[int, list[int], torch.Tensor]]] = {}
         self._plans: dict[tuple[torch.device, tuple[int, ...]], tuple[Any, Any, int]] = {}
 
     def attach(self) -> None:
-        self._handles += [
-            self.model.register_forward_pre_hook(UserHook(self._forward_start)),
-            self.model.register_forward_hook(UserHook(self._forward_done), always_call=True),
-        ]
+        self._handles.append(
+            self.model.register_forward_hook(UserHook(self._forward_done), always_call=True)
+        )
         if self.ctx.step % self.cfg.every == 0:
             self._arm()
 
@@ -468,7 +466,7 @@ class ActivationProbe:
             self._collect(index, module, output)
 
     def _collect(self, index: int, module: nn.Module, output: Any) -> None:
-        if self.cfg.training_only and (not module.training or self._no_grad_forward):
+        if self.cfg.training_only and (not module.training or self.ctx.no_grad_forward):
             return
         if torch._C._current_graph_task_id() != -1:
             return  # activation checkpointing's recompute, inside backward: counted already
@@ -487,15 +485,8 @@ class ActivationProbe:
             self.ctx.guard.run(self.component, self._measure)
 
     @torch.compiler.disable
-    def _forward_start(self, *_: Any) -> None:
-        # A forward of the model under no_grad or inference_mode (validation with the model
-        # left in train mode) is not training. Decided here, at the model's own entry: inside,
-        # a reentrant checkpoint runs its segment under no_grad in training too.
-        self._no_grad_forward = not torch.is_grad_enabled()
-
-    @torch.compiler.disable
     def _forward_done(self, *_: Any) -> None:
-        self._no_grad_forward = False  # submodules run outside the model's forward count
+        self.ctx.no_grad_forward = False  # submodules run outside the model's forward count
         if self._pending:
             with torch._C.DisableTorchFunction():
                 self.ctx.guard.run(self.component, self._measure)
