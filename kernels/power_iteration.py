@@ -5,23 +5,25 @@ and W_K) grows before attention-logit blow-ups. An exact SVD of GPT-2's weights 
 The textbook iteration (v = A^T u, then u = A v) reads each matrix twice; here each program owns
 whole rows, so the two products share one read of them:
 
-    w = A v                  (per block of rows, the rows held in registers)
+    w = A (c v)              (per block of rows, the rows held in registers)
     z = A^T w                (the same registers; partial sums per row segment)
-    sigma = ||z|| / ||w||,  v <- z / ||z||
+    t = z c / ||w||,  sigma = ||t|| / c,  v <- t / ||t||,  c <- 2^-floor(log2 sigma)
 
-With v of unit length, ``||z|| / ||w|| = ||A^T u||`` for ``u = w / ||w||``: a lower bound of
-sigma(A) that rises to it, one whole iteration (``v <- A^T A v``) per read. The vectors persist
+With v of unit length, ``||t|| / c = ||A^T u||`` for ``u = w / ||w||``: a lower bound of
+sigma(A) that rises to it, one whole iteration (``v <- A^T A v``) per read. The power of two ``c``
+(per matrix, carried with v) keeps ``c * sigma`` in [1, 2), so the squares in the norms neither
+underflow nor overflow float32 for any sigma from ~1e-36 to ~1e36, and, a power of two, it changes
+no rounding. A matrix's first ``c`` comes from its largest magnitude. The vectors persist
 between calls (warm start), so while the weights drift slowly one iteration per training step
 tracks sigma closely. ``numwatch.distributed.ShardedPowerIteration`` runs the same iteration on
 row-sharded weights.
 
 A matrix's first v is A^T g / ||A^T g|| for a random g (half an iteration ahead of a random v).
 When ``w`` is 0 (A == 0, or v orthogonal to A's rows) the estimate is 0; when it is not finite
-(A holds Inf or NaN, or sigma is beyond ~1e19) the estimate is NaN; in both cases v restarts from
-its first value (a random unit vector where that was 0), so a weight that recovers is tracked
-again. At the other end the squares underflow fp32: weights of magnitude below ~1e-22 (below
-~1e-20 in the compiled kernel, which flushes subnormals) read 0 or NaN instead of their tiny
-sigma (known limitation; a per-matrix scale carried with v would lift it).
+(A holds Inf or NaN) the estimate is NaN; in both cases v and c restart from their first values
+(a random unit vector where v's was 0), so a weight that recovers is tracked again. A weight whose
+scale jumps by more than ~1e18 between two iterations (past what ``c`` covers) restarts the same
+way, reading 0 or NaN for that iteration.
 
 ``PowerIteration`` is what probes call. ``power_iteration_reference`` is the pure-torch path (the
 CPU path and the oracle of the Triton kernels): it groups matrices of one shape and dtype into
@@ -51,6 +53,7 @@ from .launch import Relauncher, capture_when_due, next_power_of_2, replay
 
 _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 _TINY = 1.1754944e-38  # smallest normal fp32: ||w|| floor, so w == 0 stays 0 (no 0/0)
+_EXP_MAX = 253  # largest biased fp32 exponent a scale is taken from: 2^(127 - 253) is normal
 MAX_ROW = 16384  # longest row (elements) a Triton program holds in registers
 GROUP_BYTES = 256 * 2**20  # torch path: float32 bytes of matrices batched into one matmul, at most
 _FINISH_SEGS = 16  # a matrix's finish reads its segments' ||w||^2 this many at a time, at most
@@ -58,7 +61,9 @@ _FINISH_SEGS = 16  # a matrix's finish reads its segments' ||w||^2 this many at 
 __all__ = [
     "MAX_ROW",
     "PowerIteration",
+    "Vectors",
     "head_views",
+    "pow2_scale",
     "power_iteration_reference",
     "qk_logit_bound",
 ]
@@ -118,20 +123,28 @@ def _signature(entries: Sequence[_Entry]) -> tuple:
     return tuple((e.view.shape, e.transposed) for e in entries)
 
 
+class Vectors(NamedTuple):
+    """Flat float32 buffers of a list of batches ``(n_i, m_i, k_i)``: each batch's ``(n_i, k_i)``
+    unit vectors (current, restart) and its ``(n_i,)`` power-of-two scales (current, restart)."""
+
+    v: torch.Tensor
+    v0: torch.Tensor
+    c: torch.Tensor
+    c0: torch.Tensor
+
+
 def power_iteration_reference(
     views: Sequence[torch.Tensor],
-    v: torch.Tensor,
-    v0: torch.Tensor,
+    vec: Vectors,
     iters: int,
-    offsets: Sequence[int] | None = None,
+    offsets: Sequence[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
-    """``iters`` iterations over oriented batches ``views[i]`` ``(n_i, m_i, k_i)``; updates ``v``.
+    """``iters`` iterations over oriented batches ``views[i]`` ``(n_i, m_i, k_i)``; updates ``vec``.
 
-    ``v`` and ``v0`` are flat float32 buffers holding each batch's ``(n_i, k_i)`` unit vectors in
-    order (current and restart), or at ``offsets[i]`` where given. Batches of one shape and dtype
-    are concatenated (one float32 copy, at most ``GROUP_BYTES`` of it at a time: a large model's
-    weights are not all copied at once) and run as one batched matmul. Returns the ``(sum n_i,)``
-    float32 estimates.
+    Batch i's vectors are at ``offsets[i][0]`` and its scales at ``offsets[i][1]`` of ``vec``'s
+    buffers (default: packed in list order). Batches of one shape and dtype are concatenated (one
+    float32 copy, at most ``GROUP_BYTES`` of it at a time: a large model's weights are not all
+    copied at once) and run as one batched matmul. Returns the ``(sum n_i,)`` float32 estimates.
     """
     if offsets is None:
         offsets = _flat_offsets(views)
@@ -144,28 +157,35 @@ def power_iteration_reference(
         a = (torch.cat(batch) if len(batch) > 1 else batch[0]).float()  # (B, m, k)
         k = a.shape[2]
 
-        def gather(flat: torch.Tensor, members: list[int] = members, k: int = k) -> torch.Tensor:
-            parts = [flat[offsets[i] : offsets[i] + views[i].shape[0] * k] for i in members]
-            return torch.cat(parts).view(-1, k)
+        def gather(
+            flat: torch.Tensor, j: int, width: int, members: list[int] = members
+        ) -> torch.Tensor:
+            ends = [(offsets[i][j], offsets[i][j] + views[i].shape[0] * width) for i in members]
+            return torch.cat([flat[lo:hi] for lo, hi in ends]).view(-1, width)
 
-        vv, restart = gather(v), gather(v0)
+        vv, c = gather(vec.v, 0, k), gather(vec.c, 1, 1)[:, 0]
+        restart = (gather(vec.v0, 0, k), gather(vec.c0, 1, 1)[:, 0])
         for _ in range(iters):
-            vv, sigma = _iteration(a, vv, restart)
+            vv, c, sigma = _iteration(a, vv, c, restart)
         start = 0
         for i in members:
             n = views[i].shape[0]
-            v[offsets[i] : offsets[i] + n * k] = vv[start : start + n].reshape(-1)
+            at, at_c = offsets[i]
+            vec.v[at : at + n * k] = vv[start : start + n].reshape(-1)
+            vec.c[at_c : at_c + n] = c[start : start + n]
             sigma_parts[i] = sigma[start : start + n]
             start += n
     return torch.cat([sigma_parts[i] for i in range(len(views))])
 
 
-def _flat_offsets(views: Sequence[torch.Tensor]) -> list[int]:
-    """Where each batch's ``(n, k)`` vectors start in the flat buffer, in list order."""
-    offsets, at = [], 0
+def _flat_offsets(views: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Where each batch's ``(n, k)`` vectors and ``(n,)`` scales start in the flat buffers, in
+    list order."""
+    offsets, at, at_c = [], 0, 0
     for a in views:
-        offsets.append(at)
+        offsets.append((at, at_c))
         at += a.shape[0] * a.shape[2]
+        at_c += a.shape[0]
     return offsets
 
 
@@ -185,18 +205,26 @@ def _chunks(views: Sequence[torch.Tensor], members: list[int]) -> list[list[int]
 
 
 def _iteration(
-    a: torch.Tensor, v: torch.Tensor, restart: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(v, sigma) after one iteration from the unit rows of ``v`` for a float32 batch (B, m, k):
-    the Triton kernels' arithmetic (z is scaled by 1/||w|| before its norm: no overflow below
-    sigma ~ 1e19)."""
-    w = torch.bmm(a, v.unsqueeze(-1))  # (B, m, 1)
+    a: torch.Tensor, v: torch.Tensor, c: torch.Tensor, restart: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(v, c, sigma) after one iteration from the unit rows of ``v`` and scales ``c`` for a
+    float32 batch (B, m, k): the Triton kernels' arithmetic."""
+    w = torch.bmm(a, (v * c.unsqueeze(-1)).unsqueeze(-1))  # (B, m, 1)
     nw = w.square().sum((1, 2)).sqrt()
-    z = torch.bmm(a.transpose(1, 2), w).squeeze(-1) / nw.clamp_min(_TINY).unsqueeze(-1)
-    nz = z.square().sum(-1).sqrt()  # ||A^T u|| for the unit u = w / ||w||
-    ok = (nw > 0) & torch.isfinite(nw) & (nz > 0) & torch.isfinite(nz)
-    sigma = torch.where(nw == 0, 0.0, torch.where(ok, nz, float("nan")))
-    return torch.where(ok.unsqueeze(-1), z / nz.unsqueeze(-1), restart), sigma
+    z = torch.bmm(a.transpose(1, 2), w).squeeze(-1)
+    t = z * (c / nw.clamp_min(_TINY)).unsqueeze(-1)
+    nt = t.square().sum(-1).sqrt()  # c ||A^T u|| for the unit u = w / ||w||
+    ok = (nw > 0) & torch.isfinite(nw) & (nt > 0) & torch.isfinite(nt)
+    sigma = torch.where(nw == 0, 0.0, torch.where(ok, nt / c, float("nan")))
+    v = torch.where(ok.unsqueeze(-1), t / torch.where(ok, nt, 1.0).unsqueeze(-1), restart[0])
+    return v, torch.where(ok, pow2_scale(sigma), restart[1]), sigma
+
+
+def pow2_scale(x: torch.Tensor) -> torch.Tensor:
+    """2^-floor(log2 x) for positive float32 ``x`` (``x`` times it is in [1, 2)), from the exponent
+    bits (the Triton kernels take the same bits), bounded to normal float32 powers of two."""
+    e = (x.float().view(torch.int32) >> 23) & 0xFF
+    return ((254 - e.clamp_max(_EXP_MAX)) << 23).view(torch.float32)
 
 
 # --- Triton kernels ------------------------------------------------------------------------------
@@ -253,17 +281,19 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n_mats", "n_tiles", "tile_base"])
     def _pi_fused_kernel(
-        table_ptr, v_ptr, v0_ptr, zp_ptr, sq_ptr, done_ptr, sigma_ptr, n_mats, n_tiles, tile_base,
+        table_ptr, v_ptr, v0_ptr, c_ptr, c0_ptr, zp_ptr, sq_ptr, done_ptr, sigma_ptr, n_mats,
+        n_tiles, tile_base,
         FMT: tl.constexpr, ALIGN: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr,
         STAGES: tl.constexpr, SEGS: tl.constexpr,
     ):  # fmt: skip
-        """For one row segment of one matrix: w = A v and z = A^T w from one read of the rows
+        """For one row segment of one matrix: w = A (c v) and z = A^T w from one read of the rows
         (blocks of BM whole rows in registers); z into the segment's partial, ||w||^2 into
         ``sq[tile]``. The matrix's last segment to finish then finishes the matrix: ||w|| from
-        the segments' squares, z = the sum of their partials, sigma = ||z|| / ||w||, and
-        v <- z / ||z|| (or the restart vector)."""
+        the segments' squares, z = the sum of their partials, t = z c / ||w||,
+        sigma = ||t|| / c, v <- t / ||t|| and c <- 2^-floor(log2 sigma) (or the restart values)."""
         tile = tile_base + tl.program_id(0)
-        tiles = table_ptr + 8 * n_mats  # after ptr, m, k, stride_m, v_off, zp_off, n_seg, first
+        tiles = table_ptr + 9 * n_mats  # after ptr, m, k, stride_m, v_off, c_off, zp_off, n_seg,
+        # first
         i = tl.load(tiles + tile)
         r0 = tl.load(tiles + n_tiles + tile)
         r1 = tl.load(tiles + 2 * n_tiles + tile)
@@ -272,14 +302,16 @@ if triton is not None:
         k = tl.load(table_ptr + 2 * n_mats + i)
         sm = tl.load(table_ptr + 3 * n_mats + i)
         v_off = tl.load(table_ptr + 4 * n_mats + i)
-        zp_off = tl.load(table_ptr + 5 * n_mats + i)
-        n_seg = tl.load(table_ptr + 6 * n_mats + i)
+        c_off = tl.load(table_ptr + 5 * n_mats + i)
+        zp_off = tl.load(table_ptr + 6 * n_mats + i)
+        n_seg = tl.load(table_ptr + 7 * n_mats + i)
         if ALIGN > 1:  # rows start and end on 16-byte boundaries: vector loads
             sm = tl.multiple_of(sm, ALIGN)
             k = tl.multiple_of(k, ALIGN)
         cols = tl.arange(0, KP)
         cmask = cols < k
-        v = tl.load(v_ptr + v_off + cols, mask=cmask, other=0.0)
+        c = tl.load(c_ptr + c_off)
+        v = tl.load(v_ptr + v_off + cols, mask=cmask, other=0.0) * c
         z = tl.zeros([KP], tl.float32)
         sq = tl.zeros([BM], tl.float32)
         for r in tl.range(r0, r1, BM, num_stages=STAGES):
@@ -293,7 +325,7 @@ if triton is not None:
         # (A separate finishing launch, one program per matrix, took a fifth of the step.)
         if tl.atomic_add(done_ptr + i, 1, sem="acq_rel") == n_seg - 1:
             tl.store(done_ptr + i, 0)  # ready for the next iteration
-            first = tl.load(table_ptr + 7 * n_mats + i)
+            first = tl.load(table_ptr + 8 * n_mats + i)
             segs = tl.arange(0, SEGS)
             acc = tl.zeros([SEGS], tl.float32)
             for s0 in range(0, n_seg, SEGS):  # past L1 (.cg): other SMs wrote them
@@ -306,15 +338,19 @@ if triton is not None:
                 z += tl.load(
                     zp_ptr + zp_off + s * k + cols, mask=cmask, other=0.0, cache_modifier=".cg"
                 )
-            # ||w||, sigma = ||z|| / ||w||, v <- z / ||z|| (or the restart vector)
+            # ||w||, t = z c / ||w||, sigma = ||t|| / c, v <- t / ||t||, c <- 2^-floor(log2 sigma)
             nw = tl.sqrt(tl.sum(acc, 0))
-            z = z * (1.0 / tl.maximum(nw, 1.1754944e-38))
-            nz = tl.sqrt(tl.sum(z * z, 0))
-            ok = (nw > 0) & (nw < float("inf")) & (nz > 0) & (nz < float("inf"))
-            tl.store(sigma_ptr + i, tl.where(nw == 0, 0.0, tl.where(ok, nz, float("nan"))))
+            t = z * (c / tl.maximum(nw, 1.1754944e-38))
+            nt = tl.sqrt(tl.sum(t * t, 0))
+            ok = (nw > 0) & (nw < float("inf")) & (nt > 0) & (nt < float("inf"))
+            sigma = nt / c
+            tl.store(sigma_ptr + i, tl.where(nw == 0, 0.0, tl.where(ok, sigma, float("nan"))))
             restart = tl.load(v0_ptr + v_off + cols, mask=cmask, other=0.0)
-            v_new = tl.where(ok, z * (1.0 / tl.where(ok, nz, 1.0)), restart)
+            v_new = tl.where(ok, t * (1.0 / tl.where(ok, nt, 1.0)), restart)
             tl.store(v_ptr + v_off + cols, v_new, mask=cmask)
+            e = tl.minimum((sigma.to(tl.int32, bitcast=True) >> 23) & 0xFF, 253)
+            c_new = ((254 - e) << 23).to(tl.float32, bitcast=True)
+            tl.store(c_ptr + c_off, tl.where(ok, c_new, tl.load(c0_ptr + c_off)))
 
     _launch_fused = Relauncher(_pi_fused_kernel)
 
@@ -339,20 +375,24 @@ class _Plan(NamedTuple):
 
 
 def _build_plan(
-    views: Sequence[torch.Tensor], offsets: Sequence[int], device: torch.device, cfg: _Config
+    views: Sequence[torch.Tensor],
+    offsets: Sequence[tuple[int, int]],
+    device: torch.device,
+    cfg: _Config,
 ) -> _Plan:
-    """Tables of every matrix (one per batch element; its vector at ``offsets[i]`` in the flat
-    buffer) and of its row segments, grouped into one launch per dtype and padded row length."""
-    mats: list[tuple[int, int, int, int, int, int]] = []  # ptr, m, k, stride_m, v_off, dtype
-    for a, v_off in zip(views, offsets, strict=True):
+    """Tables of every matrix (one per batch element; its vector and scale at ``offsets[i]`` in
+    the flat buffers) and of its row segments, grouped into one launch per dtype and padded row
+    length."""
+    mats: list[tuple[int, ...]] = []  # ptr, m, k, stride_m, v_off, c_off, dtype
+    for a, (v_off, c_off) in zip(views, offsets, strict=True):
         n, m, k = a.shape
         for b in range(n):
             ptr = a.data_ptr() + b * a.stride(0) * a.element_size()
-            mats.append((ptr, m, k, a.stride(1), v_off + b * k, _FORMATS[a.dtype]))
+            mats.append((ptr, m, k, a.stride(1), v_off + b * k, c_off + b, _FORMATS[a.dtype]))
     n_mats = len(mats)
     zp_off, n_seg, first = ([0] * n_mats for _ in range(3))
     groups: dict[tuple[int, int], list[int]] = {}
-    for i, (_, _, k, _, _, fmt) in enumerate(mats):
+    for i, (_, _, k, _, _, _, fmt) in enumerate(mats):
         groups.setdefault((fmt, next_power_of_2(k)), []).append(i)
     tiles: list[tuple[int, int, int, int]] = []
     launches = []
@@ -361,7 +401,7 @@ def _build_plan(
         base, align = len(tiles), 16
         bm = max(1, cfg.tile // kp)
         for i in members:
-            ptr, m, k, sm, _, _ = mats[i]
+            ptr, m, k, sm = mats[i][:4]
             align = _common_alignment(align, ptr, sm, k, _DTYPES[fmt].itemsize)
             rows = max(bm, -(-cfg.elems // k) // bm * bm)
             n_seg[i], first[i], zp_off[i] = -(-m // rows), len(tiles), zp_size
@@ -369,7 +409,7 @@ def _build_plan(
             tiles.extend((i, r0, min(m, r0 + rows), s) for s, r0 in enumerate(range(0, m, rows)))
         segs = min(_FINISH_SEGS, next_power_of_2(max(n_seg[i] for i in members)))
         launches.append(_Launch(_DTYPES[fmt], kp, base, len(tiles) - base, align, segs))
-    columns = [[mat[j] for mat in mats] for j in range(5)]
+    columns = [[mat[j] for mat in mats] for j in range(6)]
     table = to_device(
         [x for col in columns for x in col]
         + zp_off
@@ -392,17 +432,16 @@ def _common_alignment(align: int, ptr: int, stride_m: int, k: int, elem: int) ->
     return 16 // elem
 
 
-def _run_triton(
-    plan: _Plan, v: torch.Tensor, v0: torch.Tensor, iters: int, cfg: _Config
-) -> torch.Tensor:
-    sigma = torch.empty(plan.n_mats, dtype=torch.float32, device=v.device)
-    side = cfg.streams and v.is_cuda and len(plan.launches) > 1
-    with _on_device(v.device):
+def _run_triton(plan: _Plan, vec: Vectors, iters: int, cfg: _Config) -> torch.Tensor:
+    device = vec.v.device
+    sigma = torch.empty(plan.n_mats, dtype=torch.float32, device=device)
+    side = cfg.streams and vec.v.is_cuda and len(plan.launches) > 1
+    with _on_device(device):
         for _ in range(iters):
             # The launches touch disjoint matrices: side by side, one's tail overlaps the others'
             # streaming (H200, GPT-2's 336 matrices: 0.118 against 0.141 ms in turn on one
             # stream). The next iteration, or the caller, waits for all of them.
-            streams = _side_streams(v.device, len(plan.launches)) if side else None
+            streams = _side_streams(device, len(plan.launches)) if side else None
             if streams:
                 for stream in streams:
                     stream.wait_stream(torch.cuda.current_stream())
@@ -411,7 +450,7 @@ def _run_triton(
                 with torch.cuda.stream(streams[j]) if streams else nullcontext():
                     _launch_fused(
                         (fmt, launch.align, launch.kp, launch.segs, cfg), (launch.n_tiles,),
-                        plan.table, v, v0, plan.zp, plan.sq, plan.done, sigma, plan.n_mats,
+                        plan.table, *vec, plan.zp, plan.sq, plan.done, sigma, plan.n_mats,
                         plan.n_tiles, launch.tile_base,
                         FMT=fmt, ALIGN=launch.align, KP=launch.kp,
                         BM=max(1, cfg.tile // launch.kp), STAGES=cfg.stages, SEGS=launch.segs,
@@ -434,17 +473,15 @@ def _side_streams(device: torch.device, n: int) -> list[torch.cuda.Stream]:
     return have[:n]
 
 
-def _run_split(
-    state: _State, v: torch.Tensor, v0: torch.Tensor, iters: int, cfg: _Config
-) -> torch.Tensor:
+def _run_split(state: _State, vec: Vectors, iters: int, cfg: _Config) -> torch.Tensor:
     """The Triton plan's matrices, then those it cannot hold (torch path), in list order."""
-    sigma = _run_triton(state.plan, v, v0, iters, cfg)
+    sigma = _run_triton(state.plan, vec, iters, cfg)
     if not state.rest:
         return sigma
     views = [state.views[i] for i in state.rest]
     offsets = [state.offsets[i] for i in state.rest]
     with torch.no_grad():
-        other = power_iteration_reference(views, v, v0, iters, offsets)
+        other = power_iteration_reference(views, vec, iters, offsets)
     return torch.cat([sigma, other]).index_select(0, state.order)
 
 
@@ -454,18 +491,24 @@ def _on_device(device: torch.device) -> AbstractContextManager:
 
 
 @torch.no_grad()
-def _start_vectors(view: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Unit start vectors ``(n, k)`` of a batch ``(n, m, k)``: A^T g for a random g (half an
-    iteration ahead of a random v, its components already weighted by the singular values), or
-    a random unit vector where A^T g is 0 or not finite (they are also the restart vectors)."""
+def _start_vectors(view: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unit start vectors ``(n, k)`` of a batch ``(n, m, k)`` and their scales ``(n,)``.
+
+    The vector is A^T g for a random g (half an iteration ahead of a random v, its components
+    already weighted by the singular values), or a random unit vector where A^T g is 0 or not
+    finite; the scale is ``pow2_scale`` of the largest magnitude (1 where that is 0 or not
+    finite). They are also the restart values."""
     n, m, k = view.shape
+    a = view.float()
+    amax = a.abs().amax((1, 2))
+    c = torch.where((amax > 0) & torch.isfinite(amax), pow2_scale(amax), 1.0)
     g = torch.randn(n, 1, m, generator=gen, device=view.device)
-    t = torch.bmm(g, view.float()).squeeze(1)
+    t = torch.bmm(g, a * c[:, None, None]).squeeze(1)
     norm = t.square().sum(-1, keepdim=True).sqrt()
     rnd = torch.randn(n, k, generator=gen, device=view.device)
     rnd = rnd / rnd.norm(dim=-1, keepdim=True)
     ok = (norm > 0) & torch.isfinite(norm)
-    return torch.where(ok, t / norm.clamp_min(_TINY), rnd)
+    return torch.where(ok, t / norm.clamp_min(_TINY), rnd), c
 
 
 class _State(NamedTuple):
@@ -474,7 +517,7 @@ class _State(NamedTuple):
     signature: tuple
     plan: _Plan | None  # Triton path (None: torch path)
     views: list[torch.Tensor]  # the oriented batches (they also keep copies alive to the launch)
-    offsets: list[int]  # where each batch's vectors start in the flat buffers
+    offsets: list[tuple[int, int]]  # where each batch's vectors and scales start
     rest: list[int]  # with a plan: the batches it cannot hold (torch path)
     order: torch.Tensor | None  # with rest: list positions of [plan's estimates, rest's]
     cacheable: bool  # False when an entry had to be copied (its address changes every call)
@@ -510,14 +553,13 @@ class PowerIteration:
         self.backend = backend
         self.seed = seed
         self._signature: tuple = ()
-        self._v: torch.Tensor | None = None  # flat (sum n*k,) float32 unit vectors
-        self._v0: torch.Tensor | None = None  # their initial values: the restart vectors
+        self._vec: Vectors | None = None  # flat vectors and scales (initial: restart values)
         self._states: OrderedDict[tuple, _State] = OrderedDict()  # by memory layout of the list
         self._cfg = _CONFIG
 
     def reset(self) -> None:
         """Forget every vector; the next step starts from fresh random ones."""
-        self._signature, self._v, self._v0 = (), None, None
+        self._signature, self._vec = (), None
 
     def step(self, matrices: Sequence[torch.Tensor], iters: int | None = None) -> torch.Tensor:
         """Run ``iters`` (default ``self.iters``) iterations; ``(N,)`` float32 estimates."""
@@ -541,10 +583,10 @@ class PowerIteration:
                 if len(self._states) > 8:
                     self._states.popitem(last=False)
         if state.plan is not None:
-            run = functools.partial(_run_split, state, self._v, self._v0, iters, self._cfg)
+            run = functools.partial(_run_split, state, self._vec, iters, self._cfg)
             return self._run(state, iters, run)
         with torch.no_grad():
-            return power_iteration_reference(state.views, self._v, self._v0, iters)
+            return power_iteration_reference(state.views, self._vec, iters)
 
     @staticmethod
     def _run(state: _State, kind: Hashable, launches: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -596,23 +638,28 @@ class PowerIteration:
     def _ensure_vectors(self, entries: Sequence[_Entry], device: torch.device) -> None:
         """(Re)build the vector buffers when the list's shapes changed, keeping what still fits."""
         signature = _signature(entries)
-        if signature == self._signature and self._v is not None and self._v.device == device:
+        if signature == self._signature and self._vec is not None and self._vec.v.device == device:
             return
         gen = torch.Generator(device=device).manual_seed(self.seed)
-        old = self._split(self._signature, self._v) if self._v is not None else []
-        old0 = self._split(self._signature, self._v0) if self._v0 is not None else []
-        parts, parts0 = [], []
+        old = self._split(self._signature, self._vec) if self._vec is not None else []
+        parts: list[tuple[torch.Tensor, ...]] = []
         for j, e in enumerate(entries):
-            keep = j < len(old) and self._signature[j] == signature[j] and old[j].device == device
-            fresh = None if keep else _start_vectors(e.view, gen).reshape(-1)
-            parts.append(old[j] if keep else fresh)
-            parts0.append(old0[j] if keep else fresh)
-        self._v = torch.cat(parts)
-        self._v0 = torch.cat(parts0)
+            keep = j < len(old) and self._signature[j] == signature[j]
+            keep = keep and old[j][0].device == device
+            if keep:
+                parts.append(old[j])
+            else:
+                v, c = _start_vectors(e.view, gen)
+                parts.append((v.reshape(-1), v.reshape(-1), c, c))
+        self._vec = Vectors(*(torch.cat(column) for column in zip(*parts, strict=True)))
         self._signature = signature
         self._states.clear()
 
     @staticmethod
-    def _split(signature: tuple, flat: torch.Tensor) -> list[torch.Tensor]:
+    def _split(signature: tuple, vec: Vectors) -> list[tuple[torch.Tensor, ...]]:
+        """Each batch's (v, v0, c, c0) slices of ``vec``."""
         sizes = [shape[0] * shape[2] for shape, _ in signature]
-        return list(flat.split(sizes))
+        counts = [shape[0] for shape, _ in signature]
+        vs, v0s = vec.v.split(sizes), vec.v0.split(sizes)
+        cs, c0s = vec.c.split(counts), vec.c0.split(counts)
+        return list(zip(vs, v0s, cs, c0s, strict=True))

@@ -36,6 +36,7 @@ from numwatch.errors import NumwatchConfigError
 from numwatch.kernels import attention_stats as ats
 from numwatch.kernels import tensor_stats as ts
 from numwatch.kernels.host_copy import to_device
+from numwatch.kernels.power_iteration import pow2_scale
 
 try:
     from torch.distributed.tensor import DTensor
@@ -630,12 +631,15 @@ class ShardedPowerIteration:
     """Warm-started spectral norms of row-sharded matrices (FSDP2 ``Shard(0)`` weights), whole
     or per head, with one small all-reduce per iteration and no weight ever gathered.
 
-    The vector ``u`` of each matrix lives in its column space and is the same on every rank. One
-    iteration: each rank multiplies its rows ``A_r`` into ``v_r = A_r u`` and sends
-    ``[A_r^T v_r, ||v_r||^2]``; one SUM all-reduce over all matrices gives ``A^T A u`` and
-    ``||A u||^2``; ``sigma = ||A^T A u|| / ||A u||`` (PowerIteration's estimate, on ``A^T``) and
-    ``u <- A^T A u / ||A^T A u||``. Arithmetic is float32. A zero estimate, or a non-finite one
-    (a weight holding NaN/Inf; reported as NaN), restarts ``u`` from its first value.
+    The vector ``u`` of each matrix lives in its column space and is the same on every rank, as
+    is its power-of-two scale ``c`` (PowerIteration's: ``c * sigma`` near 1, so no square under-
+    or overflows float32; the first from the largest magnitude, one MAX all-reduce). One
+    iteration: each rank multiplies its rows ``A_r`` into ``v_r = A_r (c u)`` and sends
+    ``[A_r^T v_r, ||v_r||^2]``; one SUM all-reduce over all matrices gives ``y = c A^T A u`` and
+    ``||c A u||^2``; ``t = y c / ||c A u||``, ``sigma = ||t|| / c`` (PowerIteration's estimate,
+    on ``A^T``), ``u <- t / ||t||``. Arithmetic is float32. A zero estimate, or a non-finite one
+    (a weight holding NaN/Inf; reported as NaN), restarts ``u`` and ``c`` from their first
+    values.
 
     ``step(blocks)`` takes ``MatrixBlock``s or bare 2-D tensors (one whole matrix each) and returns
     the ``(sum of groups,)`` float32 estimates in order, on the weights' device, identical on all
@@ -650,6 +654,8 @@ class ShardedPowerIteration:
         self._signature: tuple = ()
         self._u: list[torch.Tensor] = []  # per block: (groups, k) float32 unit rows
         self._u0: list[torch.Tensor] = []
+        self._c: list[torch.Tensor] = []  # per block: (groups,) float32 powers of two
+        self._c0: list[torch.Tensor] = []
 
     @torch.no_grad()
     def step(self, blocks: Sequence[torch.Tensor | MatrixBlock]) -> torch.Tensor:
@@ -661,10 +667,12 @@ class ShardedPowerIteration:
             raise ValueError("ShardedPowerIteration needs all sharded weights on one mesh")
         group = next(iter(groups.values()), None)
         device = pieces[0].rows.device
-        self._ensure_vectors([(p.groups, p.rows.shape[-1]) for p in pieces], device)
+        self._ensure_vectors(pieces, group, device)
         sigmas: list[torch.Tensor] = []
         for _ in range(self.iters):
-            packets = [_packet(p, u) for p, u in zip(pieces, self._u, strict=True)]
+            packets = [
+                _packet(p, u * c[:, None]) for p, u, c in zip(pieces, self._u, self._c, strict=True)
+            ]
             shared = [q for q, p in zip(packets, pieces, strict=True) if p.group is not None]
             if shared:
                 flat = torch.cat([q.reshape(-1) for q in shared])
@@ -676,25 +684,40 @@ class ShardedPowerIteration:
                 ]
             sigmas = []
             for j, q in enumerate(packets):
-                w, nv2 = q[:, :-1], q[:, -1]  # (G, k) A^T A u, (G,) ||A u||^2
-                nw = w.norm(dim=-1)
-                ok = (nv2 > 0) & torch.isfinite(nv2) & (nw > 0) & torch.isfinite(nw)
-                sigma = torch.where(ok, nw / nv2.sqrt(), math.nan)
+                y, nv2 = q[:, :-1], q[:, -1]  # (G, k) c A^T A u, (G,) ||c A u||^2
+                c = self._c[j]
+                t = y * (c / nv2.sqrt().clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(-1)
+                nt = t.norm(dim=-1)
+                ok = (nv2 > 0) & torch.isfinite(nv2) & (nt > 0) & torch.isfinite(nt)
+                sigma = torch.where(ok, nt / c, math.nan)
                 sigmas.append(torch.where(nv2 == 0, 0.0, sigma))
-                unit = w / nw.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+                unit = t / torch.where(ok, nt, 1.0).unsqueeze(-1)
                 self._u[j] = torch.where(ok.unsqueeze(-1), unit, self._u0[j])
+                self._c[j] = torch.where(ok, pow2_scale(sigma), self._c0[j])
         return torch.cat(sigmas)
 
-    def _ensure_vectors(self, shapes: list[tuple[int, int]], device: torch.device) -> None:
-        signature = tuple(shapes)
+    def _ensure_vectors(self, pieces: list[_Piece], group: Any, device: torch.device) -> None:
+        signature = tuple((p.groups, p.rows.shape[-1]) for p in pieces)
         if signature == self._signature and self._u and self._u[0].device == device:
             return
         gen = torch.Generator(device="cpu").manual_seed(self.seed)  # the same on every rank
         self._u0 = []
-        for g, k in shapes:
+        for g, k in signature:
             u = torch.randn(g, k, generator=gen)
             self._u0.append((u / u.norm(dim=-1, keepdim=True)).to(device))
         self._u = list(self._u0)
+        amax = [_group_amax(p) for p in pieces]
+        shared = [a for a, p in zip(amax, pieces, strict=True) if p.group is not None]
+        if shared:  # every rank starts from the scale of the whole matrix
+            flat = torch.cat(shared)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+            maxima = iter(flat.split([a.numel() for a in shared]))
+            amax = [
+                next(maxima) if p.group is not None else a
+                for a, p in zip(amax, pieces, strict=True)
+            ]
+        self._c0 = [torch.where((a > 0) & torch.isfinite(a), pow2_scale(a), 1.0) for a in amax]
+        self._c = list(self._c0)
         self._signature = signature
 
 
@@ -766,6 +789,15 @@ def _piece(block: MatrixBlock) -> _Piece:
     if top or bottom:  # a group split between ranks: zero rows stand for the others' rows
         a = torch.cat([a.new_zeros(top, k), a, a.new_zeros(bottom, k)])
     return _Piece(a.view(-1, size, k), (s - start) // size, block.groups, group)
+
+
+def _group_amax(piece: _Piece) -> torch.Tensor:
+    """(G,) float32: the largest magnitude of this rank's rows of each group (0 where none)."""
+    out = torch.zeros(piece.groups, dtype=torch.float32, device=piece.rows.device)
+    n = piece.rows.shape[0]
+    if n and piece.rows[0].numel():
+        out[piece.first : piece.first + n] = piece.rows.abs().amax((1, 2))
+    return out
 
 
 def _packet(piece: _Piece, u: torch.Tensor) -> torch.Tensor:

@@ -610,7 +610,9 @@ def scenario_sharded_sigma(rank: int, out: Path) -> dict:
     pi = ShardedPowerIteration(iters=3)
     first = pi.step(blocks)
     converged = [pi.step(blocks) for _ in range(100)][-1]
-    return {"first": first, "converged": converged}
+    tiny = _sigma_blocks([distribute_tensor(w * 1e-30, mesh, [Shard(0)]) for w in full])
+    tiny_pi = ShardedPowerIteration(iters=300)
+    return {"first": first, "converged": converged, "tiny": tiny_pi.step(tiny)}
 
 
 SCENARIOS = {
@@ -1011,6 +1013,10 @@ def test_sharded_power_iteration_matches_single_process_and_svd(runs):
         heads = w.split(w.shape[d] // g, dim=d)
         want += [torch.linalg.matrix_norm(h, ord=2) for h in heads]
     torch.testing.assert_close(res[0]["converged"].double(), torch.stack(want), rtol=1e-4, atol=0)
+    # weights of 1e-30 (||A u||^2 underflows float32 without the shared power-of-two scale)
+    tiny = res[0]["tiny"].double() * 1e30
+    torch.testing.assert_close(tiny, torch.stack(want[: tiny.numel()]), rtol=1e-4, atol=0)
+    assert torch.equal(res[0]["tiny"], res[1]["tiny"])
 
 
 def test_a_probe_failing_on_one_rank_at_a_flush_does_not_break_the_others(runs):

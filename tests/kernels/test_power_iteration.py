@@ -120,6 +120,32 @@ def test_zero_and_nonfinite_matrices_restart(backend: str, device: str) -> None:
 
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
+@pytest.mark.parametrize("magnitude", [1e-33, 1e-25, 1e25, 1e33])
+def test_tiny_and_huge_weights_read_their_sigma(backend: str, device: str, magnitude: float):
+    """Weights far outside 1 (where ||A v||^2 underflows or overflows float32) read their sigma:
+    the per-matrix power-of-two scale keeps the squares near 1. Before it, 1e-25 read 0 and 1e25
+    NaN. The bf16 copy has the same exponent range."""
+    a = _planted(40, 24, [3.0, 1.0], seed=41) * magnitude
+    mats = [a.float().to(device), a.to(torch.bfloat16).to(device)]
+    est = PowerIteration(backend=backend).step(mats, iters=12).cpu().double()
+    want = torch.stack([_sigma(m) for m in mats])
+    torch.testing.assert_close(est / magnitude, want / magnitude, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_a_weight_shrinking_by_1e4_per_step_is_tracked(backend: str, device: str) -> None:
+    """One iteration per step follows a weight across 32 orders of magnitude: each step's scale
+    comes from the previous estimate."""
+    a = _planted(30, 20, [2.0, 0.5], seed=42)
+    p = PowerIteration(backend=backend)
+    p.step([a.float().to(device)], iters=10)
+    for t in range(1, 9):
+        scaled = (a * 1e-4**t).float().to(device)
+        est = p.step([scaled]).item()
+        assert est == pytest.approx(_sigma(scaled).item(), rel=1e-5, abs=0)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
 def test_view_with_no_contiguous_dim_is_copied(backend: str, device: str) -> None:
     base = _planted(40, 36, [2.0, 0.5], seed=50).float().to(device)
     view = base[::2, ::3]  # neither dim has stride 1
@@ -204,12 +230,12 @@ def test_one_iteration_is_v_to_AtAv(
     p._cfg = pi._Config(tile=64, elems=300, num_warps=4, stages=2)
     flat = [a for m in mats for a in (m if m.dim() == 3 else m[None])]
     for _ in range(3):
-        v = p._v.clone() if p._v is not None else None
+        v = p._vec.v.clone() if p._vec is not None else None
         est = p.step(mats).cpu()
         if v is None:
             continue
         vs = v.cpu().split([a.shape[1] for a in flat])
-        new = p._v.cpu().split([a.shape[1] for a in flat])
+        new = p._vec.v.cpu().split([a.shape[1] for a in flat])
         for j, a in enumerate(flat):
             want_v, want_sigma = _float64_iteration(a, vs[j])
             torch.testing.assert_close(new[j].double(), want_v, rtol=0, atol=2e-5)
@@ -267,6 +293,7 @@ def test_rows_longer_than_a_program_holds_run_on_torch(monkeypatch: pytest.Monke
     split, ref = PowerIteration(backend="triton"), PowerIteration(backend="torch")
     for _ in range(5):  # on a GPU, steps 3-5 replay the split step as a CUDA graph
         torch.testing.assert_close(split.step(mats), ref.step(mats), rtol=1e-5, atol=0)
-    torch.testing.assert_close(split._v, ref._v, rtol=0, atol=1e-6)
+    torch.testing.assert_close(split._vec.v, ref._vec.v, rtol=0, atol=1e-6)
+    assert torch.equal(split._vec.c, ref._vec.c)
     state = next(iter(split._states.values()))
     assert state.plan is not None and state.plan.n_mats == 3 and state.rest == [0, 2]
