@@ -300,6 +300,9 @@ def providers(causal: bool, d: int | None = None):
 
 
 def measure(fn, backend, q, k, v, do, flops: float) -> dict:
+    """Forward, backward alone (one forward's graph, its backward replayed with retain_graph),
+    and forward + backward, each a median of its own timing runs."""
+
     def fwd():
         return fn(q, k, v)
 
@@ -308,28 +311,61 @@ def measure(fn, backend, q, k, v, do, flops: float) -> dict:
 
     def run():
         f_ms = bench_ms(fwd)
+        graph = fn(q, k, v)
+        b_ms = bench_ms(lambda: graph.backward(do, retain_graph=True), [q, k, v])
         fb_ms = bench_ms(fwd_bwd, [q, k, v])
-        return f_ms, fb_ms
+        return f_ms, b_ms, fb_ms
 
-    if backend is None:
-        f_ms, fb_ms = run()
-    else:
-        with sdpa_kernel(backend):
-            f_ms, fb_ms = run()
+    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+        f_ms, b_ms, fb_ms = run()
     return {
         "fwd_ms": round(f_ms, 4),
+        "bwd_ms": round(b_ms, 4),
         "fwd_bwd_ms": round(fb_ms, 4),
         "fwd_tflops": round(flops / f_ms * 1e-9, 1),
+        "bwd_tflops": round(2.5 * flops / b_ms * 1e-9, 1),
         "fwd_bwd_tflops": round(3.5 * flops / fb_ms * 1e-9, 1),
-        "bwd_tflops": round(2.5 * flops / max(fb_ms - f_ms, 1e-6) * 1e-9, 1),
     }
+
+
+def agreement(providers_: dict, q, k, v, do) -> dict:
+    """Each provider's output and gradients against cuDNN's on the timed inputs: max and mean
+    absolute difference, and whether ours stay within twice FA2's own mean difference from cuDNN
+    (+1e-4): the timed calls compute what they claim, in every mode and kernel. (The max is one
+    element's rounding: a bf16 ulp of a large value; a wrong mask or scale moves the mean by
+    orders of magnitude.)"""
+
+    def run(name: str) -> tuple[torch.Tensor, ...]:
+        backend, fn = providers_[name]
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            o = fn(q, k, v)
+            grads = torch.autograd.grad(o, (q, k, v), do)
+        return (o, *grads)
+
+    ref = run("cudnn")
+    diffs = {}
+    for name in providers_:
+        if name != "cudnn":
+            got = run(name)
+            diffs[name] = {}
+            for part, a, b in zip(("o", "dq", "dk", "dv"), got, ref, strict=True):
+                err = (a.float() - b.float()).abs()
+                diffs[name][f"{part}_max"] = err.max().item()
+                diffs[name][f"{part}_mean"] = err.mean().item()
+    fa2 = diffs["fa2"]
+    ok = all(
+        diffs[n][p] <= 2 * fa2[p] + 1e-4 for n in diffs if n != "fa2" for p in fa2 if "mean" in p
+    )
+    return {"abs_diff_vs_cudnn": diffs, "ours_mean_within_2x_fa2": ok}
 
 
 def host_us(shape: tuple[int, int, int, int], causal: bool, calls: int = 300) -> dict:
     """Host time per call where the GPU is idle most of the time (a GPT-2-sized head group at a
     short length): the wall time of ``calls`` calls issued back to back, synchronized once.
     Launch overhead, not kernel time: ours passes host-made TMA descriptors (their Python and
-    tensor-map encoding are per call), SDPA's kernels pass pointers."""
+    tensor-map encoding are per call), SDPA's kernels pass pointers. ``*_kernel_us`` (the
+    kernels' own time per call, from the profiler) shows the GPU's part: where it is well below
+    ``*_us`` the loop waits on the host, and ``*_us`` is the host time of a call."""
     q, k, v, do = make_inputs(*shape)
     out = {"shape": dict(zip(("B", "H", "T", "D"), shape, strict=True)), "causal": causal}
     for name, (backend, fn) in providers(causal).items():
@@ -353,8 +389,22 @@ def host_us(shape: tuple[int, int, int, int], causal: bool, calls: int = 300) ->
                     f()
                 torch.cuda.synchronize()
                 timed[f"{label}_us"] = round((time.perf_counter() - t) / calls * 1e6, 1)
+                timed[f"{label}_kernel_us"] = round(kernel_us(f), 1)
         out[name] = timed
     return out
+
+
+def kernel_us(fn, calls: int = 50) -> float:
+    """GPU kernel time per call of ``fn`` (the profiler's device time of every kernel it
+    launches; CUDA-event timings of a host-bound call include the GPU's idle gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.self_device_time_total for e in prof.key_averages())
+    return total / calls
 
 
 def ratios(r: dict) -> dict:
@@ -464,6 +514,7 @@ def main() -> None:
         "cudnn": torch.backends.cudnn.version(),
         "dtype": "bfloat16",
         "flops": "fwd 4*B*H*T^2*D (x0.5 causal); bwd 2.5x fwd; fwd+bwd 3.5x fwd",
+        "bwd": "timed alone: one forward's graph, backward(retain_graph=True) replayed",
         "targets": "fwd >= 0.8x cuDNN and >= 1.3x FA2; bwd >= 0.75x cuDNN; stabilize <= 5%",
     }
 
@@ -507,12 +558,17 @@ def main() -> None:
         q, k, v, do = make_inputs(s["B"], s["H"], s["T"], s["D"])
         fl = flops_fwd(s["B"], s["H"], s["T"], s["D"], s["causal"])
         res = {}
-        for name, (backend, fn) in providers(s["causal"], s["D"]).items():
+        timed = providers(s["causal"], s["D"])
+        try:
+            check = agreement(timed, q, k, v, do)
+        except Exception as e:
+            check = f"failed: {type(e).__name__}: {str(e)[:200]}"
+        for name, (backend, fn) in timed.items():
             try:
                 res[name] = measure(fn, backend, q, k, v, do, fl)
             except Exception as e:
                 res[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
-        row = {"shape": s, "results": res}
+        row = {"shape": s, "agreement": check, "results": res}
         if fag.DISABLED_BY is not None:  # ours_* ran the Triton forward: say so
             row["gluon_forward_failed"] = fag.DISABLED_BY
         if all(isinstance(r, dict) for r in res.values()):
