@@ -175,6 +175,8 @@ def _finite_row(x: torch.Tensor, total: float, own_tiny: float, underflow_tiny: 
     a = x.abs()
     zeros = int((a == 0).sum())
     below_own = int((a < own_tiny).sum()) - zeros
+    if x.dtype == torch.float32:  # a threshold below fp32's range (float64's) would read 0
+        underflow_tiny = max(underflow_tiny, 2.0**-149)
     below_uf = below_own if underflow_tiny == own_tiny else int((a < underflow_tiny).sum()) - zeros
     sumsq = x.double().square().sum().item()  # squared in fp32, 2e19 would read +inf
     return [

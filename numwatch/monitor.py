@@ -560,7 +560,7 @@ class Monitor(Joinable):
         # step(loss) is not part of a training step: it must not make that call close one, nor
         # count in the activation statistics (training_only).
         grad = torch.is_grad_enabled()
-        self._ctx.no_grad_forward = not grad
+        self._ctx.eval_forward = not grad or not self.model.training
         if grad:
             self._ctx.activity = True
         if self._join_config.enable:  # inside Join: tell joined ranks this one still trains
@@ -757,7 +757,7 @@ class Monitor(Joinable):
                 )
             )
         for probe in self._probes:
-            probe.reset()
+            self._guard.run(probe.component, probe.reset)
         ctx.tracker.reset()
         fired: list[tuple[Event, Rule | None]] = list(
             self._guard.run("rules", self._engine.evaluate, step, records, nonfinite) or []

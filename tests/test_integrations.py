@@ -144,6 +144,29 @@ def test_lightning_loss_attention_and_optimizer_metrics(pl):
     assert last.series("optimizer_lr")  # the optimizer was attached (optimizer probe)
 
 
+def test_lightning_loss_under_accumulation_is_the_mean_of_the_micro_batches(pl):
+    """With accumulate_grad_batches=k the loss was the last micro-batch's divided by k."""
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    micro = []
+    module = lightning_module(pl)
+    training_step = module.training_step
+
+    def recorded(batch, batch_idx):
+        loss = training_step(batch, batch_idx)
+        micro.append(loss.item())
+        return loss
+
+    module.training_step = recorded
+    callback = NumwatchCallback(**monitor_options())
+    trainer = lightning_trainer(pl, [callback], steps=2)
+    trainer.accumulate_grad_batches = 4
+    trainer.fit(module, loader(8))
+    assert len(micro) == 8
+    losses = [s.value("loss") for s in callback.monitor.history]
+    assert losses == pytest.approx([sum(micro[:4]) / 4, sum(micro[4:]) / 4], rel=1e-6)
+
+
 def test_lightning_skip_step_skips_the_step_it_judged(pl):
     from numwatch.integrations.lightning import NumwatchCallback
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
 import math
@@ -17,6 +18,12 @@ from numwatch.errors import NumwatchHalt
 from numwatch.sinks.console import ConsoleSink
 from numwatch.sinks.jsonl import read_jsonl
 from numwatch.testing import hook_state, host_never_waits, planted_tensor, requires_gpu
+
+
+@dataclasses.dataclass
+class Output:
+    hidden: torch.Tensor
+    extra: tuple
 
 
 class Emit(nn.Module):
@@ -101,6 +108,7 @@ def test_planted_activation_outputs_of_any_structure(make_monitor):
             "dct": Emit({"x": b, "mask": torch.ones(2, dtype=torch.bool)}),
             "none": Emit(None),
             "empty": Emit(torch.empty(0, 3)),
+            "dataclass": Emit(Output(hidden=b, extra=(a,))),  # were left out, unmeasured
         }
     )
     monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
@@ -119,6 +127,9 @@ def test_planted_activation_outputs_of_any_structure(make_monitor):
     assert snap.value("activation_absmax", module="dct") == 2.0
     assert snap.get("activation_numel", module="none") is None
     assert snap.get("activation_numel", module="empty") is None
+    assert snap.value("activation_numel", module="dataclass") == b.numel() + a.numel()
+    assert snap.value("activation_posinf", module="dataclass") == 1
+    assert snap.value("activation_nan", module="dataclass") == 1
 
 
 def test_fp8_activation_statistics(make_monitor):
@@ -669,6 +680,26 @@ def test_parameters_unfrozen_after_attach_are_named_once(make_monitor, caplog):
     opt.step()  # closes the step and flushes (flush_every=1)
     params = {r.labels["param"] for r in monitor.snapshot().series("grad_absmax")}
     assert params == {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+
+def test_parameters_frozen_after_attach_keep_the_monitor_running(make_monitor):
+    """Gradual freezing: a watched parameter frozen mid-run refuses a gradient hook. Flushes
+    went on failing from then on (no snapshots), and detach() left the hooks made before the
+    failure on the model."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    before = hook_state(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = make_monitor(model, flush_every=2).attach(opt)
+    for step in range(8):
+        if step == 3:
+            model[2].weight.requires_grad_(False)
+        model(torch.randn(4, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert monitor.snapshot().step == 7 and not any(monitor.errors.values())
+    assert [s.step for s in monitor.history] == [1, 3, 5, 7]
+    monitor.detach()
+    assert hook_state(model) == before
 
 
 def test_disabled_monitor_adds_nothing(make_monitor):

@@ -67,6 +67,26 @@ def test_loss_scale_and_its_drops():
     assert snap.value("loss_scale_drops_total") == 1
 
 
+def test_every_drop_of_a_run_of_overflows_is_counted():
+    """Overflow steps never reach optimizer.step(): reading the scale there saw a run of three
+    halvings as one drop and reported no scale at the flushes in between."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor = monitor_for(model, opt, scaler=scaler)
+    for step in range(6):
+        loss = model(torch.ones(1, 2)).sum()
+        scaler.scale(loss).backward()
+        if step in (1, 2, 3):
+            model.weight.grad[0, 0] = float("inf")
+        monitor.step(loss)  # README: with a GradScaler, close the step yourself
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert [s.value("loss_scale") for s in monitor.history] == [1024, 1024, 512, 256, 128, 128]
+    assert [s.value("loss_scale_drops_total") for s in monitor.history] == [0, 0, 1, 2, 3, 3]
+
+
 def test_large_models_are_measured_in_rotation_within_the_byte_budget():
     model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(4)])  # 256 B each
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

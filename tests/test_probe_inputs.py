@@ -242,6 +242,28 @@ def test_a_no_grad_forward_in_train_mode_is_not_training(make_monitor, context):
     assert snap.value("attn_calls", layer="") == 1
 
 
+def test_a_submodule_kept_in_eval_mode_is_part_of_the_training_forward(make_monitor):
+    """A backbone in eval mode (frozen BatchNorm statistics) inside a training forward was left
+    out of the activation statistics, and a NaN it made was named after the next module."""
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)))
+    model.append(nn.Linear(8, 1))
+    model[0].eval()
+    with torch.no_grad():
+        model[0][2].weight[0, 0] = float("inf")
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    model(torch.randn(4, 4)).sum().backward()
+    monitor.step()
+    snap = monitor.snapshot()
+    measured = {r.labels["module"] for r in snap.series("activation_numel")}
+    assert measured == {"0", "0.0", "0.1", "0.2", "1"}
+    (event,) = [e for e in monitor.events if e.kind == "nonfinite"]
+    assert event.labels == {"module": "0.2"}
+    model.eval()  # the whole model in eval mode, grad on: no training forward
+    model(torch.randn(4, 4))
+    monitor.step()
+    assert monitor.snapshot().get("activation_numel", module="1") is None
+
+
 def test_a_row_measured_only_by_other_ranks_has_records_without_a_dtype():
     """After cross-rank aggregation a table can hold a row this process never measured (a
     module that ran on another rank only): its records come out, headroom NaN, instead of a

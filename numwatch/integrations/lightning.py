@@ -7,8 +7,9 @@
 - Steps close in ``on_before_optimizer_step``: after backward (and after gradient accumulation),
   **before** Lightning clips gradients, so gradient statistics and the first non-finite
   gradient are the true, unclipped ones. One monitor step per optimizer step.
-- The loss of the step is the one Lightning passes to ``on_before_backward`` (divided by
-  ``accumulate_grad_batches``, as Lightning does before backward).
+- The loss of the step is the sum of the losses Lightning passes to ``on_before_backward``
+  (each divided by ``accumulate_grad_batches``, as Lightning does before backward): the mean of
+  the step's micro-batch losses.
 - ``training_step`` usually calls submodules rather than the LightningModule's ``forward``;
   the callback opens the forward that attention interception follows from
   ``on_train_batch_start`` to ``on_before_backward`` (``Monitor.begin_forward``).
@@ -107,7 +108,8 @@ class NumwatchCallback(Callback):
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         self._end_forward()
-        self._driver.loss = loss.detach()
+        loss = loss.detach()
+        self._driver.loss = loss if self._driver.loss is None else self._driver.loss + loss
 
     def on_before_optimizer_step(
         self, trainer: Any, pl_module: Any, optimizer: torch.optim.Optimizer

@@ -29,9 +29,12 @@ class ProbeContext:
     underflow_dtype: torch.dtype | None
     step: int = 0  # the step in progress (0-based)
     activity: bool = False  # a hook fired since the last closed step
-    # The model's running forward is under no_grad / inference_mode (validation left in train
-    # mode): set at the model's entry, where a reentrant checkpoint's no_grad segment is not yet
-    no_grad_forward: bool = False
+    # The model's running forward is no training forward: the model is in eval mode, or the
+    # call runs under no_grad / inference_mode (validation left in train mode). Set at the
+    # model's entry (a reentrant checkpoint's no_grad segment, or a submodule kept in eval mode
+    # such as a frozen BatchNorm, is part of a training forward); None outside the model's
+    # forward, where each module's own mode and the grad mode decide.
+    eval_forward: bool | None = None
 
     def backend_for(self, device: torch.device) -> str:
         """The kernel backend a computation on ``device`` uses: 'auto' = Triton on CUDA only."""

@@ -132,7 +132,6 @@ class OptimizerProbe:
     @torch.no_grad()
     def _measure(self) -> None:
         self._updates += 1
-        self._loss_scale()
         if self._before is None or not self._taken:
             return
         # FSDP2 parameters are DTensors: each rank measures its shard; the per-parameter sums
@@ -191,6 +190,11 @@ class OptimizerProbe:
                 self._index_cache.clear()
             index = self._index_cache[key] = to_device(taken, torch.long, device)
         return index
+
+    def on_step(self) -> None:
+        """The loss scale, read at every step close: GradScaler skips optimizer.step() on an
+        overflow step, so a run of overflows (the scale collapsing) passes no optimizer hook."""
+        self._loss_scale()
 
     def _loss_scale(self) -> None:
         scaler = self.scaler

@@ -9,6 +9,7 @@ device-side tables; the host reads them at flush.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -169,6 +170,9 @@ def _floating_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, Mapping):
         for item in obj.values():
             yield from _floating_tensors(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from _floating_tensors(getattr(obj, field.name, None))
 
 
 class GradientProbe:
@@ -219,11 +223,14 @@ class GradientProbe:
         self._disarm()
 
     def _arm(self) -> None:
+        """Order hooks on the parameters that take gradients now (one frozen since attach
+        refuses a hook); each handle is kept as it is made, so detach removes all of them."""
         if not self._handles:
-            self._handles = [
-                p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
-                for i, p in enumerate(self._tensors)
-            ]
+            for i, p in enumerate(self._tensors):
+                if p.requires_grad:
+                    self._handles.append(
+                        p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
+                    )
 
     def _disarm(self) -> None:
         for h in self._handles:
@@ -466,7 +473,7 @@ class ActivationProbe:
             self._collect(index, module, output)
 
     def _collect(self, index: int, module: nn.Module, output: Any) -> None:
-        if self.cfg.training_only and (not module.training or self.ctx.no_grad_forward):
+        if self.cfg.training_only and self._eval_forward(module):
             return
         if torch._C._current_graph_task_id() != -1:
             return  # activation checkpointing's recompute, inside backward: counted already
@@ -484,9 +491,15 @@ class ActivationProbe:
         if now or self._pending_bytes > self.cfg.max_pending_bytes:  # or early: bounded memory
             self.ctx.guard.run(self.component, self._measure)
 
+    def _eval_forward(self, module: nn.Module) -> bool:
+        """No training forward: the model's, decided at its entry; outside it, the module's."""
+        if self.ctx.eval_forward is not None:
+            return self.ctx.eval_forward
+        return not module.training or not torch.is_grad_enabled()
+
     @torch.compiler.disable
     def _forward_done(self, *_: Any) -> None:
-        self.ctx.no_grad_forward = False  # submodules run outside the model's forward count
+        self.ctx.eval_forward = None  # submodules run outside the model's forward: their own
         if self._pending:
             with torch._C.DisableTorchFunction():
                 self.ctx.guard.run(self.component, self._measure)
