@@ -85,6 +85,23 @@ _COMPONENTS = (
 _OPTIMIZER_ACTIONS = (SkipStep, LrBackoff, QKClip)
 
 
+def _warn_uncovered(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """skip_step, lr_backoff and qk_clip act through the attached optimizer alone: say so when
+    another optimizer updates some trainable parameters (e.g. Muon for matrices, AdamW for the
+    rest), since a skipped step would still apply those."""
+    covered = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    other = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+    if other:
+        shown = ", ".join(other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
+        log.warning(
+            "numwatch: the attached optimizer does not update %d trainable parameters (%s); "
+            "skip_step, lr_backoff and qk_clip act through it alone, so another optimizer "
+            "still applies its updates to those",
+            len(other),
+            shown,
+        )
+
+
 _last_default_name = ["", 0]  # the last default run name of this process, and its count
 
 
@@ -237,6 +254,7 @@ class Monitor(Joinable):
             isinstance(a, _OPTIMIZER_ACTIONS) for acts in self._actions.values() for a in acts
         )
         if uses_optimizer:  # the step wrapper closes steps itself, before deciding a skip
+            _warn_uncovered(self.model, optimizer)
             self._control = OptimizerControl(
                 optimizer, self._before_optimizer_update, partial(self._guard.run, "actions")
             )

@@ -97,6 +97,25 @@ def test_nonfinite_gradient_skip_step_leaves_state_bitwise_unchanged():
     assert snap.value("events_total", kind="action", rule="nonfinite") == 1
 
 
+def test_an_optimizer_that_leaves_parameters_to_another_is_named_at_attach(caplog):
+    """skip_step withholds the attached optimizer's update only: with a second optimizer for
+    some parameters (Muon + AdamW splits), a skipped step still applied the other's update, with
+    no word."""
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10))
+    matrices = torch.optim.SGD([model[1].weight, model[2].weight], lr=0.1)
+    rules = only("nonfinite", "nonfinite", None, "skip_step")
+    with caplog.at_level("WARNING", logger="numwatch"):
+        monitor_for(model, rules=rules).attach(matrices).detach()
+        monitor_for(model, rules=rules).attach(torch.optim.SGD(model.parameters())).detach()
+        monitor_for(model).attach(matrices).detach()  # no optimizer action: nothing to say
+    warned = [r.getMessage() for r in caplog.records if "does not update" in r.getMessage()]
+    assert warned == [
+        "numwatch: the attached optimizer does not update 3 trainable parameters (0.weight, "
+        "1.bias, 2.bias); skip_step, lr_backoff and qk_clip act through it alone, so another "
+        "optimizer still applies its updates to those"
+    ]
+
+
 def test_planted_ties_swap_exactly_the_affected_layer():
     torch.manual_seed(0)
     model = Model(plant=(False, True))  # only layer b has repeated maxima

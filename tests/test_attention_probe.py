@@ -501,6 +501,56 @@ def test_detach_leaves_no_mode_of_a_forward_that_never_exited(make_monitor):
     assert torch._C._len_torch_function_stack() == 0
 
 
+def test_a_forward_that_never_exited_is_closed_at_the_next_step(make_monitor):
+    """A Ctrl-C in a notebook cell left the mode entered until detach(): every later forward
+    nested inside it, intercepted and sampled whatever attention.every said."""
+
+    class Abort(BaseException):
+        pass
+
+    x = torch.randn(1, 2, 4, 8)
+    aborting = [True]
+
+    def maybe_abort(q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v)
+        if aborting[0]:
+            raise Abort
+        return out
+
+    model = Net(Fixed(x, x, x, maybe_abort))
+    monitor = make_monitor(model, flush_every=10, attention__every=10)
+    with pytest.raises(Abort):
+        model()
+    aborting[0] = False
+    for _ in range(20):
+        model()
+        monitor.step()
+        assert torch._C._len_torch_function_stack() == 0
+    assert monitor.snapshot().value("attn_calls", layer="block.attn") == 1  # 1 sampled step of 10
+
+
+def test_an_attention_layer_added_after_attach_gets_its_own_label(make_monitor):
+    """A layer appended after attach was labelled with the nearest known ancestor (the root
+    here) and merged into it."""
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Fixed(x, x, x, F.scaled_dot_product_attention)])
+
+        def forward(self):
+            return [b() for b in self.blocks]
+
+    x = torch.randn(1, 2, 4, 8)
+    model = Blocks()
+    monitor = make_monitor(model)
+    model.blocks.append(Fixed(x, x, x, F.scaled_dot_product_attention))
+    model()
+    monitor.step()
+    calls = {r.labels["layer"]: r.value for r in monitor.snapshot().series("attn_calls")}
+    assert calls == {"blocks.0": 1.0, "blocks.1": 1.0}
+
+
 @pytest.mark.parametrize("dropout_p", [0.0, 0.5])
 def test_no_output_error_on_calls_with_dropout(make_monitor, dropout_p):
     """The output error compares with a recomputation without dropout: with dropout_p > 0 it

@@ -17,6 +17,7 @@ import inspect
 import logging
 import math
 import sys
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,6 +156,7 @@ class AttentionProbe:
         self.ctx = ctx
         self.model = model
         self._names = {id(m): name for name, m in model.named_modules()}
+        self._foreign: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules of other models
         self._modules: dict[str, nn.Module] = {}  # layer name -> module, looked up once
         self._selected: dict[str, bool] = {}
         self._stats: dict[str, _LayerStats] = {}
@@ -210,8 +212,17 @@ class AttentionProbe:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        # A forward that never reached its exit (a BaseException, or an exception in a compiled
-        # forward: torch skips always_call hooks there) left the mode entered.
+        self._abandon_forward()
+
+    def on_step(self) -> None:
+        """No forward runs when a step closes: one still open never reached its exit."""
+        if self._depth:
+            self._abandon_forward()
+
+    def _abandon_forward(self) -> None:
+        # A forward that never reached its exit (a KeyboardInterrupt, or an exception in a
+        # compiled forward: torch runs always_call hooks for neither) left the mode entered;
+        # every later forward would only nest inside it, intercepted and sampled.
         self._depth = 0
         self._leave()
         self._held.clear()
@@ -266,6 +277,11 @@ class AttentionProbe:
             obj = frame.f_locals.get("self")
             if isinstance(obj, nn.Module):
                 name = self._names.get(id(obj))
+                if name is None and obj not in self._foreign:  # added after attach?
+                    self._names = {id(m): n for n, m in self.model.named_modules()}
+                    name = self._names.get(id(obj))
+                    if name is None:
+                        self._foreign.add(obj)
                 if name is not None:
                     return name, obj
             frame = frame.f_back
