@@ -158,7 +158,12 @@ def main() -> None:
         print(f"{world} ranks, {'FSDP2' if args.fsdp else 'DDP'}, backend {dist.get_backend()}")
         print(f"global loss at step {snapshot.step}: {snapshot.value('loss'):.4f}")
         print(f"skipped optimizer updates: {snapshot.value('mitigation_skipped_steps_total'):g}")
-        sigma = snapshot.value("attn_q_spectral_norm", layer="blocks.0", head="0")
+        # spectral norms are sampled (weights.every): the last flush that has one
+        sigma = next(
+            s.value("attn_q_spectral_norm", layer="blocks.0", head="0")
+            for s in reversed(monitor.history)
+            if s.get("attn_q_spectral_norm", layer="blocks.0", head="0") is not None
+        )
         print(f"sigma(W_Q) of blocks.0 head 0: {sigma:.4f}; monitor errors: {monitor.errors}")
         for event in monitor.events:
             if event.kind in ("nonfinite", "action"):

@@ -173,7 +173,7 @@ SECTIONS: list[tuple[str, list[tuple[dict[str, Any], int, int]]]] = [
             (
                 stat(
                     "Events",
-                    "Events found since attach (all kinds and rules).",
+                    "Events found since the monitor was made (all kinds and rules).",
                     f"sum by ({BY}) (numwatch_events_total{{{SEL}}})",
                 ),
                 4,
@@ -182,7 +182,7 @@ SECTIONS: list[tuple[str, list[tuple[dict[str, Any], int, int]]]] = [
             (
                 stat(
                     "Skipped steps",
-                    "Optimizer steps the skip_step action skipped since attach.",
+                    "Optimizer steps the skip_step action skipped since the monitor was made.",
                     f"max by ({BY}) (numwatch_mitigation_skipped_steps_total{{{SEL}}})",
                 ),
                 4,
@@ -523,7 +523,7 @@ SECTIONS: list[tuple[str, list[tuple[dict[str, Any], int, int]]]] = [
             ),
             (
                 timeseries(
-                    "Events (since attach)",
+                    "Events (since the monitor was made)",
                     "Events found by kind and rule (counters).",
                     [
                         target(
@@ -549,7 +549,7 @@ SECTIONS: list[tuple[str, list[tuple[dict[str, Any], int, int]]]] = [
             (
                 timeseries(
                     "Skipped optimizer steps",
-                    "Steps the skip_step action skipped since attach.",
+                    "Steps the skip_step action skipped since the monitor was made.",
                     [
                         target(
                             f"max by ({BY}) (numwatch_mitigation_skipped_steps_total{{{SEL}}})",
@@ -599,7 +599,7 @@ SECTIONS: list[tuple[str, list[tuple[dict[str, Any], int, int]]]] = [
             (
                 timeseries(
                     "Monitor errors",
-                    "Failures of numwatch components since attach (training went on).",
+                    "Failures of components since the monitor was made (training goes on).",
                     [
                         target(
                             f"sum by ({BY}, component) (numwatch_monitor_errors_total{{{SEL}}})",

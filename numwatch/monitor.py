@@ -176,6 +176,8 @@ class Monitor(Joinable):
         self._detaching = False
         self._detach_deferred = False
         self._skipped_earlier = 0  # updates skipped while attached before (re-attach)
+        self._scale_drops: torch.Tensor | None = None  # loss-scale drops counted before
+        self._rules_step: int | None = None  # the step of the last flush the rules judged
         self._closing_step = False  # inside a step close, before the step counts as closed
         self._flush_deferred = False  # flush() called there: it runs when the close ends
         self._told_nested_flush = False
@@ -247,7 +249,9 @@ class Monitor(Joinable):
     def _attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
         self._optimizer = optimizer
         if self.config.optimizer.enabled:
-            probe = OptimizerProbe(self.model, optimizer, self.config.optimizer, self._ctx, scaler)
+            probe = OptimizerProbe(
+                self.model, optimizer, self.config.optimizer, self._ctx, scaler, self._scale_drops
+            )
             self._probes.append(probe)
             probe.attach()
         uses_optimizer = any(
@@ -289,6 +293,8 @@ class Monitor(Joinable):
         """Remove whatever attach installed (all of it, or what a failed attach got to)."""
         for probe in self._probes:
             probe.detach()
+            if isinstance(probe, OptimizerProbe) and probe.drops is not None:
+                self._scale_drops = probe.drops  # a counter: the next attach goes on from it
         if self._activity_handle is not None:
             self._activity_handle.remove()
             self._activity_handle = None
@@ -475,6 +481,8 @@ class Monitor(Joinable):
             values["grad_norm"] = math.sqrt(values["grad_norm"])  # NaN stays NaN
         values["nonfinite"] = sum(values.values())  # non-finite iff one of them is
         fired = self._guard.run("rules", self._engine.evaluate_step, self._ctx.step, values) or []
+        for event, _ in fired:
+            self._event_counts[(event.kind, event.rule)] += 1
         self._publish([e for e, _ in fired])
         self._run_actions(fired)
 
@@ -777,9 +785,20 @@ class Monitor(Joinable):
         for probe in self._probes:
             self._guard.run(probe.component, probe.reset)
         ctx.tracker.reset()
-        fired: list[tuple[Event, Rule | None]] = list(
-            self._guard.run("rules", self._engine.evaluate, step, records, nonfinite) or []
-        )
+        fired: list[tuple[Event, Rule | None]] = []
+        if step != self._rules_step:  # a flush with no new step adds no observation
+            self._rules_step = step
+            fired += (
+                self._guard.run(
+                    "rules",
+                    self._engine.evaluate,
+                    step,
+                    records,
+                    nonfinite,
+                    self._mitigation_records,
+                )
+                or []
+            )
         if nonfinite and not any(e.kind == "nonfinite" for e, _ in fired):
             fired += [(e, None) for e in nonfinite]  # no nonfinite rule enabled: still report
         for event, _ in fired:
@@ -809,10 +828,14 @@ class Monitor(Joinable):
             return []
         return [MetricRecord("loss_max", {}, values[0]), MetricRecord("loss_mean", {}, values[1])]
 
-    def _mitigation_records(self) -> list[MetricRecord]:
+    def _mitigation_records(self, pending: Sequence[Event] = ()) -> list[MetricRecord]:
+        """events_total (with ``pending``: events of this flush not counted yet), skipped
+        steps and the LR factor."""
+        counts = self._event_counts.copy()
+        counts.update((e.kind, e.rule) for e in pending)
         out = [
             MetricRecord("events_total", {"kind": kind, "rule": rule}, float(n))
-            for (kind, rule), n in sorted(self._event_counts.items())
+            for (kind, rule), n in sorted(counts.items())
         ]
         control = self._control
         out.append(
@@ -866,7 +889,8 @@ class Monitor(Joinable):
         step_level = [
             n for n, acts in actions.items() if any(isinstance(a, SkipStep) for a in acts)
         ]
-        return RuleEngine(rules.values(), step_level=step_level), actions
+        engine = RuleEngine(rules.values(), step_level, partial(self._guard.run, "rules"))
+        return engine, actions
 
     def _run_actions(self, fired: Sequence[tuple[Event, Rule | None]]) -> None:
         done = []

@@ -49,12 +49,25 @@ def replay(
         if not is_flush(record):  # late events of a detach: actions, nothing to evaluate
             continue
         snapshot, logged = record_to_snapshot(record)
-        nonfinite = [e for e in logged if e.kind == "nonfinite"]
+        nonfinite = _origins(logged)
         fired = [event for event, _ in engine.evaluate(snapshot.step, list(snapshot), nonfinite)]
         if nonfinite and not any(e.kind == "nonfinite" for e in fired):
             fired += nonfinite  # no nonfinite rule enabled: still reported, as the monitor does
         out += [dataclasses.replace(e, time=record["time"]) for e in fired]
     return out
+
+
+def _origins(logged: Sequence[Event]) -> list[Event]:
+    """The monitor's NaN/Inf origins of a flush, once each: every nonfinite rule of the live
+    run logged its own copy (fed back as they are, N rules replayed as N^2 events), and a
+    step-level rule's event ("NaN/Inf in the step's gradients") is no origin."""
+    seen: dict[tuple, Event] = {}
+    for e in logged:
+        origin = "phase" in e.evidence or e.message.startswith("NaN/Inf first seen")
+        if e.kind == "nonfinite" and origin:
+            key = (e.step, e.metric, tuple(sorted(e.labels.items())), e.evidence.get("phase"))
+            seen.setdefault(key, dataclasses.replace(e, rule="nonfinite", severity="critical"))
+    return list(seen.values())
 
 
 def summarize(events: Sequence[Event]) -> dict[str, dict[str, int]]:

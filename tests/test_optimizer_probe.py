@@ -87,6 +87,29 @@ def test_every_drop_of_a_run_of_overflows_is_counted():
     assert [s.value("loss_scale_drops_total") for s in monitor.history] == [0, 0, 1, 2, 3, 3]
 
 
+def test_loss_scale_drops_go_on_across_a_reattach():
+    """A counter never goes back: a re-attach began the drops at 0 again."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor = monitor_for(model, opt, scaler=scaler)
+    drops = []
+    for step in range(4):
+        if step == 2:
+            monitor.detach()
+            monitor.attach(opt, scaler=scaler)
+        loss = model(torch.ones(1, 2)).sum()
+        scaler.scale(loss).backward()
+        if step in (0, 2):
+            model.weight.grad[0, 0] = float("inf")
+        monitor.step(loss)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        drops.append(monitor.snapshot().value("loss_scale_drops_total"))
+    assert drops == [0, 1, 1, 2]
+
+
 def test_large_models_are_measured_in_rotation_within_the_byte_budget():
     model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(4)])  # 256 B each
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

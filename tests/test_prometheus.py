@@ -155,6 +155,39 @@ def test_counters_gauges_and_events():
     assert events == {(("kind", "spike"), ("rank", "3"), ("rule", "r")): 5.0}
 
 
+def test_a_metric_a_flush_did_not_sample_keeps_its_last_series():
+    """Attention and activation series vanished from every flush that did not sample them
+    (flush_every < attention.every): Prometheus marked them stale between samples and an alert
+    with `for:` could never hold. A metric present in the new flush replaces all its series."""
+    sampled = Snapshot(
+        1,
+        [
+            MetricRecord("loss", {}, 0.5),
+            MetricRecord("attn_max_logit", {"layer": "a", "head": "0"}, 7.0),
+            MetricRecord("weight_spectral_norm", {"param": "w"}, 3.0),
+        ],
+        time=1.7e9,
+    )
+    between = Snapshot(3, [MetricRecord("loss", {}, 0.25)], time=1.7e9)
+    resampled = Snapshot(
+        5,
+        [MetricRecord("loss", {}, 0.2), MetricRecord("weight_spectral_norm", {"param": "v"}, 2.0)],
+        time=1.7e9,
+    )
+    collector = SnapshotCollector(const_labels={"rank": "0"})
+    collector.update(sampled)
+    collector.update(between)
+    got = samples(collector.exposition())
+    assert got[("numwatch_loss", (("rank", "0"),))] == 0.25
+    assert got[("numwatch_attn_max_logit", (("layer", "a"), ("rank", "0")))] == 7.0
+    assert got[("numwatch_weight_spectral_norm", (("param", "w"), ("rank", "0")))] == 3.0
+    collector.update(resampled)
+    got = samples(collector.exposition())
+    norms = {lab: v for (name, lab), v in got.items() if name == "numwatch_weight_spectral_norm"}
+    assert norms == {(("param", "v"), ("rank", "0")): 2.0}
+    assert got[("numwatch_attn_max_logit", (("layer", "a"), ("rank", "0")))] == 7.0
+
+
 def test_registry_and_fast_text_agree():
     snap = head_snapshot(PLANTED)
     snap = Snapshot(

@@ -290,3 +290,179 @@ def test_a_nonfinite_rule_keeps_its_label_filter_and_cooldown_at_flush():
     assert fired == [("any_quiet", 0), ("any_quiet", 3)]
     # the NaNs the rules let pass are still reported, as the monitor's own event
     assert [e.step for e in monitor.events if e.rule == "nonfinite"] == [1, 2, 4]
+
+
+def _quiet_monitor(model, **kw):
+    import numwatch
+
+    kw.setdefault("sinks__console__enabled", False)
+    kw.setdefault("sinks__jsonl__enabled", False)
+    return numwatch.Monitor(model, **kw)
+
+
+def _regression_steps(monitor, model, opt, steps, scale_at=(), seed=0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        x = torch.randn(8, 4, generator=g)
+        y = torch.randn(8, 1, generator=g) * (1000.0 if step in scale_at else 1.0)
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        monitor.step(loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_rules_on_what_the_rules_and_actions_did_fire_live():
+    """Rules on events_total and mitigation_* saw no values live (those records were added
+    after the rules ran) and fired only in replay; step-level events were not counted."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    rules = {
+        "defaults": False,
+        "add": [
+            {"type": "threshold", "name": "loss_high", "metric": "loss", "threshold": 100.0,
+             "actions": ["skip_step"]},
+            {"type": "threshold", "name": "many_skips", "metric": "mitigation_skipped_steps_total",
+             "threshold": 1.0},
+            {"type": "threshold", "name": "precursor_seen", "metric": "events_total",
+             "threshold": 0.0, "labels": {"kind": "precursor"}},
+        ],
+    }  # fmt: skip
+    monitor = _quiet_monitor(model, flush_every=2, rules=rules).attach(opt)
+    _regression_steps(monitor, model, opt, 8, scale_at=(2, 3, 4))
+    monitor.detach()
+    fired = sorted({(e.rule, e.step) for e in monitor.events if e.kind != "action"})
+    # skips at steps 2, 3, 4 (decided after their step's flush): the flush of step 5 is the
+    # first to hold more than one; loss_high's precursor event of step 2 is counted at step 3
+    skips = {s.step: s.value("mitigation_skipped_steps_total") for s in monitor.history}
+    assert skips == {1: 0, 3: 1, 5: 3, 7: 3}
+    assert [s for r, s in fired if r == "many_skips"] == [5, 7]
+    assert [s for r, s in fired if r == "precursor_seen"] == [3, 5, 7]
+    snap = monitor.snapshot()
+    assert snap.value("events_total", kind="precursor", rule="loss_high") == 3
+    assert snap.value("events_total", kind="action", rule="loss_high") == 3
+
+
+def test_one_rule_that_raises_leaves_the_others_firing(caplog):
+    """A float64 loss of 1e160 made the z-score rules raise (squares overflowed in pstdev) and
+    every other rule went silent while it stayed in their window."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    rules = {"add": [{"type": "threshold", "name": "loss_high", "metric": "loss",
+                      "threshold": 100.0}]}  # fmt: skip
+    monitor = _quiet_monitor(model, flush_every=1, rules=rules).attach(opt)
+    g = torch.Generator().manual_seed(0)
+    for step in range(45):
+        x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+        y = torch.randn(8, 1, generator=g, dtype=torch.float64)
+        y = y * {30: 1e80, 40: 1e3}.get(step, 1.0)
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        monitor.step(loss)
+        opt.step()
+        opt.zero_grad()
+    monitor.detach()
+    assert [e.step for e in monitor.events if e.rule == "loss_high"] == [30, 40]
+    assert monitor.errors.get("rules", 0) == 0
+
+    class Broken(ThresholdRule):
+        def check(self, history, value):
+            raise RuntimeError("broken rule")
+
+    engine = RuleEngine(
+        [Broken(name="broken", metric="m", threshold=0), ThresholdRule(name="ok", metric="m",
+                                                                       threshold=0)],
+        run=lambda fn, *args: _swallow(fn, *args),
+    )  # fmt: skip
+    fired = engine.evaluate(0, [MetricRecord("m", {}, 1.0)])
+    assert [r.name for _, r in fired] == ["ok"]
+
+
+def _swallow(fn, *args):
+    try:
+        return fn(*args)
+    except RuntimeError:
+        return None
+
+
+def test_a_value_measured_once_is_observed_once():
+    """The spectral norms of one sample were reported again at every flush until the next
+    sample, so one planted value satisfied for_flushes=3; a manual flush with no new step fed
+    the last loss to the rules again."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    rules = {
+        "defaults": False,
+        "add": [
+            {"type": "threshold", "name": "sigma_3x", "metric": "weight_spectral_norm",
+             "threshold": 10.0, "for_flushes": 3, "labels": {"param": "0.weight"}},
+            {"type": "threshold", "name": "loss_2x", "metric": "loss", "threshold": 1e4,
+             "for_flushes": 2},
+        ],
+    }  # fmt: skip
+    monitor = _quiet_monitor(model, flush_every=10, rules=rules).attach(opt)
+    sigmas = []
+    for step in range(120):
+        if step == 50:
+            with torch.no_grad():
+                model[0].weight *= 100.0  # for the one sampled step
+        loss = model(torch.randn(4, 8)).pow(2).mean() * (1e6 if step == 59 else 1.0)
+        loss.backward()
+        monitor.step(loss)
+        opt.step()
+        opt.zero_grad()
+        if step == 50:
+            with torch.no_grad():
+                model[0].weight /= 100.0
+        if step % 10 == 9:
+            sigmas.append(monitor.snapshot().get("weight_spectral_norm", param="0.weight"))
+        if step == 59:
+            monitor.flush()  # again, at the same step: no new observation
+    monitor.detach()
+    assert [s is not None for s in sigmas] == [i in (0, 5, 10) for i in range(12)]
+    assert [e.rule for e in monitor.events] == []
+
+
+def test_step_level_rules_refuse_labels_and_nonfinite_rules_select_by_metric():
+    with pytest.raises(NumwatchConfigError, match="no labels to select"):
+        RuleEngine([NonfiniteRule(name="nf", labels={"param": "x*"})], ["nf"])
+    with pytest.raises(NumwatchConfigError, match="selects origins by metric"):
+        RuleEngine([NonfiniteRule(name="nf", metric="grad_norm")])
+    from numwatch.events import Event
+
+    grad = Event(kind="nonfinite", step=3, message="NaN/Inf first seen in the gradient",
+                 rule="nonfinite", metric="grad_nonfinite", labels={"param": "w"})  # fmt: skip
+    loss_only = NonfiniteRule(name="loss_nan", metric="loss")
+    assert loss_only.adopt([grad]) == []
+    assert [e.rule for e in NonfiniteRule(name="any").adopt([grad])] == ["any"]
+
+
+def test_replay_takes_each_logged_origin_once():
+    """Each live nonfinite rule logs its own copy of an origin: fed back whole, N rules
+    replayed as N^2 events."""
+    from numwatch.replay import replay
+
+    def event(rule):
+        return {"kind": "nonfinite", "step": 19, "message": "NaN/Inf first seen in the gradient",
+                "rule": rule, "metric": "grad_nonfinite", "labels": {"param": "w"},
+                "evidence": {"phase": "backward"}}  # fmt: skip
+
+    log = [{"schema": 1, "run": "r", "step": 19, "time": 0.0, "rank": 0,
+            "metrics": [{"name": "loss", "labels": {}, "value": 1.0}],
+            "events": [event("nonfinite"), event("page")]}]  # fmt: skip
+    rules = RulesConfig(add=[{"type": "nonfinite", "name": "page"}])
+    assert sorted(e.rule for e in replay(log, rules)) == ["nonfinite", "page"]

@@ -56,7 +56,9 @@ class OptimizerProbe:
         cfg: OptimizerProbeConfig,
         ctx: ProbeContext,
         scaler: Any = None,
+        drops: torch.Tensor | None = None,
     ) -> None:
+        """``drops``: the loss-scale drops counted by an earlier attach (a counter goes on)."""
         self.cfg = cfg
         self.ctx = ctx
         self.optimizer = optimizer
@@ -79,7 +81,8 @@ class OptimizerProbe:
         self._sums: torch.Tensor | None = None
         self._scale_prev: torch.Tensor | None = None
         self._index_cache: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._drops: torch.Tensor | None = None
+        self.drops: torch.Tensor | None = drops
+        self._fresh = False  # an update measured since the last flush: only then reported
 
     def attach(self) -> None:
         self._handles = [
@@ -160,6 +163,7 @@ class OptimizerProbe:
             self._sums = torch.full((n, 4), float("nan"), dtype=torch.float64, device=sums.device)
         self._sums.index_copy_(0, index, sums)  # each parameter keeps its latest measurement
         self._measured.update(taken)
+        self._fresh = True
 
     def _update_sums(
         self, params: list[torch.Tensor], grads: list[torch.Tensor], updates: list[torch.Tensor]
@@ -203,17 +207,17 @@ class OptimizerProbe:
         scale = scaler._scale.detach().double().reshape(())
         if self._scale_prev is not None:
             dropped = (scale < self._scale_prev).double()
-            self._drops = dropped if self._drops is None else self._drops + dropped
-        elif self._drops is None:
-            self._drops = torch.zeros_like(scale)
+            self.drops = dropped if self.drops is None else self.drops + dropped
+        elif self.drops is None:
+            self.drops = torch.zeros_like(scale)
         self._scale_prev = scale.clone()
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         out = {}
-        if self._sums is not None:
+        if self._sums is not None and self._fresh:  # no sample since: no repeated values
             out["opt/sums"] = self._sums
         if self._scale_prev is not None:
-            out["opt/scale"], out["opt/drops"] = self._scale_prev, self._drops
+            out["opt/scale"], out["opt/drops"] = self._scale_prev, self.drops
         return out
 
     def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
@@ -237,3 +241,4 @@ class OptimizerProbe:
 
     def reset(self) -> None:
         """Values are the latest sampled update's; nothing accumulates between flushes."""
+        self._fresh = False

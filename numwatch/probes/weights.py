@@ -54,6 +54,7 @@ class WeightProbe:
                         self.layers.append((name, layout))
         self._pi: dict[torch.device, PowerIteration] = {}
         self._sigma: torch.Tensor | None = None  # (N,) float32, latest estimates
+        self._fresh = False  # estimated since the last flush: only then are they reported
         # FSDP2 (DTensor) weights: norms from the local shards, never gathered (distributed.py)
         self._blocks = weight_blocks(self.params, self.layers)
         self._sharded = ShardedPowerIteration(cfg.iters) if self._blocks else None
@@ -107,6 +108,7 @@ class WeightProbe:
     def on_step(self) -> None:
         if self.ctx.step % self.cfg.every:
             return
+        self._fresh = True
         if self._sharded is not None:
             self._sigma = self._sharded.step(self._blocks)
             return
@@ -127,7 +129,9 @@ class WeightProbe:
             self._sigma = sigmas[0]
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
-        return {} if self._sigma is None else {"weights/sigma": self._sigma}
+        # A flush without a new estimate reports none: rules count observations, and the
+        # same value repeated would satisfy "for N flushes" from one measurement.
+        return {"weights/sigma": self._sigma} if self._fresh and self._sigma is not None else {}
 
     def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
         if "weights/sigma" not in host:
@@ -154,3 +158,4 @@ class WeightProbe:
 
     def reset(self) -> None:
         """Estimates are kept: they are the state the next step warm-starts from."""
+        self._fresh = False

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from numwatch.errors import NumwatchConfigError
 from numwatch.events import Event
@@ -13,10 +14,15 @@ from numwatch.rules.nonfinite import NonfiniteRule
 from numwatch.sinks.prometheus import DOCUMENTED_METRICS
 from numwatch.snapshot import MetricRecord, series_key
 
-__all__ = ["STEP_METRICS", "RuleEngine"]
+__all__ = ["LATE_METRICS", "ORIGIN_METRICS", "STEP_METRICS", "RuleEngine"]
 
 # Metrics known at every step (without a flush), so rules on them can decide before the update.
 STEP_METRICS = ("grad_norm", "loss", "nonfinite")
+# Metrics that count what the rules and actions did: rules on them run after the others, on
+# counts that include the events of this flush's other rules.
+LATE_METRICS = ("events_total", "mitigation_skipped_steps_total", "mitigation_lr_factor")
+# What a flush-level nonfinite rule can select by ``metric``: where the NaN/Inf began.
+ORIGIN_METRICS = ("nonfinite", "activation_nonfinite", "grad_nonfinite", "loss")
 # Flushes after which a rule's metric that no flush carried, and that is no documented metric,
 # is reported as a probable misspelling: sampled probes measure step 0, so every enabled probe's
 # metrics are in the first flush; 3 leave room for a first flush that came early.
@@ -25,7 +31,16 @@ _log = logging.getLogger("numwatch")
 
 
 class RuleEngine:
-    def __init__(self, rules: Iterable[Rule], step_level: Iterable[str] = ()) -> None:
+    """``run(fn, *args)`` calls each rule (default: directly); the monitor passes its guard, so
+    a rule that raises is counted and skipped for that flush while the others still fire."""
+
+    def __init__(
+        self,
+        rules: Iterable[Rule],
+        step_level: Iterable[str] = (),
+        run: Callable[..., Any] | None = None,
+    ) -> None:
+        self._run = run or (lambda fn, *args: fn(*args))
         self.rules = [r for r in rules if r.enabled]
         names = [r.name for r in self.rules]
         dupes = {n for n in names if names.count(n) > 1}
@@ -38,15 +53,34 @@ class RuleEngine:
                     f"rules[{rule.name}]: its actions need a decision every step, but metric "
                     f"{rule.metric!r} is only known at flush; use one of {STEP_METRICS}"
                 )
+            if rule.name in step_level and rule.labels:
+                raise NumwatchConfigError(
+                    f"rules[{rule.name}]: its actions need a decision every step, from the "
+                    f"step's global {rule.metric}, which has no labels to select; drop "
+                    f"'labels' (origins are named at flush)"
+                )
         self.step_rules = [r for r in self.rules if r.name in step_level]
         self.flush_rules = [r for r in self.rules if r.name not in step_level]
+        for rule in self.flush_rules:
+            if isinstance(rule, NonfiniteRule) and rule.metric not in ORIGIN_METRICS:
+                raise NumwatchConfigError(
+                    f"rules[{rule.name}]: a nonfinite rule at flush selects origins by metric, "
+                    f"one of {ORIGIN_METRICS}; got {rule.metric!r}"
+                )
+        # rules on what the others did run last (see LATE_METRICS)
+        self.flush_rules.sort(key=lambda r: r.metric in LATE_METRICS)
         self._names_seen: set[str] | None = set()  # None once the metric names were checked
         self._flushes = 0
 
     def evaluate(
-        self, step: int, records: Sequence[MetricRecord], nonfinite: Sequence[Event] = ()
+        self,
+        step: int,
+        records: Sequence[MetricRecord],
+        nonfinite: Sequence[Event] = (),
+        late: Callable[[Sequence[Event]], Sequence[MetricRecord]] | None = None,
     ) -> list[tuple[Event, Rule]]:
-        """Events of one flush, each with the rule that fired."""
+        """Events of one flush, each with the rule that fired. ``late(events so far)`` gives
+        the ``LATE_METRICS`` records once the other rules ran (default: those in ``records``)."""
         if self._names_seen is not None:
             self._check_metric_names(records)
         fired: list[tuple[Event, Rule]] = []
@@ -56,31 +90,49 @@ class RuleEngine:
             if r.name in wanted:
                 by_name[r.name].append(r)
         keys: dict[str, list[SeriesKey]] = {}
+        counted = late is None
         for rule in self.flush_rules:
+            if not counted and rule.metric in LATE_METRICS:
+                counted = True
+                for name in LATE_METRICS:
+                    by_name[name] = []
+                for r in late([e for e, _ in fired]):
+                    if r.name in wanted:
+                        by_name[r.name].append(r)
             if isinstance(rule, NonfiniteRule):
-                fired += [(e, rule) for e in rule.adopt(nonfinite)]
-                rule.end_flush()
-                continue
-            recs = by_name[rule.metric]
-            if rule.labels:
-                recs = [rec for rec in recs if rule.wants(rec.name, rec.labels)]
-                series = [series_key(rec.labels) for rec in recs]
-            else:  # rules on one metric share its series keys
-                series = keys.get(rule.metric)
-                if series is None:
-                    series = keys[rule.metric] = [series_key(rec.labels) for rec in recs]
-            values = (rec.value for rec in recs)
-            for i, finding in rule.observe_all(zip(series, values, strict=True)):
-                fired.append((self._event(rule, step, recs[i].labels, finding), rule))
+                events = self._run(rule.adopt, nonfinite) or []
+            else:
+                events = self._run(self._flush_events, rule, step, by_name[rule.metric], keys)
+            fired += [(e, rule) for e in events or []]
             rule.end_flush()
         return fired
+
+    def _flush_events(
+        self,
+        rule: Rule,
+        step: int,
+        recs: list[MetricRecord],
+        keys: dict[str, list[SeriesKey]],
+    ) -> list[Event]:
+        if rule.labels:
+            recs = [rec for rec in recs if rule.wants(rec.name, rec.labels)]
+            series = [series_key(rec.labels) for rec in recs]
+        else:  # rules on one metric share its series keys
+            series = keys.get(rule.metric)
+            if series is None:
+                series = keys[rule.metric] = [series_key(rec.labels) for rec in recs]
+        values = (rec.value for rec in recs)
+        return [
+            self._event(rule, step, recs[i].labels, finding)
+            for i, finding in rule.observe_all(zip(series, values, strict=True))
+        ]
 
     def evaluate_step(self, step: int, values: Mapping[str, float]) -> list[tuple[Event, Rule]]:
         """Events of one step from the step-level metrics (``STEP_METRICS``)."""
         fired = []
         for rule in self.step_rules:
             if rule.metric in values:
-                event = self._observe(rule, step, {}, values[rule.metric])
+                event = self._run(self._observe, rule, step, {}, values[rule.metric])
                 if event is not None:
                     fired.append((event, rule))
             rule.end_flush()

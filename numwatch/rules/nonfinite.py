@@ -37,11 +37,14 @@ class NonfiniteRule(Rule):
 
     def adopt(self, events: Sequence[Event]) -> list[Event]:
         """The monitor's ``nonfinite`` events of one flush this rule fires on: those whose
-        labels (``param`` or ``module``) its ``labels`` select, none during its cooldown."""
+        labels (``param`` or ``module``) its ``labels`` select and, unless its ``metric`` is
+        ``nonfinite`` (any origin), whose metric is its own (``activation_nonfinite``,
+        ``grad_nonfinite`` or ``loss``: where the NaN/Inf began); none during its cooldown."""
         picked = [
             e
             for e in events
-            if all(matches(str(e.labels.get(k, "")), [glob]) for k, glob in self.labels.items())
+            if (self.metric == "nonfinite" or e.metric == self.metric)
+            and all(matches(str(e.labels.get(k, "")), [glob]) for k, glob in self.labels.items())
         ]
         if not picked or self._flushes < self._quiet_until.get((), 0):
             return []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from typing import Literal
 
@@ -19,8 +18,13 @@ def zscore(
 ) -> tuple[float, float, float]:
     """(z, mean, std) of ``value`` against ``past`` (rolling window, or EMA with weight ``ema``)."""
     if ema is None:
-        mean = statistics.fmean(past)
-        std = statistics.pstdev(past, mean)
+        # Scaled sums: statistics.pstdev squared the raw deviations, which overflowed (and
+        # raised) for a value past ~1e154 in the window (a float64 loss).
+        n = len(past)
+        mean = math.fsum(v / n for v in past)
+        dev = [v - mean for v in past]
+        scale = max(map(abs, dev)) or 1.0
+        std = scale * math.sqrt(math.fsum((d / scale) ** 2 for d in dev) / n)
     else:
         mean, var = past[0], 0.0
         for v in past[1:]:

@@ -109,7 +109,7 @@ _HELP = {
     "loss_mean": "Mean loss of the flush window's steps.",
     "step_seconds": "Wall time per training step over the flush window.",
     "monitor_overhead_seconds": "Host time per step spent in numwatch over the flush window.",
-    "monitor_errors_total": "Failures of numwatch components since attach (training went on).",
+    "monitor_errors_total": "Failures of components since the monitor was made (training goes on).",
     "attn_calls": "Attention calls measured in the flush window.",
     "attn_kernel_stabilized": "1 while the layer's attention runs the stabilized kernel.",
     "attn_kernel_fallbacks_total": "Calls routed to numwatch's kernel that fell back to SDPA.",
@@ -134,7 +134,7 @@ _HELP = {
     "attn_qk_logit_bound": "sigma(W_Q) sigma(W_K) / sqrt(head_dim): bound on |logit| per unit-norm "
     "input.",
     "weight_spectral_norm": "Spectral norm of the 2-D parameter (warm-started power iteration).",
-    "events_total": "Events the monitor found since attach, by kind and rule.",
+    "events_total": "Events the monitor found since it was made, by kind and rule.",
     "mitigation_skipped_steps_total": "Optimizer steps skipped by the skip_step action.",
     "mitigation_lr_factor": "Factor the lr_backoff action applies to the learning rate now.",
 }
@@ -236,9 +236,23 @@ class SnapshotCollector(Collector):
         self._prefixes: dict[str, tuple[list[Mapping[str, str]], list[str]]] = {}
 
     def update(self, snapshot: Snapshot, events: Sequence[Event] = ()) -> None:
-        """Serve ``snapshot`` from now on and count ``events`` (one reference swap)."""
+        """Serve ``snapshot`` from now on and count ``events`` (one reference swap).
+
+        A metric the snapshot does not carry at all (a probe that samples less often than the
+        monitor flushes: attention, activations, spectral norms, updates) keeps the series of
+        the last snapshot that had it: a scrape between two samples would otherwise find the
+        series gone, Prometheus would mark them stale, and an alert with ``for:`` could never
+        hold."""
         for event in events:
             self._events[(event.kind, event.rule)] += 1
+        served = self._state[0]
+        if served is not None:
+            names, labels, values = snapshot.columns()
+            have = set(names)
+            held = [r for r in served if r.name not in have]
+            if held:
+                records = [*zip(names, labels, values, strict=True), *held]
+                snapshot = Snapshot(snapshot.step, records, time=snapshot.time, rank=snapshot.rank)
         self._state = (snapshot, dict(self._events))
 
     def describe(self) -> list[Metric]:
