@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 ENV_PREFIX = "NUMWATCH_"
+# Variables of the kernels (numwatch.kernels reads them at import), not monitor settings.
+KERNEL_ENV = frozenset({"NUMWATCH_FLASH_GLUON", "NUMWATCH_FLASH_CONFIGS"})
 
 
 class _Section(BaseModel):
@@ -490,7 +492,7 @@ def _expand_dunder(flat: Mapping[str, Any]) -> dict[str, Any]:
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for name, raw in env.items():
-        if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX):
+        if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX) and name not in KERNEL_ENV:
             key = name[len(ENV_PREFIX) :].lower()
             if _takes_text(key) or not raw.strip():
                 flat[key] = raw

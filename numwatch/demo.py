@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from numwatch.errors import NumwatchError
 
 __all__ = ["GPTConfig", "TinyGPT", "bigram_batches", "main"]
 
@@ -154,7 +157,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--flush-every", type=_count(1), default=10, help="steps per flush and console line (10)"
     )
-    p.add_argument("--jsonl", default=None, help="JSONL log path (default: numwatch-runs/...)")
+    p.add_argument(
+        "--jsonl",
+        default=None,
+        help="JSONL log path, as sinks.jsonl.path: {run_name} and {rank} are filled in (a "
+        "literal brace is written {{ or }}); default: numwatch-runs/demo.rank{rank}.jsonl",
+    )
     p.add_argument(
         "--nan-at", type=_count(0), default=None, help="plant a NaN gradient at this step"
     )
@@ -207,7 +215,16 @@ def main(argv: list[str] | None = None) -> int:
             "sinks__prometheus__enabled": True,
             "sinks__prometheus__port": args.metrics_port,
         }
-    monitor = None if args.no_monitor else numwatch.Monitor(model, **overrides).attach(opt)
+    try:
+        monitor = None if args.no_monitor else numwatch.Monitor(model, **overrides).attach(opt)
+    except NumwatchError as err:  # a port in use, a log path another monitor writes, ...
+        print(f"numwatch demo: {err}", file=sys.stderr)
+        print(
+            "numwatch demo: --metrics-port N picks another port, --no-metrics serves none, "
+            "--jsonl PATH writes another log",
+            file=sys.stderr,
+        )
+        return 2
     if monitor is not None:
         print(
             f"numwatch demo: every probe sampled every {every} steps, with a flush each time "

@@ -119,6 +119,20 @@ def test_section_objects_merge_field_by_field():
     assert (cfg.gradients.params, cfg.gradients.exclude) == (["h.*"], ["bias"])
 
 
+def test_the_kernels_own_variables_are_no_monitor_settings(monkeypatch):
+    """README tells users to set NUMWATCH_FLASH_GLUON=0; every Monitor() then failed with
+    'flash_gluon: unknown setting'."""
+    env = {"NUMWATCH_FLASH_GLUON": "0", "NUMWATCH_FLASH_CONFIGS": "/tmp/c.json"}
+    assert MonitorConfig.load(env=env) == MonitorConfig()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    import torch
+
+    import numwatch
+
+    numwatch.Monitor(torch.nn.Linear(2, 2))
+
+
 def test_env_text_fields_are_taken_verbatim():
     env = {
         "NUMWATCH_RUN_NAME": "0042",

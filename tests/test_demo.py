@@ -55,3 +55,16 @@ def test_bad_demo_arguments_are_usage_errors(capsys, args, message):
         main(args)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_a_message_not_a_traceback(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["--steps", "2", "--jsonl", str(tmp_path / "d.jsonl"), "--metrics-port", str(port)]
+        assert main(args) == 2
+    err = capsys.readouterr().err
+    assert str(port) in err and "--metrics-port N picks another port" in err

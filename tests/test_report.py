@@ -186,6 +186,20 @@ def test_cli(log, tmp_path, capsys):
     assert out.is_file() and "wrote" in capsys.readouterr().out
     assert cli(["report", str(tmp_path / "missing.jsonl")]) == 1
     assert "no run log" in capsys.readouterr().err
+    assert cli(["report", str(log), "-o", str(tmp_path)]) == 1  # a folder: was a traceback
+    assert "Is a directory" in capsys.readouterr().err
+
+
+def test_a_series_of_one_point_is_drawn(tmp_path):
+    """A line through one point draws nothing: a run after its first flush had empty plots."""
+    from matplotlib.figure import Figure
+
+    from numwatch.sinks.report import _plot
+
+    ax = Figure().subplots()
+    _plot(ax, [(9, 3.0)], "loss")
+    (line,) = ax.get_lines()
+    assert line.get_marker() == "." and list(line.get_xdata()) == [9]
 
 
 def test_python_dash_m_numwatch(log, tmp_path):

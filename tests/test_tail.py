@@ -135,6 +135,34 @@ def test_a_compressed_log_is_printed_not_followed(tmp_path, capsys):
     assert "--no-follow" in capsys.readouterr().out
 
 
+def test_a_compressed_log_cut_short_or_not_compressed_at_all(tmp_path, capsys):
+    """A gzip log cut in half printed an EOFError traceback; a plain file named .gz a
+    BadGzipFile one (and the readers called it 'ends early')."""
+    from numwatch.sinks.jsonl import read_jsonl
+
+    whole = gzip.compress(b"".join(line(s) for s in range(1, 200)))
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    assert cli(["tail", str(cut), "--no-follow", "-n", "1"]) == 0
+    assert capsys.readouterr().out.startswith("numwatch step ")
+    fake = tmp_path / "plain.jsonl.gz"
+    fake.write_bytes(line(1))
+    assert cli(["tail", str(fake), "--no-follow"]) == 1
+    assert "not a compressed log" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="not a compressed log"):
+        read_jsonl(fake)
+
+
+def test_the_sink_refuses_a_compressed_name(tmp_path):
+    """It wrote plain JSON under a .gz name, which no reader could then open."""
+    from numwatch.errors import NumwatchConfigError
+
+    for name in ("run.jsonl.gz", "run.jsonl.xz"):
+        with pytest.raises(NumwatchConfigError, match="plain JSONL"):
+            JsonlSink(tmp_path / name, "r")
+        assert not (tmp_path / name).exists()
+
+
 def plain(markup: str) -> str:
     out = io.StringIO()
     Console(file=out, force_terminal=False, width=500).print(markup)

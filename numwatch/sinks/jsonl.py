@@ -83,6 +83,12 @@ class JsonlSink:
         if every < 1:
             raise ValueError(f"JsonlSink every must be >= 1, got {every}")
         self.path = Path(path)
+        if self.path.suffix in (".gz", ".xz"):
+            raise NumwatchConfigError(
+                f"sinks.jsonl.path {str(path)!r}: numwatch writes a plain JSONL log (appended "
+                "every flush, readable while the run goes on); drop the suffix and compress the "
+                "finished log (gzip, or bench/archive_log.py): the readers open .gz and .xz"
+            )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_name = run_name
         self.every = every
@@ -255,6 +261,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Records of a run log (``open_log``, ``parse_record``); lines that are not records are
     skipped with a warning (``warn_unreadable``)."""
     out, skipped = [], []
+    number = 0
     # Bytes: a line of bad UTF-8 is one unreadable line, not the end of the log.
     with open_log(path, "rb") as f:
         try:
@@ -265,10 +272,25 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
                         skipped.append(number)
                     else:
                         out.append(record)
-        except (EOFError, gzip.BadGzipFile, lzma.LZMAError):  # a compressed log cut short
+        except (EOFError, gzip.BadGzipFile, lzma.LZMAError) as err:
+            if not number and not isinstance(err, EOFError):
+                raise ValueError(f"{path}: not a compressed log, though its name says so") from None
             _log.warning("numwatch: %s: the compressed log ends early; read up to there", path)
     warn_unreadable(path, skipped)
     return out
+
+
+def read_log_bytes(path: str | Path) -> bytes:
+    """The bytes of a run log (``open_log``); of a compressed log cut short, those up to the
+    cut."""
+    parts = []
+    with open_log(path, "rb") as f:
+        try:
+            parts.extend(f)  # by lines: a read past the cut would lose what it had decoded
+        except (EOFError, gzip.BadGzipFile, lzma.LZMAError) as err:
+            if not parts and not isinstance(err, EOFError):
+                raise ValueError(f"{path}: not a compressed log, though its name says so") from None
+    return b"".join(parts)
 
 
 def is_flush(record: dict[str, Any]) -> bool:

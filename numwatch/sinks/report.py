@@ -224,7 +224,10 @@ def _title(ax: Any, title: str) -> None:
 def _plot(ax: Any, points: list[tuple[int, float]], label: str, **kwargs: Any) -> None:
     if points:
         steps, values = zip(*points, strict=True)
-        ax.plot(steps, values, label=_verbatim(label), lw=1.2, **kwargs)
+        # a series of one point (a run after its first flush) is drawn as a dot: a line of
+        # one point draws nothing
+        dot = {"marker": ".", "ms": 5} if len(points) == 1 else {}
+        ax.plot(steps, values, label=_verbatim(label), lw=1.2, **dot, **kwargs)
 
 
 def _figure(rows: int) -> tuple[Any, list[Any]]:
@@ -618,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = write_report(args.log, args.out, top=args.top)
-    except NumwatchError as exc:
+    except (NumwatchError, OSError, ValueError) as exc:
         print(f"numwatch report: {exc}", file=sys.stderr)
         return 1
     print(f"numwatch report: wrote {out}")

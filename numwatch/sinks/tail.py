@@ -22,7 +22,7 @@ from rich.markup import escape
 
 from numwatch.events import Event
 from numwatch.sinks.console import summary_line
-from numwatch.sinks.jsonl import is_flush, open_log, parse_record, warn_unreadable
+from numwatch.sinks.jsonl import is_flush, parse_record, read_log_bytes, warn_unreadable
 from numwatch.snapshot import MetricRecord, Snapshot
 
 __all__ = ["follow", "main", "record_to_snapshot"]
@@ -117,8 +117,7 @@ def backlog(path: Path, last: int) -> tuple[list[dict[str, Any]], int]:
     the lines needed are parsed (a long run's log is large)."""
     if not path.is_file():
         return [], 0
-    with open_log(path, "rb") as f:
-        data = f.read()
+    data = read_log_bytes(path)
     end = data.rfind(b"\n") + 1  # a line still being written is read by follow()
     lines = data[:end].splitlines()
     records, skipped = [], []
@@ -160,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
             "grow: print it with --no-follow"
         )
         return 1
-    old, offset = backlog(path, args.lines)
+    try:
+        old, offset = backlog(path, args.lines)
+    except (OSError, ValueError) as err:
+        console.print(f"numwatch tail: {escape(str(err))}")
+        return 1
     for record in old:
         print_record(console, record, events=not args.no_events)
     if args.no_follow:
