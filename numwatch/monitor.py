@@ -178,6 +178,8 @@ class Monitor(Joinable):
         self._skipped_earlier = 0  # updates skipped while attached before (re-attach)
         self._scale_drops: torch.Tensor | None = None  # loss-scale drops counted before
         self._rules_step: int | None = None  # the step of the last flush the rules judged
+        self._late_losses = False  # step(loss) comes after optimizer.step() in this loop
+        self._flush_after_loss = False  # a flush waits for that late loss
         self._closing_step = False  # inside a step close, before the step counts as closed
         self._flush_deferred = False  # flush() called there: it runs when the close ends
         self._told_nested_flush = False
@@ -390,10 +392,15 @@ class Monitor(Joinable):
         if not self.config.enabled:
             return
         if self._last_close == "optimizer" and not self._ctx.activity:
-            # The step this loss belongs to was judged and closed without it (a NaN loss is
-            # still reported, by the next flush, at its own step).
+            # The step this loss belongs to was closed without it (a step-level rule judged it
+            # without its loss). Its flush waits for it: from now on, a flush due at an
+            # optimizer close runs here (or at the next close, if no loss comes).
             self._guard.run("step", self._record_loss, loss, self._ctx.step - 1)
             self._last_close = "late-loss"
+            self._late_losses = True
+            if self._flush_after_loss:
+                self._flush_after_loss = False
+                self.flush()
             return
         self._last_close = "user"  # before closing: a halt raised by the flush leaves it right
         self._close_step(loss)
@@ -430,6 +437,9 @@ class Monitor(Joinable):
     def _close_step(self, loss: torch.Tensor | float | None) -> None:
         # Never in inference mode (a step closed in an evaluation pass): the tables made lazily
         # here must stay normal tensors, or every later in-place update of them fails.
+        if self._flush_after_loss:  # the late loss it waited for did not come
+            self._flush_after_loss = False
+            self.flush()
         self._depth += 1
         try:
             self._guard.run("step", self._dist.settle, self._ctx.step)  # a rank joined? (Join)
@@ -444,7 +454,10 @@ class Monitor(Joinable):
             self._window_steps += 1
             if self._window_steps >= self.config.flush_every or self._flush_deferred:
                 self._flush_deferred = False
-                self.flush()
+                if self._late_losses and self._last_close == "optimizer":
+                    self._flush_after_loss = True  # with the loss step(loss) brings after it
+                else:
+                    self.flush()
         finally:
             self._leave()
 

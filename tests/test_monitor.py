@@ -873,6 +873,37 @@ def test_an_evaluation_forward_before_a_late_step_call_opens_no_step(make_monito
     assert snap.value("loss") == pytest.approx(loss.item())
 
 
+def test_a_loss_recorded_after_the_update_is_in_its_own_steps_flush(make_monitor):
+    """step(loss) after optimizer.step(): each flush held the previous step's loss, so a spike
+    was judged (and labelled) one flush late."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    rules = {"defaults": False, "add": [{"type": "threshold", "name": "big", "metric": "loss",
+                                         "threshold": 100.0}]}  # fmt: skip
+    monitor = make_monitor(model, flush_every=2, rules=rules).attach(opt)
+    losses = []
+    for step in range(8):
+        loss = model(torch.randn(5, 4)).square().mean() * (1e4 if step == 5 else 1.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        monitor.step(loss)
+        losses.append(loss.item())
+    assert [s.step for s in monitor.history] == [1, 3, 5, 7]
+    assert [s.value("loss") for s in monitor.history] == pytest.approx(losses[1::2])
+    assert [(e.rule, e.step) for e in monitor.events] == [("big", 5)]
+    # a loop that stops bringing the loss late: the waiting flush runs at the next close
+    model(torch.randn(5, 4)).square().mean().backward()
+    opt.step()  # closes step 8 (no flush due)
+    model(torch.randn(5, 4)).square().mean().backward()
+    opt.step()  # step 9: its flush waits for a late loss
+    assert monitor.history[-1].step == 7
+    model(torch.randn(5, 4)).square().mean().backward()
+    opt.step()  # none came: it runs before step 10 closes
+    assert monitor.history[-1].step == 9
+
+
 def test_a_monitored_model_copies_and_pickles_as_an_unmonitored_one(make_monitor):
     """An EMA copy (deepcopy) or torch.save(model) while attached: the hooks' copies are inert,
     where bound methods dragged the monitor along (its open JSONL file failed to pickle)."""
