@@ -833,6 +833,33 @@ def test_generate_with_a_padding_mask_measures_every_forward_by_query_head(make_
         monitor.detach()
 
 
+def test_generate_of_an_encoder_decoder_measures_the_encoder(make_monitor):
+    """generate() runs the encoder through get_encoder(), outside the model's forward: its
+    attention was never measured."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BartConfig(
+        vocab_size=32, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=1, forced_eos_token_id=None,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(cfg).eval()
+    ids = torch.randint(3, 32, (2, 7), generator=torch.Generator().manual_seed(0))
+    monitor = make_monitor(model, attention__training_only=False, flush_every=1000)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    calls = {r.labels["layer"]: r.value for r in monitor.flush().series("attn_calls")}
+    assert calls == {
+        "model.encoder.layers.0.self_attn": 1.0,
+        "model.decoder.layers.0.self_attn": 3.0,
+        "model.decoder.layers.0.encoder_attn": 3.0,
+    }
+    monitor.detach()
+    assert not model.get_encoder()._forward_pre_hooks
+
+
 def test_activation_statistics_do_not_pass_through_the_attention_mode(make_monitor, monkeypatch):
     """On sampled steps the attention probe's TorchFunctionMode sees every torch call of the
     forward; the activation probe's own calls (hooks, statistics) must not add to them."""

@@ -203,10 +203,26 @@ class AttentionProbe:
         # The entry runs before and the exit after every hook the model already has, so none of
         # them can skip the entry and still get the exit (an always_call hook runs even when a
         # pre-hook raised).
-        self._handles = [
-            self.model.register_forward_pre_hook(UserHook(self._enter), prepend=True),
-            self.model.register_forward_hook(UserHook(self._exit), always_call=True),
-        ]
+        self._handles = []
+        for root in self._roots():
+            self._handles += [
+                root.register_forward_pre_hook(UserHook(self._enter), prepend=True),
+                root.register_forward_hook(UserHook(self._exit), always_call=True),
+            ]
+
+    def _roots(self) -> list[nn.Module]:
+        """The model, and an encoder-decoder's encoder: generate() runs it through
+        ``get_encoder()``, outside the model's forward (inside it, its entry only nests)."""
+        roots = [self.model]
+        get_encoder = getattr(self.model, "get_encoder", None)
+        if callable(get_encoder):
+            try:
+                encoder = get_encoder()
+            except Exception:  # a decoder-only model's get_encoder may refuse: no encoder
+                encoder = None
+            if isinstance(encoder, nn.Module) and encoder is not self.model:
+                roots.append(encoder)
+        return roots
 
     def detach(self) -> None:
         for h in self._handles:
