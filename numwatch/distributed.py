@@ -172,7 +172,7 @@ def element_ops(
         return ops.reshape(-1)
     if head == "attn" and key.endswith("/heads"):
         return _HEAD_OPS.expand(*shape).reshape(-1).clone()
-    if (head == "attn" and key.endswith("/errors")) or key == "grad_norm_steps":
+    if (head == "attn" and key.endswith(("/errors", "/calls"))) or key == "grad_norm_steps":
         return torch.full((numel,), SUM, dtype=torch.int8)
     if head == "nonfinite_first":
         return torch.full((numel,), MIN, dtype=torch.int8)
@@ -254,11 +254,14 @@ class Aggregator:
 
     def forget_layouts(self) -> None:
         """At a new attach: the probes are rebuilt, so are their rows' roles (a parameter
-        unfrozen between a detach and an attach adds rows)."""
+        unfrozen between a detach and an attach adds rows). A Join that ended the last attach
+        (uneven inputs) ends with it: every rank attaches again, and aggregates again."""
         self._roles.clear()
         self._counted.clear()
         self._plans.clear()
         self._norms = []
+        self.joined_step = None
+        self._announced = []
 
     @property
     def configured(self) -> bool:

@@ -246,6 +246,10 @@ class Monitor(Joinable):
         # collectives too.
         out["rules"] = sorted(repr(r.model_dump()) for r in self._engine.rules)
         out["step_rules"] = sorted(r.name for r in self._engine.step_rules)
+        # the actions that run (none with rules.act off): one rank backing off alone forks them
+        out["actions"] = sorted(
+            repr((name, [a.model_dump() for a in acts])) for name, acts in self._actions.items()
+        )
         return out
 
     def _attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:

@@ -235,8 +235,12 @@ def scenario_rule_mismatch(rank: int, out: Path) -> dict:
     rule = {"type": "threshold", "name": "big_grad", "metric": "grad_norm",
             "threshold": 1e-3 if rank == 0 else 1e9, "actions": ["skip_step"]}  # fmt: skip
     errors = []
+    backoff = {"type": "threshold", "name": "hi_loss", "metric": "loss", "threshold": -1.0,
+               "actions": ["lr_backoff"]}  # fmt: skip
     for kw in ({"rules": {"defaults": False, "add": [rule]}},
-               {"gradients__exclude": ["head.bias"] if rank else []}):  # fmt: skip
+               {"gradients__exclude": ["head.bias"] if rank else []},
+               # actions on one rank only (rules.act): it alone would back off its LR
+               {"rules": {"act": rank == 0, "add": [backoff]}}):  # fmt: skip
         monitor = _monitor(net, out, "rule_mismatch", **kw)
         try:
             monitor.attach()
@@ -443,12 +447,30 @@ def scenario_ddp_join(rank: int, out: Path, accumulate: int) -> dict:
         for s in monitor.history
     ]
     monitor.detach()
+    joined_step = monitor.joined_step
+    # the next epoch, even, attached again: the ranks aggregate again (the last Join had left
+    # every later attach local: the ranks then skipped steps on their own values)
+    monitor.attach(opt)
+    again = []
+    for step in range(2):
+        loss = ddp(batch(rank, 100 + step)).square().mean()
+        loss.backward()
+        again.append(loss.item())
+        monitor.step(loss)
+        opt.step()
+        opt.zero_grad()
+    again_flushed = [s.value("loss") for s in monitor.history[-2:]]
+    rejoined = monitor.joined_step
+    monitor.detach()
     return {
         "steps": monitor.steps,
-        "joined_step": monitor.joined_step,
+        "joined_step": joined_step,
         "errors": {k: v for k, v in monitor.errors.items() if v},
         "losses": losses,
         "flushed": flushed,
+        "again": again,
+        "again_flushed": again_flushed,
+        "rejoined": rejoined,
     }
 
 
@@ -461,6 +483,17 @@ def _fsdp_net() -> nn.Module:
         fully_shard(block)
     fully_shard(net)
     return net
+
+
+def scenario_fsdp_qk_clip(rank: int, out: Path) -> dict:
+    """QK-clip of FSDP2-sharded weights: each rank scales the head's rows of its own shard.
+    Narrowing the DTensor made a redistributed copy, so the clip wrote into it and did nothing
+    while reporting that it clipped."""
+    from numwatch.actions.library import qk_clip
+
+    net = _fsdp_net()
+    qk_clip(net, "a", 1, 400.0, 100.0)
+    return {n: p.full_tensor() for n, p in net.a.qkv.named_parameters()}
 
 
 def scenario_fsdp_stats(rank: int, out: Path) -> dict:
@@ -630,6 +663,7 @@ SCENARIOS = {
     "swap": lambda r, o: scenario_swap(r, o, aggregate=True),
     "swap_local": lambda r, o: scenario_swap(r, o, aggregate=False),
     "sharded_sigma": scenario_sharded_sigma,
+    "fsdp_qk_clip": scenario_fsdp_qk_clip,
     "join": lambda r, o: scenario_ddp_join(r, o, accumulate=1),
     "join_accumulate": lambda r, o: scenario_ddp_join(r, o, accumulate=2),
     "join_disabled": scenario_join_disabled,
@@ -1031,7 +1065,8 @@ def test_a_layer_that_runs_on_one_rank_is_recorded_on_every_rank(runs):
     r0, r1 = _ok(runs["layer_on_one_rank"])
     assert r0["errors"] == r1["errors"] == {}
     assert r0["max_logit_b"] == r1["max_logit_b"] and None not in r0["max_logit_b"]
-    assert (r0["calls_b"], r1["calls_b"]) == (0.0, 1.0)  # this rank's own calls
+    # the global count, as the other statistics are (it was each rank's own: 0 and 1)
+    assert (r0["calls_b"], r1["calls_b"]) == (1.0, 1.0)
     assert r0["acts"] == r1["acts"] and "b" in r0["acts"]
 
 
@@ -1044,7 +1079,7 @@ def test_ranks_configured_differently_are_refused_at_attach(runs):
 
 def test_rules_and_selections_that_differ_between_ranks_are_refused_at_attach(runs):
     for res in _ok(runs["rule_mismatch"]):
-        assert len(res["errors"]) == 2
+        assert len(res["errors"]) == 3
         assert all("configured differently" in e and "ranks [1] differ" in e for e in res["errors"])
 
 
@@ -1073,7 +1108,10 @@ def test_uneven_inputs_under_join_stop_aggregating_instead_of_hanging(runs, name
     ones rank 1's own."""
     r0, r1 = _ok(runs[name])
     assert r0["errors"] == r1["errors"] == {}
-    assert (r0["steps"], r1["steps"]) == (2, 4)
+    assert r0["rejoined"] is None and r1["rejoined"] is None
+    mean = [(a + b) / 2 for a, b in zip(r0["again"], r1["again"], strict=True)]
+    assert r0["again_flushed"] == r1["again_flushed"] == pytest.approx(mean, rel=1e-12)
+    assert (r0["steps"] - 2, r1["steps"] - 2) == (2, 4)
     assert r0["joined_step"] == r1["joined_step"] == 2
     assert r0["flushed"] == r1["flushed"][:2]
     per_rank = r1["flushed"][2][2]
@@ -1127,3 +1165,17 @@ def test_the_rank_is_read_at_attach(monkeypatch, tmp_path):
     monitor.attach()
     assert monitor.rank == 1 and monitor.jsonl_path.endswith("log.rank1.jsonl")
     monitor.detach()
+
+
+def test_qk_clip_scales_the_local_shards_of_fsdp_weights(runs):
+    from numwatch.actions.library import qk_clip
+
+    res = _ok(runs["fsdp_qk_clip"])
+    torch.manual_seed(0)
+    full = Net()  # the same initial weights as _fsdp_net's
+    before = {n: p.detach().clone() for n, p in full.a.qkv.named_parameters()}
+    qk_clip(full, "a", 1, 400.0, 100.0)
+    for name, p in full.a.qkv.named_parameters():
+        assert not torch.equal(p, before[name])  # the head's rows changed
+        for r in res:
+            assert torch.equal(r[name], p.detach()), name

@@ -107,7 +107,7 @@ def qk_clip(model: torch.nn.Module, layer: str, head: int, max_logit: float, tau
     ratio = tau / max_logit
     q, k = layout.q[head], layout.k_for(head)
     if len(layout.k) == len(layout.q):
-        _scale_once([*q.views(), *k.views()], math.sqrt(ratio))
+        _scale_once([*q.local_views(), *k.local_views()], math.sqrt(ratio))
     else:  # a key head is shared by several query heads: clip the query side only
         q.scale_(ratio)
     return ratio

@@ -622,15 +622,18 @@ class AttentionProbe:
             self._measure_held()
         out = {}
         for layer, st in self._stats.items():
-            out[f"attn/{layer}/heads"] = merge_heads(st.heads)
+            heads = out[f"attn/{layer}/heads"] = merge_heads(st.heads)
+            # a device value too: summed over ranks like the heads' counts (a fill, no sync)
+            out[f"attn/{layer}/calls"] = torch.full(
+                (), float(st.calls), dtype=torch.float64, device=heads.device
+            )
             if st.errors:
                 out[f"attn/{layer}/errors"] = merge_errors(st.errors)
         return out
 
     def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
         # After cross-rank aggregation ``host`` also holds layers that ran on other ranks only
-        # (a data-dependent branch): their statistics are global, so they are recorded here too
-        # (attn_calls counts this rank's calls: 0).
+        # (a data-dependent branch): their statistics are global, so they are recorded here too.
         seen = {k[len("attn/") : -len("/heads")] for k in host if _is_heads_key(k)}
         others = sorted(seen - set(self._stats))
         out = []
@@ -638,9 +641,8 @@ class AttentionProbe:
             key = f"attn/{layer}/heads"
             if key not in host:
                 continue
-            st = self._stats.get(layer)
-            calls = float(st.calls) if st is not None else 0.0
-            out.append(MetricRecord("attn_calls", {"layer": layer}, calls))
+            calls = host.get(f"attn/{layer}/calls")
+            out.append(MetricRecord("attn_calls", {"layer": layer}, float(calls or 0.0)))
             heads = host[key].tolist()
             errors = host.get(f"attn/{layer}/errors")
             errors = errors.tolist() if errors is not None else None

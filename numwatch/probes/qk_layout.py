@@ -37,10 +37,35 @@ class HeadSlice:
         w = self.views()[0]
         return w if self.dim == 0 else w.t()
 
+    def local_views(self) -> list[torch.Tensor]:
+        """``views()`` of the elements this process holds, to write in place: of an FSDP2 weight
+        (a DTensor sharded on dim 0), the head's rows in the local shard (every rank writes its
+        own), where narrowing the DTensor makes a redistributed copy and a write is lost."""
+        from numwatch.distributed import is_dtensor
+
+        if not is_dtensor(self.weight):
+            return self.views()
+        out = [_local_part(self.weight, self.dim, self.start, self.stop)]
+        if self.bias is not None:
+            out.append(_local_part(self.bias, 0, self.start, self.stop))
+        return out
+
     @torch.no_grad()
     def scale_(self, factor: float) -> None:
-        for view in self.views():
+        for view in self.local_views():
             view.mul_(factor)
+
+
+def _local_part(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Elements [start, stop) along ``dim`` of a DTensor's local shard (rows sharded on dim 0,
+    as ``distributed._local_rows`` reads them), as a view; empty where none are here."""
+    from numwatch.distributed import _local_rows
+
+    local, lo, _ = _local_rows(t)
+    if dim != 0:  # every rank holds all columns of its rows
+        return local.narrow(dim, start, stop - start)
+    first, last = max(lo, start), min(lo + local.shape[0], stop)
+    return local.narrow(0, first - lo, max(last - first, 0)) if last > first else local[:0]
 
 
 @dataclass(frozen=True)
