@@ -179,6 +179,8 @@ class Monitor(Joinable):
         self._scale_drops: torch.Tensor | None = None  # loss-scale drops counted before
         self._rules_step: int | None = None  # the step of the last flush the rules judged
         self._late_losses = False  # step(loss) comes after optimizer.step() in this loop
+        # the routing of the step just closed, where routes queued during it changed it since
+        self._closed_routing: dict[str, AttentionKernel | None] | None = None
         self._flush_after_loss = False  # a flush waits for that late loss
         self._closing_step = False  # inside a step close, before the step counts as closed
         self._flush_deferred = False  # flush() called there: it runs when the close ends
@@ -453,6 +455,8 @@ class Monitor(Joinable):
             finally:
                 self._closing_step = False
             self._ctx.activity = False
+            # the flush of this step reports the kernels it ran, not those routed from now on
+            self._closed_routing = self._routing() if self._pending_routes else None
             self._apply_routes()
             self._ctx.step += 1
             self._window_steps += 1
@@ -557,6 +561,13 @@ class Monitor(Joinable):
         """Route the SDPA calls of ``layers`` (globs over module paths; None = all) to numwatch's
         flash-attention kernel, from the next step boundary on (now, if between steps)."""
         kernel = AttentionKernel(stabilize=stabilize, beta=beta, mode=mode)
+        if mode.startswith("paper_repro"):
+            log.warning(
+                "numwatch: attention routed to mode %r, an emulation of the paper's failing "
+                "kernel for reproductions and tests (metric attn_kernel_mode{layer,mode}); "
+                "not for training",
+                mode,
+            )
         self._queue_routes(layers, kernel)
 
     def restore_attention(self, layers: str | Iterable[str] | None = None) -> None:
@@ -579,6 +590,15 @@ class Monitor(Joinable):
         self._pending_routes += [(p, kernel) for p in patterns]
         if not self._ctx.activity:  # between steps: nothing of this step has run yet
             self._apply_routes()
+
+    def _routing(self) -> dict[str, AttentionKernel | None]:
+        """The kernel each attention layer seen runs now (None: native SDPA)."""
+        out: dict[str, AttentionKernel | None] = {}
+        for layer in sorted(self._attention.layers_seen if self._attention else ()):
+            kernel = self.attention_kernel(layer)
+            routed = kernel is not None and layer not in self._attention.unroutable
+            out[layer] = kernel if routed else None
+        return out
 
     def _apply_routes(self) -> None:
         if self._attention is None:
@@ -782,11 +802,16 @@ class Monitor(Joinable):
                 )
             )
         if self._attention is not None:
-            for layer in sorted(self._attention.layers_seen):
-                kernel = self.attention_kernel(layer)
-                routed = kernel is not None and layer not in self._attention.unroutable
-                stabilized = float(routed and kernel.stabilized)
+            routing = self._closed_routing
+            for layer, kernel in (self._routing() if routing is None else routing).items():
+                stabilized = float(kernel is not None and kernel.stabilized)
                 records.append(MetricRecord("attn_kernel_stabilized", {"layer": layer}, stabilized))
+                if kernel is not None:  # which kernel, reproduction modes included
+                    name = (
+                        "plain" if kernel.mode == "stabilized" and not stabilized else kernel.mode
+                    )
+                    mode = {"layer": layer, "mode": name}
+                    records.append(MetricRecord("attn_kernel_mode", mode, 1.0))
             for reason, n in sorted(flash_attention_fallbacks().items()):
                 records.append(
                     MetricRecord("attn_kernel_fallbacks_total", {"reason": reason}, float(n))

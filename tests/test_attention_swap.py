@@ -138,6 +138,42 @@ def test_swap_mid_step_waits_for_the_step_boundary(calls):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def test_each_flush_reports_the_kernels_its_step_ran(calls, caplog):
+    """A swap queued mid-step was reported by that step's flush although the step ran native
+    SDPA; a reproduction mode read like native SDPA (attn_kernel_stabilized 0, no other
+    trace)."""
+    torch.manual_seed(0)
+    model = Two().to(torch.bfloat16)
+    monitor = monitor_for(model)
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+
+    def step():
+        model(x).float().square().mean().backward()
+        monitor.step()
+
+    model(x).float().square().mean().backward()
+    monitor.swap_attention("a")  # mid-step: from step 1 on
+    step()  # step 0: native
+    step()  # step 1: layer a stabilized
+    with caplog.at_level("WARNING", logger="numwatch"):
+        monitor.swap_attention("b", mode="paper_repro")  # between steps: now
+    step()  # step 2: a stabilized, b the paper's emulation
+    assert any("for reproductions and tests" in r.getMessage() for r in caplog.records)
+    got = [
+        (
+            s.value("attn_kernel_stabilized", layer="a"),
+            s.value("attn_kernel_stabilized", layer="b"),
+            {tuple(r.labels.values()) for r in s.series("attn_kernel_mode")},
+        )
+        for s in monitor.history
+    ]
+    assert got == [
+        (0.0, 0.0, set()),
+        (1.0, 0.0, {("a", "stabilized")}),
+        (1.0, 0.0, {("a", "stabilized"), ("b", "paper_repro")}),
+    ]
+
+
 def test_swap_needs_an_attached_monitor():
     monitor = numwatch.Monitor(Two(), sinks__console__enabled=False, sinks__jsonl__enabled=False)
     with pytest.raises(numwatch.NumwatchError, match="attached"):

@@ -112,6 +112,7 @@ _HELP = {
     "monitor_errors_total": "Failures of components since the monitor was made (training goes on).",
     "attn_calls": "Attention calls measured in the flush window.",
     "attn_kernel_stabilized": "1 while the layer's attention runs the stabilized kernel.",
+    "attn_kernel_mode": "1 for the numwatch kernel mode a routed layer runs (label mode).",
     "attn_kernel_fallbacks_total": "Calls routed to numwatch's kernel that fell back to SDPA.",
     "attn_rows": "Softmax rows measured (sampled, not fully masked).",
     "attn_repeated_max_rows": "Rows whose maximum logit is attained at least twice.",
