@@ -245,3 +245,32 @@ def test_an_optimizer_that_frees_or_zeroes_gradients_in_its_step_is_measured(aft
     assert snap.value("monitor_errors_total", component="optimizer") == 0
     assert snap.value("optimizer_absorbed_fraction", param="weight") == 1.0
     assert snap.value("optimizer_update_ratio", param="weight") == 0.0
+
+
+@pytest.mark.parametrize("as_keyword", [False, True])
+def test_a_step_with_a_closure_is_measured_on_its_own_gradients(as_keyword):
+    """optimizer.step(closure) makes the gradients inside step(): the pre-hook took the
+    previous step's gradient signs (none at the first step, which went unmeasured)."""
+    model = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[3.0, 0.0, 4.0, 0.0]]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, opt)
+    grads = [torch.tensor([[1.0, 2.0, 2.0, 0.0]]), torch.tensor([[0.0, 0.0, 1.0, 0.0]])]
+    ratios, absorbed = [], []
+    for g in grads:
+        before = model.weight.detach().clone()
+
+        def closure(g=g):
+            model.weight.grad = g.clone()
+            return torch.tensor(0.0)
+
+        opt.step(closure=closure) if as_keyword else opt.step(closure)
+        snap = monitor.flush()
+        after = model.weight.detach()
+        ratios.append(snap.value("optimizer_update_ratio", param="weight"))
+        want = ((after - before).norm() / after.norm()).item()
+        assert ratios[-1] == pytest.approx(want, rel=1e-6)
+        # the elements with a gradient this step all moved: nothing absorbed
+        absorbed.append(snap.value("optimizer_absorbed_fraction", param="weight"))
+    assert absorbed == [0.0, 0.0]

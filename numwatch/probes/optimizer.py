@@ -95,8 +95,27 @@ class OptimizerProbe:
             h.remove()
         self._handles.clear()
 
-    def _pre(self, *_: Any) -> None:
-        self.ctx.guard.run(self.component, self._keep_before)
+    def _pre(self, _optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self.ctx.guard.run(self.component, self._keep_before)
+            return None
+        # step(closure) makes the gradients inside: keep the weights and the gradients' signs
+        # once its first call has made them (the weights do not move before the update); taken
+        # here, they were the previous step's signs (none at the first step)
+        kept = False
+
+        def closure_then_keep() -> Any:
+            nonlocal kept
+            loss = closure()
+            if not kept:
+                kept = True
+                self.ctx.guard.run(self.component, self._keep_before)
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_keep}
+        return (args[0], closure_then_keep, *args[2:]), kwargs
 
     def _post(self, *_: Any) -> None:
         self.ctx.guard.run(self.component, self._measure)
