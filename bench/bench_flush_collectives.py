@@ -102,11 +102,11 @@ def _worker(rank: int, rendezvous: str, backend: str, steps: int, reps: int, out
     flush_s, step_s, captured = [], [], {}
     aggregate, step_values = agg.aggregate, agg.step_values
 
-    def timed_aggregate(tensors, loss, gradients):
+    def timed_aggregate(tensors, *args):
         captured.update(tensors)
         dist.barrier()  # leave out the wait for a rank still finishing its step
         start = time.perf_counter()
-        result = aggregate(tensors, loss, gradients)
+        result = aggregate(tensors, *args)
         if device.type == "cuda":
             torch.cuda.synchronize()
         flush_s.append(time.perf_counter() - start)

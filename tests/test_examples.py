@@ -146,6 +146,16 @@ def test_host_path_profile_harness(tmp_path):
     assert all(us > 0 for us in host.values())
 
 
+def test_flush_collectives_harness(tmp_path):
+    """Its stand-in for Aggregator.aggregate fell behind the real signature: every flush failed
+    and bench/run_all.sh cpu stopped there."""
+    out = tmp_path / "fc.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_flush_collectives.py"), "--out", str(out)]
+    subprocess.run([*cmd, "--steps", "4", "--reps", "2"], check=True, timeout=600)
+    report = json.loads(out.read_text())
+    assert report["notes"].startswith("2 processes")
+
+
 def test_flash_ab_loads_a_revisions_kernel_next_to_this_one():
     """bench/ab_flash_gluon.py imports git's copy of the Gluon forward as a sibling module (its
     relative imports resolve to this tree) and leaves no file behind."""

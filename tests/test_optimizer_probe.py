@@ -274,3 +274,19 @@ def test_a_step_with_a_closure_is_measured_on_its_own_gradients(as_keyword):
         # the elements with a gradient this step all moved: nothing absorbed
         absorbed.append(snap.value("optimizer_absorbed_fraction", param="weight"))
     assert absorbed == [0.0, 0.0]
+
+
+def test_a_nan_gradient_makes_the_fractions_nan_not_negative():
+    """sign(NaN) is 0 and the NaN update counted as a change: the absorbed fraction read -numel
+    (-128 for an 8x16 weight) for the rest of a run with a NaN."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, opt)
+    model(torch.randn(4, 16)).sum().backward()
+    model.weight.grad[0, 0] = float("nan")
+    opt.step()
+    snap = monitor.flush()
+    assert math.isnan(snap.value("optimizer_absorbed_fraction", param="weight"))
+    assert math.isnan(snap.value("optimizer_update_ratio", param="weight"))
+    assert snap.value("optimizer_absorbed_fraction", param="bias") == 0.0

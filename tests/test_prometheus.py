@@ -434,3 +434,21 @@ def test_a_port_past_65535_for_a_local_rank_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "abc")
     with pytest.raises(NumwatchError, match="LOCAL_RANK='abc' is not an integer"):
         monitor.attach()
+
+
+def test_every_metric_of_the_readme_reference_is_documented_here():
+    """Five metrics of README's reference had no HELP text: Prometheus got a generic one, and a
+    rule on loss_scale was warned about as a probable misspelling."""
+    import re
+    from pathlib import Path
+
+    from numwatch.sinks.prometheus import DOCUMENTED_METRICS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("## Metric reference", 1)[1].split("\n## ", 1)[0]
+    names = set()
+    for row in table.splitlines():
+        if row.startswith("| `"):
+            first = row.split("|")[1]
+            names.update(n for n in re.findall(r"`([a-z_*]+)`", first) if "*" not in n)
+    assert names and names <= DOCUMENTED_METRICS, sorted(names - DOCUMENTED_METRICS)

@@ -200,6 +200,10 @@ class OptimizerProbe:
         torch._foreach_mul_(updates, grads)
         both = stats(updates)
         moved = g[:, ts.NUMEL] - g[:, ts.ZERO]
+        # a NaN gradient's sign is 0 and its update NaN: the fraction is not defined (NaN);
+        # counted as it came it read -numel
+        nonfinite = u[:, ts.NAN] + u[:, ts.POSINF] + u[:, ts.NEGINF]
+        moved = torch.where(nonfinite > 0, float("nan"), moved)
         changed = both[:, ts.NUMEL] - both[:, ts.ZERO]
         return torch.stack([_sum_sq(u), _sum_sq(w), moved, changed], dim=1)
 

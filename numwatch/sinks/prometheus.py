@@ -138,6 +138,12 @@ _HELP = {
     "events_total": "Events the monitor found since it was made, by kind and rule.",
     "mitigation_skipped_steps_total": "Optimizer steps skipped by the skip_step action.",
     "mitigation_lr_factor": "Factor the lr_backoff action applies to the learning rate now.",
+    "optimizer_update_ratio": "||update|| / ||weight|| of the parameter's latest sampled update.",
+    "optimizer_absorbed_fraction": "Elements left unchanged although their gradient was non-zero "
+    "(updates below half an ulp of the weight), latest sampled update.",
+    "optimizer_lr": "Learning rate of the param group.",
+    "loss_scale": "The GradScaler's loss scale.",
+    "loss_scale_drops_total": "Times the GradScaler's loss scale fell (overflow steps).",
 }
 
 
