@@ -61,9 +61,21 @@ stabilized +0.049 / -0.011, plain -0.036 / -0.112, cuDNN +0.106 / +0.071, SDPA f
 -0.018. What strays from the rounded exact result on the H200 comes from the tensor cores, which
 truncate low bits when they add small products into a large accumulator (V < 0: errors toward
 zero, cuDNN's positive ratios); where fp32 adds round to nearest (the CPU interpreter),
-stabilized matches the rounded exact result within 0.003. Adding
+stabilized matches the rounded exact result within 0.003 on planted_tie_attention's ties. Adding
 each block's P̄V to O by separate fp32 FMAs does not help in Triton: it folds the add into the
 dot's accumulator (bit-identical results on the H200).
+
+A limit that is not the ties' (session 22, measured on the CPU paths): with 4 identical sinks and
+every other logit nearly equal (``numwatch.testing.planted_sink_attention``, whose other logits
+spread by ~1e-3), the exact O sits on bf16 rounding midpoints to about an fp32 ulp, and the other
+keys' P̄V terms are each about one ulp of the fp32 accumulator, all alike, so round-to-nearest
+swamps them one way. A few fp32 ulps of one-signed error then decide the bf16 rounding: bias
+ratios of ±0.2-0.5 in *both* plain and stabilized, their sign set by where P̄·V lands in its
+binade (it moves with the gap: plain -0.39 at gap 14.25, stabilized -0.31 at 14; over gaps
+12-18 both average |0.2|). The shift cannot remove it (whole-octave shifts only change the
+phase, and move the error to fp16); a more accurate P̄V accumulation would (float64 in the
+reference: +0.06), at about 1.5x the tensor-core work in the kernel. Real scores, spread like
+planted_tie_attention's N(0, 1) logits, do not line up this way.
 
 ``mode="plain"`` runs the same kernel without the shift (``stabilize=False`` does the same in the
 default mode). ``mode="paper_repro"`` is for reproduction and tests only: it emulates the
