@@ -20,10 +20,11 @@ row-sharded weights.
 
 A matrix's first v is A^T g / ||A^T g|| for a random g (half an iteration ahead of a random v).
 When ``w`` is 0 (A == 0, or v orthogonal to A's rows) the estimate is 0; when it is not finite
-(A holds Inf or NaN) the estimate is NaN; in both cases v and c restart from their first values
-(a random unit vector where v's was 0), so a weight that recovers is tracked again. A weight whose
-scale jumps by more than ~1e18 between two iterations (past what ``c`` covers) restarts the same
-way, reading 0 or NaN for that iteration.
+(A holds Inf or NaN) the estimate is NaN; in both cases v restarts from its first value (a random
+unit vector where that was 0) and ``c`` adapts (``failed_scale``), so a weight that recovers is
+tracked again. A weight whose scale jumps by more than ~1e18 between two iterations (past what
+``c`` covers) reads 0 or NaN until ``c`` has followed it (2^20 per iteration, within 2^+-40 of
+its first scale).
 
 ``PowerIteration`` is what probes call. ``power_iteration_reference`` is the pure-torch path (the
 CPU path and the oracle of the Triton kernels): it groups matrices of one shape and dtype into
@@ -62,6 +63,7 @@ __all__ = [
     "MAX_ROW",
     "PowerIteration",
     "Vectors",
+    "failed_scale",
     "head_views",
     "pow2_scale",
     "power_iteration_reference",
@@ -217,7 +219,21 @@ def _iteration(
     ok = (nw > 0) & torch.isfinite(nw) & (nt > 0) & torch.isfinite(nt)
     sigma = torch.where(nw == 0, 0.0, torch.where(ok, nt / c, float("nan")))
     v = torch.where(ok.unsqueeze(-1), t / torch.where(ok, nt, 1.0).unsqueeze(-1), restart[0])
-    return v, torch.where(ok, pow2_scale(sigma), restart[1]), sigma
+    return v, torch.where(ok, pow2_scale(sigma), failed_scale(c, restart[1], nw, nt)), sigma
+
+
+def failed_scale(
+    c: torch.Tensor, c0: torch.Tensor, nw: torch.Tensor, nt: torch.Tensor
+) -> torch.Tensor:
+    """The scale after an iteration that gave no estimate: up 2^20 where ||w|| was 0 (A == 0,
+    or A v underflowed: a weight that fell by more than the scale covers), down 2^20 where a
+    norm overflowed, as it was otherwise (NaN in A: the scale of before the NaN still fits
+    the weight that recovers); within 2^+-40 of the first scale ``c0`` (a zero-initialized
+    weight that starts to train is read at once) and the normal float32 powers of two."""
+    grow = torch.minimum(c * 2.0**20, c0 * 2.0**40).clamp_max(2.0**127)
+    shrink = torch.maximum(c * 2.0**-20, c0 * 2.0**-40).clamp_min(2.0**-126)
+    over = (nw == float("inf")) | (nt == float("inf"))
+    return torch.where(nw == 0, grow, torch.where(over, shrink, c))
 
 
 def pow2_scale(x: torch.Tensor) -> torch.Tensor:
@@ -350,7 +366,18 @@ if triton is not None:
             tl.store(v_ptr + v_off + cols, v_new, mask=cmask)
             e = tl.minimum((sigma.to(tl.int32, bitcast=True) >> 23) & 0xFF, 253)
             c_new = ((254 - e) << 23).to(tl.float32, bitcast=True)
-            tl.store(c_ptr + c_off, tl.where(ok, c_new, tl.load(c0_ptr + c_off)))
+            # no estimate: failed_scale's arithmetic (2^20, 2^40, 2^127, 2^-126 as literals)
+            c0 = tl.load(c0_ptr + c_off)
+            grow = tl.minimum(
+                tl.minimum(c * 1048576.0, c0 * 1099511627776.0), 1.7014118346046923e38
+            )
+            shrink = tl.maximum(
+                tl.maximum(c * 9.5367431640625e-07, c0 * 9.094947017729282e-13),
+                1.1754943508222875e-38,
+            )
+            over = (nw == float("inf")) | (nt == float("inf"))
+            c_fail = tl.where(nw == 0, grow, tl.where(over, shrink, c))
+            tl.store(c_ptr + c_off, tl.where(ok, c_new, c_fail))
 
     _launch_fused = Relauncher(_pi_fused_kernel)
 

@@ -36,7 +36,7 @@ from numwatch.errors import NumwatchConfigError
 from numwatch.kernels import attention_stats as ats
 from numwatch.kernels import tensor_stats as ts
 from numwatch.kernels.host_copy import to_device
-from numwatch.kernels.power_iteration import pow2_scale
+from numwatch.kernels.power_iteration import failed_scale, pow2_scale
 
 try:
     from torch.distributed.tensor import DTensor
@@ -641,8 +641,8 @@ class ShardedPowerIteration:
     ``[A_r^T v_r, ||v_r||^2]``; one SUM all-reduce over all matrices gives ``y = c A^T A u`` and
     ``||c A u||^2``; ``t = y c / ||c A u||``, ``sigma = ||t|| / c`` (PowerIteration's estimate,
     on ``A^T``), ``u <- t / ||t||``. Arithmetic is float32. A zero estimate, or a non-finite one
-    (a weight holding NaN/Inf; reported as NaN), restarts ``u`` and ``c`` from their first
-    values.
+    (a weight holding NaN/Inf; reported as NaN), restarts ``u`` from its first value and
+    adapts ``c`` (``failed_scale``).
 
     ``step(blocks)`` takes ``MatrixBlock``s or bare 2-D tensors (one whole matrix each) and returns
     the ``(sum of groups,)`` float32 estimates in order, on the weights' device, identical on all
@@ -688,15 +688,17 @@ class ShardedPowerIteration:
             sigmas = []
             for j, q in enumerate(packets):
                 y, nv2 = q[:, :-1], q[:, -1]  # (G, k) c A^T A u, (G,) ||c A u||^2
-                c = self._c[j]
-                t = y * (c / nv2.sqrt().clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(-1)
+                c, nw = self._c[j], nv2.sqrt()
+                t = y * (c / nw.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(-1)
                 nt = t.norm(dim=-1)
                 ok = (nv2 > 0) & torch.isfinite(nv2) & (nt > 0) & torch.isfinite(nt)
                 sigma = torch.where(ok, nt / c, math.nan)
                 sigmas.append(torch.where(nv2 == 0, 0.0, sigma))
                 unit = t / torch.where(ok, nt, 1.0).unsqueeze(-1)
                 self._u[j] = torch.where(ok.unsqueeze(-1), unit, self._u0[j])
-                self._c[j] = torch.where(ok, pow2_scale(sigma), self._c0[j])
+                self._c[j] = torch.where(
+                    ok, pow2_scale(sigma), failed_scale(c, self._c0[j], nw, nt)
+                )
         return torch.cat(sigmas)
 
     def _ensure_vectors(self, pieces: list[_Piece], group: Any, device: torch.device) -> None:

@@ -405,7 +405,6 @@ class Monitor(Joinable):
             self._last_close = "late-loss"
             self._late_losses = True
             if self._flush_after_loss:
-                self._flush_after_loss = False
                 self.flush()
             return
         self._last_close = "user"  # before closing: a halt raised by the flush leaves it right
@@ -443,9 +442,7 @@ class Monitor(Joinable):
     def _close_step(self, loss: torch.Tensor | float | None) -> None:
         # Never in inference mode (a step closed in an evaluation pass): the tables made lazily
         # here must stay normal tensors, or every later in-place update of them fails.
-        if self._flush_after_loss:  # the late loss it waited for did not come
-            self._flush_after_loss = False
-            self.flush()
+        self._run_missed_flush()  # a step with no forward through the model (hooks only)
         self._depth += 1
         try:
             self._guard.run("step", self._dist.settle, self._ctx.step)  # a rank joined? (Join)
@@ -618,6 +615,13 @@ class Monitor(Joinable):
         return kernel if isinstance(kernel, AttentionKernel) else None
 
     # --- integrations: training steps that run submodules without calling model.forward
+    def _run_missed_flush(self) -> None:
+        """A flush that waited for a late loss that did not come runs when the next training
+        step begins, before any of its hooks record (it would carry their values)."""
+        if self._flush_after_loss:
+            self._flush_after_loss = False
+            self.flush()
+
     def _mark_activity(self, *_: Any) -> None:
         # An evaluation forward (no_grad, inference_mode) between optimizer.step() and a late
         # step(loss) is not part of a training step: it must not make that call close one, nor
@@ -625,6 +629,7 @@ class Monitor(Joinable):
         grad = torch.is_grad_enabled()
         self._ctx.eval_forward = not grad or not self.model.training
         if grad:
+            self._run_missed_flush()
             self._ctx.activity = True
         if self._join_config.enable:  # inside Join: tell joined ranks this one still trains
             self._guard.run("step", self._dist.announce, self)
@@ -633,6 +638,7 @@ class Monitor(Joinable):
         """Open one forward of the model by hand (attention interception and kernel routing
         follow model.forward otherwise); Lightning's training_step needs it. Pair each call
         with ``end_forward()``; nested real forwards inside are fine."""
+        self._run_missed_flush()
         self._ctx.activity = True  # no Join flag: the model's own forward may follow inside
         if self._attention is not None:
             self._attention.begin_forward()
@@ -706,6 +712,7 @@ class Monitor(Joinable):
             self.detach()
 
     def _flush(self) -> Snapshot | None:
+        self._flush_after_loss = False  # any flush covers the closed steps (detach's too)
         start = time.perf_counter()
         self._guard.run("flush", self._dist.settle, self._ctx.step)
         self._guard.run("flush", self._warn_new_trainable)

@@ -45,12 +45,16 @@ def replay(
         rules = RulesConfig(defaults=False, add=list(rules))
     engine = RuleEngine(configured_rules(rules or RulesConfig()).values())
     out: list[Event] = []
+    judged = None  # as live: a second flush of one step (a flush() call) adds no observation
     for record in records:
         if not is_flush(record):  # late events of a detach: actions, nothing to evaluate
             continue
         snapshot, logged = record_to_snapshot(record)
         nonfinite = _origins(logged)
-        fired = [event for event, _ in engine.evaluate(snapshot.step, list(snapshot), nonfinite)]
+        fired = []
+        if snapshot.step != judged:
+            judged = snapshot.step
+            fired = [e for e, _ in engine.evaluate(snapshot.step, list(snapshot), nonfinite)]
         if nonfinite and not any(e.kind == "nonfinite" for e in fired):
             fired += nonfinite  # no nonfinite rule enabled: still reported, as the monitor does
         out += [dataclasses.replace(e, time=record["time"]) for e in fired]

@@ -904,6 +904,92 @@ def test_a_loss_recorded_after_the_update_is_in_its_own_steps_flush(make_monitor
     assert monitor.history[-1].step == 9
 
 
+def test_a_flush_between_the_update_and_a_late_loss_is_not_doubled(make_monitor, tmp_path):
+    """flush() between optimizer.step() and a late step(loss): the late call flushed that step
+    again (two records, the second one judged by replay only); a detach with a flush waiting
+    left it armed, and the next attach wrote an empty record of the same step."""
+    from numwatch.config import RulesConfig
+    from numwatch.replay import replay
+
+    rule = {"type": "threshold", "name": "big", "metric": "loss_max", "threshold": 100.0}
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    path = tmp_path / "run.jsonl"
+    monitor = make_monitor(
+        model, flush_every=1, rules={"add": [rule]}, sinks__jsonl__enabled=True,
+        sinks__jsonl__path=str(path),
+    ).attach(opt)  # fmt: skip
+
+    def iteration(i, late=True):
+        loss = model(torch.randn(2, 4)).square().mean() * 0 + (1000.0 if i == 3 else 1.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 3:
+            monitor.flush()
+        if late:
+            monitor.step(loss)
+
+    for i in range(5):
+        iteration(i)
+    iteration(5, late=False)  # its flush waits for a loss that does not come
+    monitor.detach()
+    monitor.attach(opt)
+    iteration(6)
+    monitor.detach()
+    records = read_jsonl(path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5, 6]
+    live = [(e.rule, e.step) for e in monitor.events]
+    assert live == [("big", 4)]  # the spike, in loss_max of the next flush
+    assert [(e.rule, e.step) for e in replay(records, RulesConfig(add=[rule]))] == live
+
+
+def test_a_missed_late_loss_flushes_before_the_next_forward_records(make_monitor):
+    """A flush waiting for a late loss that did not come ran at the next optimizer.step(), after
+    the next step's forward: it reported that step's sampled activations as its own."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = make_monitor(model, flush_every=1, activations__every=3).attach(opt)
+    for i in range(8):
+        loss = model(torch.randn(2, 4)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i % 2 == 0:
+            monitor.step(loss)
+    monitor.detach()
+    sampled = [s.step for s in monitor.history if s.get("activation_numel", module="a")]
+    assert sampled == [0, 3, 6]
+
+
+def test_the_attention_of_a_forward_opened_by_hand_is_kept_across_the_step_close(make_monitor):
+    """begin_forward() ... optimizer.step() ... end_forward(): the step close dropped the
+    forward's sampled attention calls."""
+    import torch.nn.functional as F
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            q = self.proj(x).view(1, 2, -1, 4)
+            return F.scaled_dot_product_attention(q, q, q)
+
+    model = nn.Sequential(Attn())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = make_monitor(model, flush_every=1, attention__every=1).attach(opt)
+    for _ in range(2):
+        monitor.begin_forward()
+        model[0](torch.randn(6, 8)).sum().backward()  # a submodule, not model.forward
+        opt.step()
+        monitor.end_forward()
+        assert monitor.snapshot().value("attn_calls", layer="0") == 1
+    monitor.detach()
+
+
 def test_a_monitored_model_copies_and_pickles_as_an_unmonitored_one(make_monitor):
     """An EMA copy (deepcopy) or torch.save(model) while attached: the hooks' copies are inert,
     where bound methods dragged the monitor along (its open JSONL file failed to pickle)."""

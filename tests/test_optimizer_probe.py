@@ -110,6 +110,24 @@ def test_loss_scale_drops_go_on_across_a_reattach():
     assert drops == [0, 1, 1, 2]
 
 
+def test_in_rotation_a_parameter_is_reported_by_the_flush_after_its_sample_only():
+    """One weight per sample (max_bytes): every flush re-reported the weights measured earlier,
+    so one measurement satisfied for_flushes=3."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(3)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, opt, optimizer__max_bytes=16 * 16 * 4)
+    reported = []
+    for _ in range(6):
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        snap = monitor.snapshot()
+        reported.append([r.labels["param"] for r in snap.series("optimizer_update_ratio")])
+    # flush i (at step i's close, before its update) reports the update of step i - 1
+    assert reported == [[], ["0.weight"], ["1.weight"], ["2.weight"], ["0.weight"], ["1.weight"]]
+
+
 def test_large_models_are_measured_in_rotation_within_the_byte_budget():
     model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(4)])  # 256 B each
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -128,9 +146,14 @@ def test_large_models_are_measured_in_rotation_within_the_byte_budget():
             p.grad = torch.ones_like(p)
         opt.step()
     assert copied == [512, 512]
-    snap = monitor.flush()
-    ratios = [snap.get("optimizer_update_ratio", param=f"{i}.weight") for i in range(4)]
-    assert all(r is not None and r > 0 for r in ratios)  # all four after two updates
+    monitor.flush()
+    reported = {
+        r.labels["param"]: r.value
+        for snap in monitor.history
+        for r in snap.series("optimizer_update_ratio")
+    }  # each flush reports the weights sampled since the one before
+    assert sorted(reported) == [f"{i}.weight" for i in range(4)]  # all four after two updates
+    assert all(r > 0 for r in reported.values())
 
 
 @pytest.mark.parametrize(

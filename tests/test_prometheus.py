@@ -186,6 +186,14 @@ def test_a_metric_a_flush_did_not_sample_keeps_its_last_series():
     norms = {lab: v for (name, lab), v in got.items() if name == "numwatch_weight_spectral_norm"}
     assert norms == {(("param", "v"), ("rank", "0")): 2.0}
     assert got[("numwatch_attn_max_logit", (("layer", "a"), ("rank", "0")))] == 7.0
+    # a metric whose absence is its value is not held: no layer routed any more
+    routed = Snapshot(6, [MetricRecord("attn_kernel_mode", {"layer": "a", "mode": "plain"}, 1.0)],
+                      time=1.7e9)  # fmt: skip
+    collector.update(routed)
+    collector.update(Snapshot(7, [MetricRecord("loss", {}, 0.1)], time=1.7e9))
+    assert not any(
+        name == "numwatch_attn_kernel_mode" for name, _ in samples(collector.exposition())
+    )
 
 
 def test_registry_and_fast_text_agree():

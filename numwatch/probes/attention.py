@@ -167,6 +167,7 @@ class AttentionProbe:
         self._generators: dict[torch.device, torch.Generator] = {}
         self.unroutable: set[str] = set()  # routed MHA layers, told they cannot be
         self._depth = 0
+        self._root_open = 0  # model forwards entered and not exited (the rest: begin_forward)
         self.sampling = False
         self.layers_seen: set[str] = set()
         # Layer glob -> kernel replacing SDPA there (None = native); the last match wins.
@@ -231,15 +232,20 @@ class AttentionProbe:
         self._abandon_forward()
 
     def on_step(self) -> None:
-        """No forward runs when a step closes: one still open never reached its exit."""
-        if self._depth:
+        """The calls of a forward still open belong to the step that closes; a model forward
+        still open never reached its exit (a forward opened by ``begin_forward`` is the
+        caller's to close)."""
+        if self._held:
+            with torch._C.DisableTorchFunction():  # the mode may still be entered
+                self._measure_held()
+        if self._root_open:
             self._abandon_forward()
 
     def _abandon_forward(self) -> None:
         # A forward that never reached its exit (a KeyboardInterrupt, or an exception in a
         # compiled forward: torch runs always_call hooks for neither) left the mode entered;
         # every later forward would only nest inside it, intercepted and sampled.
-        self._depth = 0
+        self._depth = self._root_open = 0
         self._leave()
         self._held.clear()
         self._held_bytes = 0
@@ -247,10 +253,12 @@ class AttentionProbe:
     # The mode is entered and left outside compiled graphs (tests/test_compile.py).
     @torch.compiler.disable
     def _enter(self, _module: nn.Module, _inputs: Any) -> None:
+        self._root_open += 1
         self.begin_forward()
 
     @torch.compiler.disable
     def _exit(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
+        self._root_open = max(self._root_open - 1, 0)
         self.end_forward()
 
     def begin_forward(self) -> None:

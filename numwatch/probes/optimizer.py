@@ -75,14 +75,15 @@ class OptimizerProbe:
         self._grads: list[torch.Tensor] = []  # signs of the measured parameters' gradients
         self._taken: list[int] = []
         self._cursor = 0  # the next parameter to measure (rotating sample)
-        self._measured: set[int] = set()
         # (n, 4) float64 of each parameter's latest sampled update: sum of update^2, of
         # weight^2, number of elements with a non-zero gradient, and of those whose weight moved
         self._sums: torch.Tensor | None = None
         self._scale_prev: torch.Tensor | None = None
         self._index_cache: dict[tuple[Any, ...], torch.Tensor] = {}
         self.drops: torch.Tensor | None = drops
-        self._fresh = False  # an update measured since the last flush: only then reported
+        # parameters measured since the last flush: only they are reported (a model larger
+        # than max_bytes is measured in rotation)
+        self._fresh: set[int] = set()
 
     def attach(self) -> None:
         self._handles = [
@@ -181,8 +182,7 @@ class OptimizerProbe:
             n = len(self.params)
             self._sums = torch.full((n, 4), float("nan"), dtype=torch.float64, device=sums.device)
         self._sums.index_copy_(0, index, sums)  # each parameter keeps its latest measurement
-        self._measured.update(taken)
-        self._fresh = True
+        self._fresh.update(taken)
 
     def _update_sums(
         self, params: list[torch.Tensor], grads: list[torch.Tensor], updates: list[torch.Tensor]
@@ -250,7 +250,7 @@ class OptimizerProbe:
         ]
         if "opt/sums" in host:
             sums = host["opt/sums"].tolist()
-            for i in sorted(self._measured):
+            for i in sorted(self._fresh):
                 u_sq, w_sq, moved, changed = sums[i]
                 labels = {"param": self.params[i][0]}
                 ratio = math.sqrt(u_sq / max(w_sq, _TINY))  # RMS ratio = norm ratio
@@ -264,4 +264,4 @@ class OptimizerProbe:
 
     def reset(self) -> None:
         """Values are the latest sampled update's; nothing accumulates between flushes."""
-        self._fresh = False
+        self._fresh = set()

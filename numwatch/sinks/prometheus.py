@@ -201,6 +201,18 @@ class _Family:
         self.records = records
 
 
+def _sampled(name: str) -> bool:
+    """A metric of a probe that samples (it can be missing from a flush between samples), as
+    opposed to one whose absence is its value (attn_kernel_mode: no layer routed)."""
+    if name.startswith("attn_kernel_"):
+        return False
+    return name.startswith(_SAMPLED_PREFIXES)
+
+
+_SAMPLED_PREFIXES = ("attn_", "activation_", "weight_spectral_norm", "optimizer_update_ratio",
+                     "optimizer_absorbed_fraction")  # fmt: skip
+
+
 class SnapshotCollector(Collector):
     """A Collector for a private ``CollectorRegistry``: the latest snapshot as metric families.
 
@@ -256,7 +268,7 @@ class SnapshotCollector(Collector):
         if served is not None:
             names, labels, values = snapshot.columns()
             have = set(names)
-            held = [r for r in served if r.name not in have]
+            held = [r for r in served if r.name not in have and _sampled(r.name)]
             if held:
                 records = [*zip(names, labels, values, strict=True), *held]
                 snapshot = Snapshot(snapshot.step, records, time=snapshot.time, rank=snapshot.rank)

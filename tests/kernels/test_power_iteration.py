@@ -7,6 +7,7 @@ a GPU), the Triton path too. Matrices are small: the interpreter runs each progr
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -143,6 +144,36 @@ def test_a_weight_shrinking_by_1e4_per_step_is_tracked(backend: str, device: str
         scaled = (a * 1e-4**t).float().to(device)
         est = p.step([scaled]).item()
         assert est == pytest.approx(_sigma(scaled).item(), rel=1e-5, abs=0)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+@pytest.mark.parametrize("final", [1e-25, 1e22])
+def test_a_weight_far_from_its_first_scale_recovers_from_a_nan(backend, device, final):
+    """A restart took the scale back to the first call's: a weight that had drifted to 1e-25
+    (1e22) read 0 (NaN) for ever after one NaN iteration."""
+    a = _planted(8, 6, [2.0, 0.5], seed=43).float()
+    p = PowerIteration(backend=backend)
+    f = final ** (1 / 40)
+    for t in range(1, 41):
+        p.step([(a * f**t).to(device)])
+    w = (a * f**40).to(device)
+    assert torch.isnan(p.step([torch.full_like(w, float("nan"))])).item()
+    est = [p.step([w]).item() for _ in range(3)]
+    assert est[-1] == pytest.approx(_sigma(w).item(), rel=1e-4, abs=0)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_a_zero_initialized_weight_is_read_once_it_trains(backend, device):
+    """A zero weight (an output projection initialized to 0) grows its scale while it reads 0;
+    bounded, so the first nonzero values (1e-3 here, or 10) are read at once, not NaN."""
+    for scale in (1e-3, 10.0):
+        p = PowerIteration(backend=backend)
+        zero = torch.zeros(8, 6, device=device)
+        assert [p.step([zero]).item() for _ in range(6)] == [0.0] * 6
+        w = (_planted(8, 6, [2.0, 0.5], seed=44) * scale).float().to(device)
+        est = [p.step([w]).item() for _ in range(4)]
+        assert all(math.isfinite(e) for e in est)
+        assert est[-1] == pytest.approx(_sigma(w).item(), rel=1e-4, abs=0)
 
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
