@@ -74,8 +74,15 @@ ratios of ±0.2-0.5 in *both* plain and stabilized, their sign set by where P̄�
 binade (it moves with the gap: plain -0.39 at gap 14.25, stabilized -0.31 at 14; over gaps
 12-18 both average |0.2|). The shift cannot remove it (whole-octave shifts only change the
 phase, and move the error to fp16); a more accurate P̄V accumulation would (float64 in the
-reference: +0.06), at about 1.5x the tensor-core work in the kernel. Real scores, spread like
-planted_tie_attention's N(0, 1) logits, do not line up this way.
+reference: +0.06), at about 1.5x the tensor-core work in the kernel. On the H200
+(bench/results/flash_attention_bias_gap_scan_h200.json: B4 H8 T1024 D64 causal bf16, gaps 12-18,
+2 seeds) the same happens to every kernel on planted sinks: mean |bias ratio| with 2 / 4 sinks
+stabilized 0.29 / 0.17, plain 0.40 / 0.27, cuDNN 0.53 / 0.35, FA2 0.27 / 0.19 (and -0.99 for
+stabilized and plain alike with 2 sinks at gap 16, where each other key adds about one ulp of
+the accumulator). On planted_tie_attention's ties, whose other logits spread like N(0, 1),
+stabilized is the least biased kernel measured: mean |ratio| 0.059 / 0.046 (2 / 4 ties; the
+exact result rounded: 0.024 / 0.038), plain 0.22 / 0.18, cuDNN 0.27 / 0.21, FA2 0.13 / 0.10,
+paper_repro 0.97 / 0.46.
 
 ``mode="plain"`` runs the same kernel without the shift (``stabilize=False`` does the same in the
 default mode). ``mode="paper_repro"`` is for reproduction and tests only: it emulates the
