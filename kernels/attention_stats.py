@@ -441,6 +441,9 @@ def _head_stats_torch(
     return _empty_head_stats(Hq, q.device) if acc is None else acc
 
 
+EAGER_MASKED = -65000.0  # softmax inputs at or below this are masked (score_head_stats)
+
+
 def score_head_stats(
     scores: torch.Tensor,
     *,
@@ -453,8 +456,12 @@ def score_head_stats(
     """Per-head stats of materialized softmax inputs (eager attention), same columns as
     ``attention_head_stats``, whose rules for ``rows`` and ``batch`` apply.
 
-    ``scores`` is the (B, H, Tq, Tk) tensor handed to softmax, mask already added: entries equal
-    to ``-inf`` or ``<= finfo(scores.dtype).min`` count as masked. Chunked over rows.
+    ``scores`` is the (B, H, Tq, Tk) tensor handed to softmax, mask already added: entries at
+    or below ``EAGER_MASKED`` (-65000) count as masked, ``-inf`` and every dtype's finfo.min
+    included. The mask value no longer reads as finfo.min once a score was added to it in fp16
+    (-65504 + 30 rounds to -65472), or once bf16/fp16 scores masked with their own minimum are
+    upcast for an fp32 softmax (Hugging Face MPT, XLM); no real logit is that low. Chunked over
+    rows.
     """
     if scores.dim() != 4 or not scores.is_floating_point():
         raise ValueError(
@@ -467,7 +474,7 @@ def score_head_stats(
     thr = saturation_threshold(saturation_dtype)
     if 0 in (B, Tq, Tk):  # no row has an unmasked entry
         return _empty_head_stats(H, scores.device)
-    floor = max(torch.finfo(scores.dtype).min, torch.finfo(torch.float32).min)
+    floor = EAGER_MASKED
     b_idx, r_idx, sampled = _sampled(batch, rows, B, Tq, scores.device)
     acc = None
     for bi in range(b_idx.numel()):

@@ -43,7 +43,7 @@ from numwatch.distributed import (
     get_rank,
     get_world_size,
 )
-from numwatch.errors import NumwatchConfigError, NumwatchError
+from numwatch.errors import NumwatchConfigError, NumwatchError, NumwatchHalt
 from numwatch.events import Event, EventBus
 from numwatch.gc_pause import gc_paused
 from numwatch.guard import Guard
@@ -275,13 +275,16 @@ class Monitor(Joinable):
                 optimizer.register_step_pre_hook(UserHook(self._on_optimizer_step)),
             ]
 
-    def detach(self) -> None:
+    def detach(self, *, within_step: bool = False) -> None:
         """Flush what is pending, remove every hook, close the sinks. The model is as before,
-        also when that last flush raises (a halt rule): the hooks go first, then it propagates.
+        also when that last flush raises (a halt rule): the hooks go first, then it propagates,
+        and what that flush's actions did is in the log.
 
         Called from a callback or an action (inside a step close or a flush), it waits for the
         end of that close or flush: the hooks it would remove are still being run; from inside
-        a detach (a callback of its own last flush), it does nothing more.
+        a detach (a callback of its own last flush), it does nothing more. ``within_step``: the
+        step was closed and its optimizer.step() is still to come (a framework's callback after
+        a halt): a skip_step decided for it still withholds that update.
         """
         if not self._attached or self._detaching:
             return
@@ -292,12 +295,12 @@ class Monitor(Joinable):
         try:
             if self._window_steps and self.config.enabled:
                 self.flush()
-            self._emit_late_events()
         finally:
-            self._teardown()
+            self._guard.run("sinks", self._emit_late_events)
+            self._teardown(keep_skip=within_step)
             self._detaching = False
 
-    def _teardown(self) -> None:
+    def _teardown(self, keep_skip: bool = False) -> None:
         """Remove whatever attach installed (all of it, or what a failed attach got to)."""
         for probe in self._probes:
             probe.detach()
@@ -309,7 +312,7 @@ class Monitor(Joinable):
         for handle in self._optimizer_handles:
             handle.remove()
         if self._control is not None:
-            self._control.uninstall()
+            self._control.uninstall(keep_skip)
             self._skipped_earlier += self._control.skipped_steps  # a counter: never goes back
             self._control = None
         for sink in self._sinks:
@@ -323,8 +326,18 @@ class Monitor(Joinable):
     def __enter__(self) -> Monitor:
         return self.attach()
 
-    def __exit__(self, *exc: object) -> None:
-        self.detach()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.detach()
+            return
+        try:  # the block's own exception (Ctrl-C, a bug) is the one that propagates
+            self.detach()
+        except NumwatchHalt as halt:
+            log.warning(
+                "numwatch: the final flush, after %s left the block, halted: %s",
+                getattr(exc_type, "__name__", exc_type),
+                halt,
+            )
 
     def _build_probes(self) -> None:
         cfg = self.config
@@ -449,14 +462,14 @@ class Monitor(Joinable):
             self._closing_step = True
             try:
                 self._guard.run("step", self._close_step_body, loss)
-            finally:
+            finally:  # a halt from a step-level rule still closes its step (counted, labelled)
                 self._closing_step = False
-            self._ctx.activity = False
-            # the flush of this step reports the kernels it ran, not those routed from now on
-            self._closed_routing = self._routing() if self._pending_routes else None
-            self._apply_routes()
-            self._ctx.step += 1
-            self._window_steps += 1
+                self._ctx.activity = False
+                # the flush of this step reports the kernels it ran, not those routed from now
+                self._closed_routing = self._routing() if self._pending_routes else None
+                self._apply_routes()
+                self._ctx.step += 1
+                self._window_steps += 1
             if self._window_steps >= self.config.flush_every or self._flush_deferred:
                 self._flush_deferred = False
                 if self._late_losses and self._last_close == "optimizer":

@@ -612,3 +612,68 @@ def test_the_skipped_steps_counter_never_goes_back_across_a_reattach():
             seen.append(monitor.snapshot().value("mitigation_skipped_steps_total"))
         monitor.detach()
     assert seen == sorted(seen) and seen[-1] >= 4
+
+
+def _halting_run(tmp_path, rules, flush_every=50, steps=3, nan_at=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = monitor_for(
+        model, flush_every=flush_every, rules=rules, sinks__jsonl__enabled=True,
+        sinks__jsonl__path=str(tmp_path / "run.jsonl"),
+    ).attach(opt)  # fmt: skip
+    for step in range(steps):
+        x = torch.randn(16, 4)
+        loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        if step == nan_at:
+            loss = loss * float("nan")
+        loss.backward()
+        try:
+            monitor.step(loss)
+        except NumwatchHalt:
+            break
+        opt.step()
+        opt.zero_grad()
+    return monitor
+
+
+def test_a_halt_in_the_final_flush_leaves_its_actions_in_the_log(tmp_path):
+    """detach()'s flush fired a snapshot action and then a halt: the action's event was in
+    .events but never reached the log."""
+    rules = {"add": [
+        {"type": "threshold", "name": "keep", "metric": "loss", "threshold": -1,
+         "actions": [{"type": "snapshot", "directory": str(tmp_path / "forensics")}]},
+        {"type": "threshold", "name": "stop", "metric": "loss", "threshold": -1,
+         "actions": ["halt"]},
+    ]}  # fmt: skip
+    monitor = _halting_run(tmp_path, rules)
+    with pytest.raises(NumwatchHalt):
+        monitor.detach()
+    logged = [
+        (e["kind"], e["rule"]) for r in read_jsonl(tmp_path / "run.jsonl") for e in r["events"]
+    ]
+    assert ("action", "keep") in logged
+
+
+def test_an_exception_in_the_with_block_is_not_replaced_by_a_halt(tmp_path):
+    rules = {"add": [{"type": "threshold", "name": "stop", "metric": "loss", "threshold": -1,
+                      "actions": ["halt"]}]}  # fmt: skip
+    model = nn.Linear(4, 1)
+    monitor = monitor_for(model, flush_every=50, rules=rules)
+    with pytest.raises(KeyError, match="user"), monitor:
+        monitor.attach()
+        model(torch.randn(2, 4)).sum().backward()
+        monitor.step(torch.tensor(1.0))
+        raise KeyError("user")
+    assert not monitor.attached
+
+
+def test_a_step_level_halt_labels_its_step(tmp_path):
+    """A halt from a step-level rule skipped the rest of the step close: the halted step's NaN
+    loss was logged under the previous step."""
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step", "halt"]}]}
+    monitor = _halting_run(tmp_path, rules, flush_every=10, nan_at=2)
+    monitor.detach()
+    (record,) = [r for r in read_jsonl(tmp_path / "run.jsonl") if r["metrics"]]
+    values = {m["name"]: m["value"] for m in record["metrics"]}
+    assert record["step"] == 2 and math.isnan(values["loss"])

@@ -190,6 +190,20 @@ def test_lightning_skip_step_skips_the_step_it_judged(pl):
     assert "step" not in trainer.optimizers[0].__dict__  # wrappers removed at the end
 
 
+def test_lightning_halt_in_the_step_of_a_skip_still_skips_it(pl):
+    """A halt in the same step close as a skip_step decision detached the monitor, and the
+    optimizer wrapper with it: the NaN update went through (the log said it was skipped)."""
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step", "halt"]}]}
+    callback = NumwatchCallback(**monitor_options(rules=rules))
+    module = lightning_module(pl, nan_at=2)
+    lightning_trainer(pl, [callback], steps=6).fit(module, loader(6))
+    assert callback.halt is not None
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert any(e.kind == "action" and "skip_step" in e.message for e in callback.monitor.events)
+
+
 def test_lightning_stops_on_event_kind(pl):
     from numwatch.integrations.lightning import NumwatchCallback
 
@@ -392,6 +406,29 @@ def test_hf_skip_step_reaches_the_optimizer_inside_accelerate(hf, tmp_path):
     ]
     assert same == [False, True, False]  # the NaN step (the third) did not update
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_hf_halt_in_the_step_of_a_skip_still_skips_it(hf, tmp_path):
+    from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step", "halt"]}]}
+    callback = NumwatchTrainerCallback(**monitor_options(rules=rules))
+    model = LMWrapper(nan_at=2)
+    hf_trainer(hf, tmp_path, model, [callback], steps=6).train()
+    assert callback.halt is not None
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_bad_stop_on_is_refused_when_the_callback_is_made():
+    """A plain string was split into kinds ('n', 'o', ...), refused only at the start of
+    training, with the model hooked and (HF) never unhooked."""
+    from numwatch.errors import NumwatchConfigError
+    from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+
+    callback = NumwatchTrainerCallback(stop_on="nonfinite", **monitor_options())
+    assert callback._driver.stop_on == ("nonfinite",)
+    with pytest.raises(NumwatchConfigError, match="unknown event kind"):
+        NumwatchTrainerCallback(stop_on=["nonfinit"], **monitor_options())
 
 
 def test_hf_halt_becomes_should_training_stop(hf, tmp_path):

@@ -80,6 +80,8 @@ class OptimizerControl:
     # -------------------------------------------------------------- the wrapped step
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
+            if self._skip:  # the skip decided before an uninstall (a halt) holds for its step
+                return self._skip_now(kwargs.get("closure", args[0] if args else None))
             return self._original(*args, **kwargs)
         closure = kwargs.get("closure", args[0] if args else None)
         loss = None
@@ -100,10 +102,7 @@ class OptimizerControl:
                 args = (evaluated_first, *args[1:])
         self._before_step(loss if isinstance(loss, torch.Tensor) else None)
         if self._skip:
-            self._skip = False
-            self.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            return loss  # a back-off counts the updates that run at its LR
+            return self._skip_now(None, loss)  # a back-off counts the updates that run at its LR
         factor = self.lr_factor
         saved = [group["lr"] for group in self.optimizer.param_groups]
         if factor != 1.0:
@@ -121,13 +120,33 @@ class OptimizerControl:
             self._run_guarded(fn)
         return out
 
+    def _skip_now(self, closure: Callable[[], Any] | None, loss: Any = None) -> Any:
+        """This step's update does not happen: its gradients (the closure's, when it has not run
+        yet: a framework's step computes them in it) are cleared instead."""
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._skip = False
+        self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if not self.active:  # the pass-through this skip kept in place goes now
+            self._remove()
+        return loss
+
     def _tick(self) -> None:
         self._backoffs = [(f, n - 1, k) for f, n, k in self._backoffs if n > 1]
 
-    def uninstall(self) -> None:
+    def uninstall(self, keep_skip: bool = False) -> None:
+        """Restore the optimizer's step. ``keep_skip``: a skip already decided for the step under
+        way (a halt in the same step close, before a framework's optimizer.step()) keeps the
+        wrapper for that one call."""
+        self.active = False
+        if not (keep_skip and self._skip):
+            self._remove()  # (a step() under way when called still finishes as decided)
+
+    def _remove(self) -> None:
         if self.optimizer.__dict__.get("step") is self._wrapper:
             if self._instance_step is None:
                 del self.optimizer.step
             else:
                 self.optimizer.step = self._instance_step  # type: ignore[method-assign]
-        self.active = False

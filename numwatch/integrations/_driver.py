@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from numwatch.config import MonitorConfig
-from numwatch.errors import NumwatchHalt
-from numwatch.events import Event
+from numwatch.errors import NumwatchConfigError, NumwatchHalt
+from numwatch.events import EVENT_KINDS, Event
 from numwatch.monitor import Monitor
 
 _log = logging.getLogger("numwatch")
@@ -35,7 +35,15 @@ class MonitorDriver:
     ) -> None:
         self.config = config
         self.overrides = overrides
+        if isinstance(stop_on, str):  # 'nonfinite' would stop on 'n', 'o', ...
+            stop_on = (stop_on,)
         self.stop_on = tuple(stop_on)
+        unknown = [k for k in self.stop_on if k != "*" and k not in EVENT_KINDS]
+        if unknown:  # said now, not at the start of training (with the model hooked)
+            raise NumwatchConfigError(
+                f"stop_on: unknown event kind(s) {unknown}; known: {', '.join(EVENT_KINDS)} "
+                "or '*'"
+            )
         self.monitor: Monitor | None = None
         self.halt: NumwatchHalt | None = None
         self.stop_reason: str | None = None
@@ -71,13 +79,15 @@ class MonitorDriver:
         except NumwatchHalt as halt:
             self.halt = halt
             self.request_stop(f"halt by rule {halt.report.get('rule', '?')!r}")
-            self.finish()  # numwatch is done: the framework ends its step without it
+            # numwatch is done: the framework ends its step without it (a skip decided for
+            # that step still withholds its update)
+            self.finish(within_step=True)
 
-    def finish(self) -> None:
+    def finish(self, within_step: bool = False) -> None:
         """Detach; the monitor stays readable (``.events``, ``.snapshot()``) after training."""
         if self.monitor is not None and self.monitor.attached:
             try:
-                self.monitor.detach()
+                self.monitor.detach(within_step=within_step)
             except NumwatchHalt as halt:  # the final flush halted: record it, finish detaching
                 self.halt = self.halt or halt
-                self.monitor.detach()
+                self.monitor.detach(within_step=within_step)

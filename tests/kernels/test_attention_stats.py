@@ -391,6 +391,26 @@ def test_score_head_stats_matches_oracle():
     )
 
 
+@pytest.mark.parametrize("pattern", ["fp16_added", "bf16_upcast"])
+def test_score_head_stats_sees_mask_values_that_no_longer_read_as_finfo_min(pattern):
+    """Eager attention in fp16 adds finfo(fp16).min to scores (20 + -65504 rounds to -65472, above
+    the minimum); MPT masks bf16 scores with finfo(bf16).min and runs softmax on .float() (above
+    fp32's minimum). Both were counted as real logits: padded rows counted as rows (repeated-max,
+    saturated) and attn_min_logit read -65472 or -3.4e38."""
+    T = 6
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randn(1, 2, T, T, generator=g) * 4 + 20
+    keep = torch.ones(T, T, dtype=torch.bool).tril()
+    keep[:, 0] = False  # a left pad: row 0 sees nothing
+    if pattern == "fp16_added":
+        mask = torch.where(keep, 0.0, torch.finfo(torch.float16).min).half()
+        scores = raw.half() + mask
+    else:
+        scores = raw.bfloat16().masked_fill(~keep, torch.finfo(torch.bfloat16).min).float()
+    S = scores.double().masked_fill(~keep, float("-inf"))
+    assert_stats(A.score_head_stats(scores), oracle_from_scores(S, torch.bfloat16))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_a_mask_with_is_causal_applies_both(impl, kind):
