@@ -41,8 +41,7 @@ class MonitorDriver:
         unknown = [k for k in self.stop_on if k != "*" and k not in EVENT_KINDS]
         if unknown:  # said now, not at the start of training (with the model hooked)
             raise NumwatchConfigError(
-                f"stop_on: unknown event kind(s) {unknown}; known: {', '.join(EVENT_KINDS)} "
-                "or '*'"
+                f"stop_on: unknown event kind(s) {unknown}; known: {', '.join(EVENT_KINDS)} or '*'"
             )
         self.monitor: Monitor | None = None
         self.halt: NumwatchHalt | None = None
