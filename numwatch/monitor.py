@@ -606,9 +606,14 @@ class Monitor(Joinable):
         out: dict[str, AttentionKernel | None] = {}
         for layer in sorted(self._attention.layers_seen if self._attention else ()):
             kernel = self.attention_kernel(layer)
-            routed = kernel is not None and layer not in self._attention.unroutable
-            out[layer] = kernel if routed else None
+            out[layer] = kernel if self.attention_routable(layer) else None
         return out
+
+    def attention_routable(self, layer: str) -> bool:
+        """Whether a route can take ``layer``'s attention: it calls SDPA (not eager softmax, not
+        numwatch's kernel directly, not inside nn.MultiheadAttention)."""
+        probe = self._attention
+        return probe is not None and layer in probe.sdpa_layers and layer not in probe.unroutable
 
     def _apply_routes(self) -> None:
         if self._attention is None:

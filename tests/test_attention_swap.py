@@ -174,6 +174,39 @@ def test_each_flush_reports_the_kernels_its_step_ran(calls, caplog):
     ]
 
 
+@pytest.mark.parametrize("kind", ["eager", "direct_kernel"])
+def test_attention_a_route_cannot_take_is_not_reported_as_swapped(kind, caplog):
+    """Eager softmax and numwatch's kernel called by the model itself are observed only: the
+    swap action said it routed them (training unchanged), and a layer on paper_repro read as
+    stabilized."""
+    from numwatch.actions.library import SwapAttentionKernel
+    from numwatch.events import Event
+    from numwatch.kernels import flash_attention
+
+    class Layer(nn.Module):
+        def forward(self, x):
+            q = x.view(1, 2, -1, 8)
+            if kind == "eager":
+                return torch.softmax(q @ q.transpose(-1, -2), dim=-1) @ q
+            return flash_attention(q, q, q, mode="paper_repro")
+
+    model = nn.Sequential(Layer())
+    monitor = monitor_for(model, attention__every=1)
+    x = torch.randn(6, 16, dtype=torch.bfloat16)
+    model(x)
+    monitor.step()
+    event = Event(kind="precursor", step=0, message="m", rule="r", labels={"layer": "0"})
+    with caplog.at_level("WARNING", logger="numwatch"):
+        assert SwapAttentionKernel().run(monitor, event) is None
+    assert any("cannot route layer '0'" in r.getMessage() for r in caplog.records)
+    monitor.swap_attention("0")
+    model(x)
+    monitor.step()
+    snap = monitor.snapshot()
+    assert snap.get("attn_kernel_stabilized", layer="0") in (None, 0.0)
+    assert snap.series("attn_kernel_mode") == []
+
+
 def test_swap_needs_an_attached_monitor():
     monitor = numwatch.Monitor(Two(), sinks__console__enabled=False, sinks__jsonl__enabled=False)
     with pytest.raises(numwatch.NumwatchError, match="attached"):

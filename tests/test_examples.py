@@ -32,6 +32,19 @@ def test_gpt2_example_trains_with_the_monitor(tmp_path, attention):
     assert layers == {"h.0.attn", "h.1.attn"}
 
 
+def test_a_healthy_eager_warm_up_raises_no_default_event(tmp_path):
+    """attn_saturated at 10 % fired on this healthy run (its first three attention samples, max
+    logits 0.2-0.35: near-uniform rows of small heads)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import gpt2
+    finally:
+        sys.path.pop(0)
+    log = tmp_path / "run.jsonl"
+    gpt2.main(["--preset", "tiny", "--steps", "110", "--attention", "eager", "--jsonl", str(log)])
+    assert [e for r in read_jsonl(log) for e in r["events"]] == []
+
+
 def test_gpt2_example_nope_sinks_make_repeated_maxima(tmp_path):
     """--data sinks with --no-pos-emb: every sequence starts with identical BOS tokens whose
     layer-0 keys are bitwise equal, so the probe sees rows with a repeated maximum; with the

@@ -42,6 +42,8 @@ class ActionContext(Protocol):
 
     def attention_kernel(self, layer: str) -> Any: ...
 
+    def attention_routable(self, layer: str) -> bool: ...
+
 
 class Action(BaseModel):
     """Base of every action; subclasses set ``type`` and implement ``run``."""

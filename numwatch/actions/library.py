@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from numwatch.actions.base import Action, ActionContext
 from numwatch.errors import NumwatchConfigError, NumwatchError, NumwatchHalt
 from numwatch.events import Event
 from numwatch.probes.qk_layout import QKLayout, find_qk_layout
+
+_log = logging.getLogger("numwatch")
 
 __all__ = [
     "ACTIONS",
@@ -43,6 +46,7 @@ __all__ = [
 
 class SwapAttentionKernel(Action):
     type: Literal["swap_attention_kernel"] = "swap_attention_kernel"
+    _unroutable: set[str] = PrivateAttr(default_factory=set)
     scope: Literal["layer", "all"] = Field(
         "layer", description="The event's layer only, or every attention layer."
     )
@@ -57,6 +61,16 @@ class SwapAttentionKernel(Action):
         current = ctx.attention_kernel(target or "")
         if target is not None and current is not None and current.stabilized:
             return None  # already there
+        if target is not None and not ctx.attention_routable(target):
+            if target not in self._unroutable:  # said once; no "routed" event for nothing
+                self._unroutable.add(target)
+                _log.warning(
+                    "numwatch: swap_attention_kernel cannot route layer %r: its attention is "
+                    "not an SDPA call (eager softmax, numwatch's kernel called directly, or "
+                    "nn.MultiheadAttention)",
+                    target,
+                )
+            return None
         ctx.swap_attention(target, beta=self.beta)
         return (
             f"routed {'layer ' + repr(target) if target else 'all layers'} to the stabilized kernel"

@@ -170,6 +170,9 @@ class AttentionProbe:
         self._root_open = 0  # model forwards entered and not exited (the rest: begin_forward)
         self.sampling = False
         self.layers_seen: set[str] = set()
+        # layers whose SDPA calls a route can take (not eager softmax, not numwatch's kernel
+        # called by the model itself, not nn.MultiheadAttention)
+        self.sdpa_layers: set[str] = set()
         # Layer glob -> kernel replacing SDPA there (None = native); the last match wins.
         self._routes: dict[str, Callable[[SdpaCall], torch.Tensor] | None] = {}
         self._route_cache: dict[str, Callable[[SdpaCall], torch.Tensor] | None] = {}
@@ -325,6 +328,8 @@ class AttentionProbe:
     ) -> torch.Tensor:
         layer, _ = self.locate()
         self.layers_seen.add(layer)
+        if routable:
+            self.sdpa_layers.add(layer)
         route = self.route_for(layer) if routable else None
         call = SdpaCall.from_args(args, kwargs) if route is not None else None
         out = route(call) if call is not None and not call.extra else func(*args, **kwargs)

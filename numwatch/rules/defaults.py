@@ -61,11 +61,13 @@ def default_rules() -> list[Rule]:
             actions=swap,
         ),
         # Near-uniform rows (all logits within 0.002 of the max, e.g. at initialisation) are
-        # saturated without harm; report only.
+        # saturated without harm; report only. Small heads (d 32, T 64) read 0.09-0.17 in
+        # healthy warm-ups (10 % fired on an eager tiny GPT-2 at its first three samples), the
+        # healthy controls of bench/results/repro_* at most 0.16, the diverging runs 0.38-0.996.
         ThresholdRule(
             name="attn_saturated",
             metric="attn_saturated_fraction",
-            threshold=0.1,
+            threshold=0.25,
             for_flushes=3,
             cooldown=10,
         ),
