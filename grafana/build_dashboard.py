@@ -256,10 +256,12 @@ SECTIONS: list[tuple[str, list[tuple[dict[str, Any], int, int]]]] = [
                 timeseries(
                     "Attention output bias and systematic error",
                     "mean(err)/mean|err| of the attention output against an fp32 recomputation "
-                    "(max and min over heads): a persistent sign is the biased rounding of the "
-                    "paper. Systematic error (largest head): the error beyond correct rounding "
-                    "that keeps one sign per output dim, relative to the whole error; about 1 "
-                    "when the kernel is biased, whatever the signs of V.",
+                    "(the exporter's default heads: layer serves the head of largest magnitude, "
+                    "with its sign; with heads: top_k or all, the max and min over them): a "
+                    "persistent sign is the biased rounding of the paper. Systematic error "
+                    "(largest head): the error beyond correct rounding that keeps one sign per "
+                    "output dim, relative to the whole error; about 1 when the kernel is "
+                    "biased, whatever the signs of V.",
                     [
                         target(by_layer("max", "attn_output_bias"), "max " + LEGEND_LAYER),
                         target(by_layer("min", "attn_output_bias"), "min " + LEGEND_LAYER, "B"),
@@ -275,10 +277,11 @@ SECTIONS: list[tuple[str, list[tuple[dict[str, Any], int, int]]]] = [
             ),
             (
                 timeseries(
-                    "Softmax entropy (lowest head)",
-                    "Smallest softmax-row entropy per layer (nats); a collapse towards 0 means "
-                    "one-hot attention.",
-                    [target(by_layer("min", "attn_entropy_min"), LEGEND_LAYER)],
+                    "Softmax entropy (lowest head mean)",
+                    "Mean softmax-row entropy of the layer's lowest head (nats); a collapse "
+                    "towards 0 means one-hot attention. (The per-row minimum, attn_entropy_min, "
+                    "is 0 in any causal layer: its first row has one key.)",
+                    [target(by_layer("min", "attn_entropy_mean"), LEGEND_LAYER)],
                 ),
                 8,
                 8,

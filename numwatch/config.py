@@ -171,10 +171,12 @@ class WeightsConfig(_Section):
     params: list[str] = Field(
         default_factory=lambda: ["*"], description="Globs of 2-D parameters to include."
     )
-    exclude: list[str] = Field(
-        default_factory=lambda: ["*embed*", "*wte*", "*wpe*", "*tok*", "*pos*"],
-        description="Globs left out (embeddings by default: a lookup table's norm is not a "
-        "precursor, and it is the largest matrix).",
+    exclude: list[str] = Field(default_factory=list, description="Globs of parameters left out.")
+    embeddings: bool = Field(
+        False,
+        description="Include the tables of nn.Embedding / nn.EmbeddingBag modules (left out by "
+        "default, by module type: a lookup table's norm is not a precursor, and it is the "
+        "largest matrix).",
     )
     attention_heads: bool = Field(
         True, description="Per-head norms of W_Q and W_K of recognised attention modules."

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import logging
 from collections.abc import Iterable
 
 from torch import nn
+
+log = logging.getLogger("numwatch")
 
 __all__ = ["matches", "matches_any", "select_modules", "select_parameters"]
 
@@ -24,15 +27,31 @@ def matches_any(names: Iterable[str], pattern: str) -> bool:
 
 
 def select_parameters(
-    model: nn.Module, include: Iterable[str], exclude: Iterable[str] = ()
+    model: nn.Module,
+    include: Iterable[str],
+    exclude: Iterable[str] = (),
+    setting: str | None = None,
 ) -> list[tuple[str, nn.Parameter]]:
-    """Trainable parameters whose names match, in model.named_parameters() order."""
+    """Trainable parameters whose names match, in model.named_parameters() order. With
+    ``setting`` (its config name), an include glob that matches no parameter is said once."""
     include, exclude = list(include), list(exclude)
-    return [
-        (name, p)
-        for name, p in model.named_parameters()
-        if p.requires_grad and matches(name, include, exclude)
-    ]
+    named = list(model.named_parameters())
+    if setting is not None:
+        _warn_unmatched(setting, include, [name for name, _ in named])
+    return [(name, p) for name, p in named if p.requires_grad and matches(name, include, exclude)]
+
+
+def _warn_unmatched(setting: str, patterns: list[str], names: list[str]) -> None:
+    """A glob or class name that matches nothing is most likely a typo: its probe would
+    watch nothing, silently."""
+    for p in patterns:
+        if p != "*" and not matches_any(names, p):
+            log.warning(
+                "numwatch: %s entry %r matches nothing in the model (e.g. %r); it selects nothing",
+                setting,
+                p,
+                names[-1] if names else "",
+            )
 
 
 def select_modules(
@@ -40,16 +59,29 @@ def select_modules(
     include: Iterable[str],
     exclude: Iterable[str] = (),
     types: Iterable[str] = (),
+    setting: str | None = None,
 ) -> list[tuple[str, nn.Module]]:
-    """Submodules (never the root) whose names and class names match."""
+    """Submodules (never the root) whose names and class names match. A class name matches a
+    subclass too, as a dotted path does (isinstance). With ``setting`` (its config name), a glob
+    or class name that matches nothing is said once."""
     include, exclude, types = list(include), list(exclude), list(types)
     short = {t for t in types if "." not in t}
     classes = tuple(_resolve(t) for t in types if "." in t)
+    named = [(name, m) for name, m in model.named_modules() if name]
+    if setting is not None:
+        _warn_unmatched(setting, include, [name for name, _ in named])
+        seen = {c.__name__ for _, m in named for c in type(m).__mro__}
+        for t in sorted(short - seen):
+            log.warning("numwatch: %s class %r is no module class of the model", setting, t)
     out = []
-    for name, module in model.named_modules():
-        if not name or not matches(name, include, exclude):
+    for name, module in named:
+        if not matches(name, include, exclude):
             continue
-        if types and type(module).__name__ not in short and not isinstance(module, classes):
+        if (
+            types
+            and not isinstance(module, classes)
+            and not any(c.__name__ in short for c in type(module).__mro__)
+        ):
             continue
         out.append((name, module))
     return out

@@ -273,3 +273,43 @@ def test_overhead_with_untimed_steps(tmp_path):
         sink.emit(Snapshot(step, records, time=float(step)), [])
     sink.close()
     assert "monitor overhead 1.00 ms/step" in text_of(render_html(load_run(path)))
+
+
+def test_skips_are_marked_at_their_steps_from_the_action_events(tmp_path, monkeypatch):
+    """The markers came from increases of the counter between flushes: a skip in the first
+    window was never marked, one at the last flush's step read 'skipped optimizer steps 0'."""
+    from matplotlib.axes import Axes
+
+    from numwatch.sinks import report
+
+    def skip(step):
+        return Event(
+            kind="action",
+            step=step,
+            message=f"skip_step: skipped step {step}",
+            severity="info",
+            rule="nonfinite",
+            evidence={"action": "skip_step"},
+        )
+
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path, "skips")
+    common = {"logit": 5.0, "repeated": 0.0, "stabilized": 0.0, "loss": 1.0}
+    sink.emit(flush(1, **common), [skip(0)])  # the counter shows it from the next flush
+    sink.emit(flush(3, **common, skipped=1), [])
+    sink.emit(flush(5, **common, skipped=1), [skip(5)])  # the last flush: counter still 1
+    sink.close()
+    run = load_run(path)
+    rows = dict(report.summary_rows(run))
+    assert rows["skipped optimizer steps"] == "2"
+    marked = []
+    real = Axes.plot
+
+    def plot(self, *args, **kwargs):
+        if kwargs.get("marker") == "v":
+            marked.append(args[0][0])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", plot)
+    report._training_plot(run)
+    assert sorted(set(marked)) == [0, 5]

@@ -331,3 +331,53 @@ def test_multihead_attention_with_kdim_and_the_default_bias():
     for h, (sq, sk) in enumerate(_head_norms(monitor.snapshot(), "0", 4)):
         assert sq == pytest.approx(_sigma(mha.q_proj_weight[8 * h : 8 * h + 8]), rel=1e-3)
         assert sk == pytest.approx(_sigma(mha.k_proj_weight[8 * h : 8 * h + 8]), rel=1e-3)
+
+
+def test_embeddings_are_left_out_by_module_type_not_by_name(caplog):
+    """The name globs (*embed*, *tok*, *pos*, ...) measured T5's `shared` table and dropped
+    Linear weights such as token_mixer, position_ffn; a glob that matches nothing was silent."""
+    import numwatch
+
+    class Block(nn.Module):
+        def __init__(self, d=16, vocab=50):
+            super().__init__()
+            self.shared = nn.Embedding(vocab, d)
+            self.token_mixer = nn.Linear(d, d)
+            self.position_ffn = nn.Linear(d, d)
+            self.post = nn.Linear(d, d)
+
+        def forward(self, ids):
+            return self.post(self.position_ffn(self.token_mixer(self.shared(ids)))).sum()
+
+    torch.manual_seed(0)
+    model = Block()
+    for embeddings, want in (
+        (False, ["position_ffn.weight", "post.weight", "token_mixer.weight"]),
+        (True, ["position_ffn.weight", "post.weight", "shared.weight", "token_mixer.weight"]),
+    ):
+        monitor = numwatch.Monitor(
+            model, flush_every=1, weights__every=1, weights__embeddings=embeddings,
+            sinks__jsonl__enabled=False, sinks__console__enabled=False,
+        ).attach()  # fmt: skip
+        model(torch.randint(0, 50, (2, 8))).backward()
+        monitor.step()
+        got = sorted(r.labels["param"] for r in monitor.snapshot().series("weight_spectral_norm"))
+        monitor.detach()
+        assert got == want
+    with caplog.at_level("WARNING", logger="numwatch"):
+        numwatch.Monitor(
+            model, weights__params=["blocks.*"], activations__module_types=["Linaer"],
+            sinks__jsonl__enabled=False, sinks__console__enabled=False,
+        ).attach().detach()  # fmt: skip
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "weights.params entry 'blocks.*' matches nothing" in said
+    assert "activations.modules class 'Linaer' is no module class" in said
+
+
+def test_a_class_name_selects_its_subclasses_as_a_dotted_path_does():
+    from numwatch.selection import select_modules
+
+    model = nn.TransformerEncoderLayer(d_model=16, nhead=2, batch_first=True)
+    short = [n for n, _ in select_modules(model, ["*"], [], ["Linear"])]
+    dotted = [n for n, _ in select_modules(model, ["*"], [], ["torch.nn.Linear"])]
+    assert short == dotted == ["self_attn.out_proj", "linear1", "linear2"]

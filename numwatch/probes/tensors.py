@@ -199,7 +199,7 @@ class GradientProbe:
         self.cfg = cfg
         self.ctx = ctx
         self._every = 1 if every_step else cfg.every
-        self.params = select_parameters(model, cfg.params, cfg.exclude)
+        self.params = select_parameters(model, cfg.params, cfg.exclude, "gradients.params")
         self._tensors = [p for _, p in self.params]
         self._sharded = any(is_dtensor(p) for p in self._tensors)
         self._handles: list[Any] = []
@@ -418,7 +418,9 @@ class ActivationProbe:
         self.cfg = cfg
         self.ctx = ctx
         self.model = model
-        self.modules = select_modules(model, cfg.modules, cfg.exclude, cfg.module_types)
+        self.modules = select_modules(
+            model, cfg.modules, cfg.exclude, cfg.module_types, "activations.modules"
+        )
         self._handles: list[Any] = []
         self._module_handles: list[Any] = []
         self._tables = DeviceTables("act_table", len(self.modules))

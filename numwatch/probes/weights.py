@@ -20,7 +20,7 @@ from numwatch.kernels.host_copy import to_device
 from numwatch.kernels.power_iteration import PowerIteration, qk_logit_bound
 from numwatch.probes.base import ProbeContext, gathering_device
 from numwatch.probes.qk_layout import QKLayout, find_qk_layout
-from numwatch.selection import matches, select_parameters
+from numwatch.selection import _warn_unmatched, matches, select_parameters
 from numwatch.snapshot import MetricRecord
 
 __all__ = ["WeightProbe"]
@@ -32,19 +32,28 @@ def _measurable(w: torch.Tensor) -> bool:
     return w.layout is torch.strided and w.is_floating_point() and w.numel() > 0
 
 
+def _embedding_tables(model: nn.Module) -> set[int]:
+    """ids of the weights of the model's embedding modules (chosen by type: names such as
+    T5's ``shared`` say nothing, and globs like ``*tok*`` also caught ``token_mixer``)."""
+    kinds = (nn.Embedding, nn.EmbeddingBag)
+    return {id(m.weight) for m in model.modules() if isinstance(m, kinds)}
+
+
 class WeightProbe:
     component = "weights"
 
     def __init__(self, model: nn.Module, cfg: WeightsConfig, ctx: ProbeContext) -> None:
         self.cfg = cfg
         self.ctx = ctx
+        tables = set() if cfg.embeddings else _embedding_tables(model)
         self.params = [
             (name, p)
-            for name, p in select_parameters(model, cfg.params, cfg.exclude)
-            if p.dim() == 2 and _measurable(p)
+            for name, p in select_parameters(model, cfg.params, cfg.exclude, "weights.params")
+            if p.dim() == 2 and _measurable(p) and id(p) not in tables
         ]
         self.layers: list[tuple[str, QKLayout]] = []
         if cfg.attention_heads:
+            _warn_unmatched("weights.layers", cfg.layers, [n for n, _ in model.named_modules()])
             for name, module in model.named_modules():
                 if name and matches(name, cfg.layers):
                     layout = find_qk_layout(module)
