@@ -131,6 +131,10 @@ class Monitor(Joinable):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Monitor needs a torch.nn.Module, got {type(model).__name__}")
         super().__init__()  # Joinable: outside a Join, its config is the disabled one
+        # torch.compile(model) wraps the module: its names would all start with '_orig_mod.'
+        # (user globs would select nothing) and the model itself would count as a submodule
+        if type(model).__name__ == "OptimizedModule":
+            model = model._orig_mod
         self.model = model
         self.config = MonitorConfig.load(config, **overrides)
         self.events: deque[Event] = deque(maxlen=self.config.events_kept)  # the most recent

@@ -110,3 +110,25 @@ def test_routed_attention_under_compile_trains_as_in_eager(make_monitor, device,
         assert compiled == eager
     else:
         assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+def test_a_compiled_wrapper_is_monitored_under_its_modules_names(make_monitor):
+    """Monitor(torch.compile(model)) labelled everything '_orig_mod.…' (user globs selected
+    nothing) and measured the model itself as a submodule '_orig_mod'."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = make_monitor(
+        compiled, flush_every=1, activations__every=1, gradients__params=["h.0.*"]
+    ).attach(opt)
+    assert monitor.model is model
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size))
+    train_step(compiled, opt, x, x.roll(-1, 1), monitor)
+    snap = monitor.snapshot()
+    monitor.detach()
+    params = {r.labels["param"] for r in snap.series("grad_absmax")}
+    assert params and all(p.startswith("h.0.") for p in params)
+    modules = {r.labels["module"] for r in snap.series("activation_absmax")}
+    assert "h.0.attn.c_attn" in modules and not any(m.startswith("_orig_mod") for m in modules)
