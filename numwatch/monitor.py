@@ -179,6 +179,7 @@ class Monitor(Joinable):
         self._flushing = False
         self._detaching = False
         self._detach_deferred = False
+        self._detach_within = False  # the deferred detach's within_step
         self._skipped_earlier = 0  # updates skipped while attached before (re-attach)
         self._scale_drops: torch.Tensor | None = None  # loss-scale drops counted before
         self._rules_step: int | None = None  # the step of the last flush the rules judged
@@ -294,6 +295,9 @@ class Monitor(Joinable):
             return
         if self._depth:
             self._detach_deferred = True
+            # asked inside a step close (a step-level callback): that step's optimizer.step()
+            # is still to come, and a skip decided for it holds
+            self._detach_within = within_step or self._closing_step
             return
         self._detaching = True
         try:
@@ -731,7 +735,7 @@ class Monitor(Joinable):
         self._depth -= 1
         if self._detach_deferred and not self._depth:
             self._detach_deferred = False
-            self.detach()
+            self.detach(within_step=self._detach_within)
 
     def _flush(self) -> Snapshot | None:
         self._flush_after_loss = False  # any flush covers the closed steps (detach's too)

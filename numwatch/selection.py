@@ -60,19 +60,26 @@ def select_modules(
     exclude: Iterable[str] = (),
     types: Iterable[str] = (),
     setting: str | None = None,
+    types_setting: str | None = None,
 ) -> list[tuple[str, nn.Module]]:
     """Submodules (never the root) whose names and class names match. A class name matches a
-    subclass too, as a dotted path does (isinstance). With ``setting`` (its config name), a glob
-    or class name that matches nothing is said once."""
+    subclass too, as a dotted path does (isinstance). With ``setting`` (the globs' config name)
+    and ``types_setting`` (the classes'), a glob or class that matches nothing is said once."""
     include, exclude, types = list(include), list(exclude), list(types)
     short = {t for t in types if "." not in t}
     classes = tuple(_resolve(t) for t in types if "." in t)
     named = [(name, m) for name, m in model.named_modules() if name]
     if setting is not None:
         _warn_unmatched(setting, include, [name for name, _ in named])
+    if types_setting is not None:
         seen = {c.__name__ for _, m in named for c in type(m).__mro__}
-        for t in sorted(short - seen):
-            log.warning("numwatch: %s class %r is no module class of the model", setting, t)
+        unmatched = sorted(short - seen) + [
+            f"{c.__module__}.{c.__qualname__}"
+            for c in classes
+            if not any(isinstance(m, c) for _, m in named)
+        ]
+        for t in unmatched:
+            log.warning("numwatch: %s class %r is no module class of the model", types_setting, t)
     out = []
     for name, module in named:
         if not matches(name, include, exclude):

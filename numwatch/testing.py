@@ -140,7 +140,7 @@ def planted_tensor(
         torch.full((posinf,), float("inf")),
         torch.full((neginf,), float("-inf")),
         torch.zeros(zeros),
-        (torch.randint(1, 4, (subnormal,), generator=g) * smallest_sub).double()
+        (torch.randint(1, 4, (subnormal,), generator=g, dtype=torch.float64) * smallest_sub)
         * torch.where(torch.rand(subnormal, generator=g) < 0.5, -1.0, 1.0).double(),
         1
         + (absmax - 1)

@@ -677,3 +677,21 @@ def test_a_step_level_halt_labels_its_step(tmp_path):
     (record,) = [r for r in read_jsonl(tmp_path / "run.jsonl") if r["metrics"]]
     values = {m["name"]: m["value"] for m in record["metrics"]}
     assert record["step"] == 2 and math.isnan(values["loss"])
+
+
+def test_a_detach_asked_by_a_step_level_callback_keeps_the_skip_it_decided():
+    """detach(within_step=True) from an event callback was deferred without its argument: the
+    optimizer wrapper went, and the NaN update the step had decided to skip was applied."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE).attach(opt)
+    monitor.on("nonfinite", lambda e: monitor.detach(within_step=True))
+    before = model.weight.detach().clone()
+    loss = model(torch.randn(2, 4)).sum() * float("nan")
+    loss.backward()
+    monitor.step(loss)
+    assert not monitor.attached
+    opt.step()
+    assert torch.equal(model.weight, before)
+    assert "step" not in opt.__dict__  # the wrapper went with that step

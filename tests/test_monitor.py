@@ -62,7 +62,7 @@ def train_steps(model, monitor, n, *, opt=None, plant=None):
         model.zero_grad()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_planted_gradient_statistics_exact(make_monitor, dtype):
     grad, _ = planted_tensor(dtype, nan=2, posinf=3, neginf=1, zeros=4, subnormal=5, normal=11)
     model = nn.Linear(26, 1, bias=False).to(dtype)

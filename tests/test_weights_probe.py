@@ -371,7 +371,7 @@ def test_embeddings_are_left_out_by_module_type_not_by_name(caplog):
         ).attach().detach()  # fmt: skip
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "weights.params entry 'blocks.*' matches nothing" in said
-    assert "activations.modules class 'Linaer' is no module class" in said
+    assert "activations.module_types class 'Linaer' is no module class" in said
 
 
 def test_a_class_name_selects_its_subclasses_as_a_dotted_path_does():
@@ -381,3 +381,17 @@ def test_a_class_name_selects_its_subclasses_as_a_dotted_path_does():
     short = [n for n, _ in select_modules(model, ["*"], [], ["Linear"])]
     dotted = [n for n, _ in select_modules(model, ["*"], [], ["torch.nn.Linear"])]
     assert short == dotted == ["self_attn.out_proj", "linear1", "linear2"]
+
+
+def test_unmatched_attention_layers_and_dotted_classes_are_said(caplog):
+    import numwatch
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with caplog.at_level("WARNING", logger="numwatch"):
+        numwatch.Monitor(
+            model, attention__layers=["atn*"], activations__module_types=["torch.nn.Conv2d"],
+            sinks__jsonl__enabled=False, sinks__console__enabled=False,
+        ).attach().detach()  # fmt: skip
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "attention.layers entry 'atn*' matches nothing" in said
+    assert "activations.module_types class 'torch.nn.modules.conv.Conv2d'" in said

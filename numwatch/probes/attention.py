@@ -32,7 +32,7 @@ from numwatch.hooks import UserHook
 from numwatch.kernels import attention_stats as ats
 from numwatch.kernels.flash_attention import autocast_like_sdpa, flash_attention
 from numwatch.probes.base import ProbeContext
-from numwatch.selection import matches
+from numwatch.selection import _warn_unmatched, matches
 from numwatch.snapshot import MetricRecord
 
 __all__ = ["AttentionProbe", "SdpaCall"]
@@ -156,6 +156,7 @@ class AttentionProbe:
         self.ctx = ctx
         self.model = model
         self._names = {id(m): name for name, m in model.named_modules()}
+        _warn_unmatched("attention.layers", cfg.layers, list(self._names.values()))
         self._foreign: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules of other models
         self._modules: dict[str, nn.Module] = {}  # layer name -> module, looked up once
         self._selected: dict[str, bool] = {}

@@ -419,8 +419,9 @@ class ActivationProbe:
         self.ctx = ctx
         self.model = model
         self.modules = select_modules(
-            model, cfg.modules, cfg.exclude, cfg.module_types, "activations.modules"
-        )
+            model, cfg.modules, cfg.exclude, cfg.module_types, "activations.modules",
+            "activations.module_types",
+        )  # fmt: skip
         self._handles: list[Any] = []
         self._module_handles: list[Any] = []
         self._tables = DeviceTables("act_table", len(self.modules))
