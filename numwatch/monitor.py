@@ -297,7 +297,7 @@ class Monitor(Joinable):
             self._detach_deferred = True
             # asked inside a step close (a step-level callback): that step's optimizer.step()
             # is still to come, and a skip decided for it holds
-            self._detach_within = within_step or self._closing_step
+            self._detach_within = self._detach_within or within_step or self._closing_step
             return
         self._detaching = True
         try:
@@ -734,8 +734,8 @@ class Monitor(Joinable):
         """End of a step close or a flush: the detach a callback asked for inside it runs now."""
         self._depth -= 1
         if self._detach_deferred and not self._depth:
-            self._detach_deferred = False
-            self.detach(within_step=self._detach_within)
+            within, self._detach_deferred, self._detach_within = self._detach_within, False, False
+            self.detach(within_step=within)
 
     def _flush(self) -> Snapshot | None:
         self._flush_after_loss = False  # any flush covers the closed steps (detach's too)

@@ -695,3 +695,19 @@ def test_a_detach_asked_by_a_step_level_callback_keeps_the_skip_it_decided():
     opt.step()
     assert torch.equal(model.weight, before)
     assert "step" not in opt.__dict__  # the wrapper went with that step
+
+
+def test_a_second_detach_request_in_the_same_step_close_keeps_the_skip():
+    """The nonfinite event fires in the step-level check and again in that step's flush: the
+    second request (outside the step check) reset the deferred detach to drop the skip."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE, flush_every=1).attach(opt)
+    monitor.on("nonfinite", lambda e: monitor.detach())
+    before = model.weight.detach().clone()
+    loss = model(torch.randn(2, 4)).sum() * float("nan")
+    loss.backward()
+    monitor.step(loss)
+    opt.step()
+    assert not monitor.attached and torch.equal(model.weight, before)
