@@ -10,9 +10,10 @@ of a monitored model behaves as an unmonitored one. (Unpickling one needs numwat
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["InertHook", "UserHook"]
+__all__ = ["InertHook", "UserHook", "after_first_closure_call"]
 
 
 class InertHook:
@@ -35,3 +36,28 @@ class UserHook(functools.partial):
 
     def __reduce__(self) -> tuple:
         return (InertHook, ())
+
+
+def after_first_closure_call(
+    args: tuple, kwargs: dict, then: Callable[[Any], None]
+) -> tuple[tuple, dict] | None:
+    """For an optimizer step pre-hook's ``(args, kwargs)`` (args: optimizer, closure?): where the
+    step has a closure, the arguments with it replaced by one that calls ``then(loss)`` after its
+    first call (that call makes the step's gradients; later ones, as LBFGS makes, probe other
+    points); None where it has none."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
+        return None
+    done = False
+
+    def closure_then() -> Any:
+        nonlocal done
+        loss = closure()
+        if not done:
+            done = True
+            then(loss)
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then}
+    return (args[0], closure_then, *args[2:]), kwargs

@@ -47,7 +47,7 @@ from numwatch.errors import NumwatchConfigError, NumwatchError, NumwatchHalt
 from numwatch.events import Event, EventBus
 from numwatch.gc_pause import gc_paused
 from numwatch.guard import Guard
-from numwatch.hooks import UserHook
+from numwatch.hooks import UserHook, after_first_closure_call
 from numwatch.kernels import launch
 from numwatch.kernels.flash_attention import flash_attention_fallbacks
 from numwatch.kernels.host_copy import to_device
@@ -425,33 +425,24 @@ class Monitor(Joinable):
             self._guard.run("step", self._record_loss, loss, self._ctx.step - 1)
             self._last_close = "late-loss"
             self._late_losses = True
-            if self._flush_after_loss:
-                self.flush()
+            self._run_waiting_flush()
             return
         self._last_close = "user"  # before closing: a halt raised by the flush leaves it right
         self._close_step(loss)
 
     def _on_optimizer_step(self, _optimizer: Any, args: tuple, kwargs: dict) -> Any:
-        # args: (optimizer, closure?) as torch passes them to step pre-hooks
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None:
+        # step(closure) computes the gradients inside: close after the closure's first call,
+        # with the loss it returned
+        wrapped = after_first_closure_call(
+            args,
+            kwargs,
+            lambda loss: self._before_optimizer_update(
+                loss if isinstance(loss, torch.Tensor) else None
+            ),
+        )
+        if wrapped is None:
             self._before_optimizer_update()
-            return None
-        # step(closure) computes the gradients inside: close after the closure's first call
-        # (later ones, as LBFGS makes, probe other points), with the loss it returned.
-        closed = False
-
-        def closure_then_close() -> Any:
-            nonlocal closed
-            loss = closure()
-            if not closed:
-                closed = True
-                self._before_optimizer_update(loss if isinstance(loss, torch.Tensor) else None)
-            return loss
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_close}
-        return (args[0], closure_then_close, *args[2:]), kwargs
+        return wrapped
 
     def _before_optimizer_update(self, loss: torch.Tensor | None = None) -> None:
         if self._last_close == "user" and not self._ctx.activity:
@@ -463,7 +454,7 @@ class Monitor(Joinable):
     def _close_step(self, loss: torch.Tensor | float | None) -> None:
         # Never in inference mode (a step closed in an evaluation pass): the tables made lazily
         # here must stay normal tensors, or every later in-place update of them fails.
-        self._run_missed_flush()  # a step with no forward through the model (hooks only)
+        self._run_waiting_flush()  # a step with no forward through the model (hooks only)
         self._depth += 1
         try:
             self._guard.run("step", self._dist.settle, self._ctx.step)  # a rank joined? (Join)
@@ -641,11 +632,11 @@ class Monitor(Joinable):
         return kernel if isinstance(kernel, AttentionKernel) else None
 
     # --- integrations: training steps that run submodules without calling model.forward
-    def _run_missed_flush(self) -> None:
-        """A flush that waited for a late loss that did not come runs when the next training
-        step begins, before any of its hooks record (it would carry their values)."""
+    def _run_waiting_flush(self) -> None:
+        """The flush that waits for a late loss: run by that loss, or, where none comes, when
+        the next training step begins, before any of its hooks record (it would carry their
+        values). A flush clears the wait."""
         if self._flush_after_loss:
-            self._flush_after_loss = False
             self.flush()
 
     def _mark_activity(self, *_: Any) -> None:
@@ -655,7 +646,7 @@ class Monitor(Joinable):
         grad = torch.is_grad_enabled()
         self._ctx.eval_forward = not grad or not self.model.training
         if grad:
-            self._run_missed_flush()
+            self._run_waiting_flush()
             self._ctx.activity = True
         if self._join_config.enable:  # inside Join: tell joined ranks this one still trains
             self._guard.run("step", self._dist.announce, self)
@@ -664,7 +655,7 @@ class Monitor(Joinable):
         """Open one forward of the model by hand (attention interception and kernel routing
         follow model.forward otherwise); Lightning's training_step needs it. Pair each call
         with ``end_forward()``; nested real forwards inside are fine."""
-        self._run_missed_flush()
+        self._run_waiting_flush()
         self._ctx.activity = True  # no Join flag: the model's own forward may follow inside
         if self._attention is not None:
             self._attention.begin_forward()

@@ -23,7 +23,7 @@ from torch import nn
 from numwatch.buffers import nonfinite_counts
 from numwatch.config import OptimizerProbeConfig
 from numwatch.distributed import local_tensor
-from numwatch.hooks import UserHook
+from numwatch.hooks import UserHook, after_first_closure_call
 from numwatch.kernels import tensor_stats as ts
 from numwatch.kernels.host_copy import to_device
 from numwatch.probes.base import ProbeContext, gathering_device
@@ -97,26 +97,16 @@ class OptimizerProbe:
         self._handles.clear()
 
     def _pre(self, _optimizer: Any, args: tuple, kwargs: dict) -> Any:
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None:
-            self.ctx.guard.run(self.component, self._keep_before)
-            return None
         # step(closure) makes the gradients inside: keep the weights and the gradients' signs
         # once its first call has made them (the weights do not move before the update); taken
         # here, they were the previous step's signs (none at the first step)
-        kept = False
+        wrapped = after_first_closure_call(args, kwargs, self._keep_before_guarded)
+        if wrapped is None:
+            self._keep_before_guarded()
+        return wrapped
 
-        def closure_then_keep() -> Any:
-            nonlocal kept
-            loss = closure()
-            if not kept:
-                kept = True
-                self.ctx.guard.run(self.component, self._keep_before)
-            return loss
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_keep}
-        return (args[0], closure_then_keep, *args[2:]), kwargs
+    def _keep_before_guarded(self, _loss: Any = None) -> None:
+        self.ctx.guard.run(self.component, self._keep_before)
 
     def _post(self, *_: Any) -> None:
         self.ctx.guard.run(self.component, self._measure)
