@@ -19,14 +19,15 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import groupby
 from typing import Any
 
 from numwatch.config import MonitorConfig, RulesConfig
 from numwatch.errors import NumwatchError
 from numwatch.events import Event
 from numwatch.rules import Rule, RuleEngine, configured_rules
-from numwatch.sinks.jsonl import is_flush, json_safe, read_jsonl, run_starts
+from numwatch.sinks.jsonl import is_flush, iter_jsonl, json_safe, starts_run
 from numwatch.sinks.tail import record_to_snapshot
 
 __all__ = ["main", "replay", "summarize"]
@@ -38,9 +39,9 @@ def replay(
     """Events that ``rules`` (default: the default rule set) raise on one run's records, in order.
 
     ``rules``: a ``RulesConfig``, or rules themselves (``default_rules()``, or your own list).
-    ``records``: parsed JSONL records (``read_jsonl``) of one run; a log whose path was reused
-    holds several (``run_starts`` says where each begins). Each event carries the time of the
-    flush that raised it."""
+    ``records``: parsed JSONL records (``read_jsonl`` or, read one by one, ``iter_jsonl``) of
+    one run; a log whose path was reused holds several (``starts_run`` says where each begins).
+    Each event carries the time of the flush that raised it."""
     if isinstance(rules, (list, tuple)):
         rules = RulesConfig(defaults=False, add=list(rules))
     engine = RuleEngine(configured_rules(rules or RulesConfig()).values())
@@ -83,6 +84,37 @@ def summarize(events: Sequence[Event]) -> dict[str, dict[str, int]]:
     return out
 
 
+class _RunNumber:
+    """groupby key: which run of the log a record belongs to (``starts_run``)."""
+
+    def __init__(self) -> None:
+        self.number = 0
+        self.previous: dict[str, Any] | None = None
+
+    def __call__(self, record: dict[str, Any]) -> int:
+        if self.previous is not None and starts_run(self.previous, record):
+            self.number += 1
+        self.previous = record
+        return self.number
+
+
+@dataclasses.dataclass
+class _Tally:
+    """What the summary says of a run, counted as its records stream past the rules."""
+
+    flushes: int = 0
+    steps: list[int] = dataclasses.field(default_factory=list)  # [first, last] flushed step
+    logged: int = 0
+
+    def count(self, records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for record in records:
+            if is_flush(record):
+                self.flushes += 1
+                self.steps = [self.steps[0] if self.steps else record["step"], record["step"]]
+            self.logged += sum(e["kind"] != "action" for e in record["events"])
+            yield record
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="numwatch replay",
@@ -98,22 +130,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         rules = MonitorConfig.from_yaml(args.config).rules if args.config else RulesConfig()
-        records = read_jsonl(args.log)
-        starts = run_starts(records)
-        records = records[starts[-1] :] if starts else records  # the last run, as `report`
-        events = replay(records, rules)
+        # Record by record, each run in turn (a long log does not fit in memory as records):
+        # the last run's verdicts are kept, as `report` shows the last run.
+        runs, events, tally = 0, [], _Tally()
+        for number, group in groupby(iter_jsonl(args.log), key=_RunNumber()):
+            runs, tally = number + 1, _Tally()
+            events = replay(tally.count(group), rules)
     except (NumwatchError, OSError, ValueError, KeyError) as err:
         print(f"numwatch replay: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
-    flushes = list(filter(is_flush, records))
-    steps = [r["step"] for r in flushes]
-    logged = sum(e["kind"] != "action" for r in records for e in r["events"])
+    steps, logged = tally.steps, tally.logged
     summary = summarize(events)
     if args.json:
         result = {
             "log": args.log,
-            "runs_in_log": len(starts),
-            "flushes": len(flushes),
+            "runs_in_log": runs,
+            "flushes": tally.flushes,
             "steps": [min(steps), max(steps)] if steps else None,
             "logged_events": logged,
             "by_rule": summary,
@@ -122,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(json_safe(result), default=str, allow_nan=False))
         return 0
     span = f", steps {min(steps)}-{max(steps)}" if steps else ""
-    runs = f" (the last of {len(starts)} runs in the log)" if len(starts) > 1 else ""
-    print(f"{args.log}: {len(flushes)} flushes{runs}{span}; {len(events)} events on replay")
+    last = f" (the last of {runs} runs in the log)" if runs > 1 else ""
+    print(f"{args.log}: {tally.flushes} flushes{last}{span}; {len(events)} events on replay")
     print(f"(the live run logged {logged} events, actions aside, with its own configuration)")
     shown = events if args.limit == 0 else events[: args.limit]
     for e in shown:

@@ -30,3 +30,36 @@ def make_monitor(tmp_path):
         return numwatch.Monitor(model, **overrides)
 
     return make
+
+
+LONG_LOG_FLUSHES, LONG_LOG_PARAMS = 200, 250
+
+
+@pytest.fixture
+def long_log(tmp_path):
+    """A log of many points (flushes x parameters of grad_absmax, value flush + parameter
+    index), for the readers' memory: a week-long run's log does not fit in memory as records."""
+    import json
+
+    path = tmp_path / "long.jsonl"
+    with path.open("w") as f:
+        for i in range(LONG_LOG_FLUSHES):
+            metrics = [
+                {"name": "grad_absmax", "labels": {"param": f"layers.{p}.weight"}, "value": i + p}
+                for p in range(LONG_LOG_PARAMS)
+            ]
+            record = {"run": "long", "step": 10 * i, "time": float(i), "rank": 0}
+            f.write(json.dumps(record | {"metrics": metrics, "events": []}) + "\n")
+    return path
+
+
+def peak_memory(fn):
+    """fn's result and the peak of Python memory it allocated (tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        result = fn()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()

@@ -6,6 +6,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from conftest import LONG_LOG_FLUSHES, LONG_LOG_PARAMS, peak_memory
 
 import numwatch
 from numwatch.cli import main as cli
@@ -132,6 +133,16 @@ def test_cli_one_run_from_a_log_with_late_events_and_a_crashed_last_line(tmp_pat
     assert cli(["replay", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["runs_in_log"], out["flushes"], out["steps"]) == (1, 4, [9, 29])
+
+
+def test_cli_reads_a_long_log_record_by_record(long_log, capsys):
+    """Each run's records stream past the rules: a long log held as records took about 10x its
+    size in memory (960 MB for a 95 MB log)."""
+    rc, peak = peak_memory(lambda: cli(["replay", str(long_log), "--json"]))
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["flushes"] == LONG_LOG_FLUSHES
+    assert out["steps"] == [0, 10 * (LONG_LOG_FLUSHES - 1)]
+    assert peak < 10 * LONG_LOG_FLUSHES * LONG_LOG_PARAMS, peak  # the records: ~500 B a point
 
 
 def test_replay_of_a_live_log_gives_the_live_events(tmp_path):

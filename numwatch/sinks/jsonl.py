@@ -14,8 +14,8 @@ import lzma
 import math
 import os
 import weakref
-from collections.abc import Mapping, Sequence
-from itertools import compress, pairwise
+from collections.abc import Iterator, Mapping, Sequence
+from itertools import compress
 from pathlib import Path
 from typing import IO, Any
 
@@ -28,11 +28,13 @@ __all__ = [
     "SCHEMA_VERSION",
     "JsonlSink",
     "is_flush",
+    "iter_jsonl",
     "json_safe",
     "open_log",
     "parse_record",
     "read_jsonl",
     "run_starts",
+    "starts_run",
     "warn_unreadable",
     "writing",
 ]
@@ -257,10 +259,11 @@ def warn_unreadable(path: str | Path, lines: Sequence[int]) -> None:
         )
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a run log (``open_log``, ``parse_record``); lines that are not records are
-    skipped with a warning (``warn_unreadable``)."""
-    out, skipped = [], []
+def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Records of a run log one by one (``open_log``, ``parse_record``), for readers of long
+    logs that keep less than every record; lines that are not records are skipped with one
+    warning at the end (``warn_unreadable``)."""
+    skipped = []
     number = 0
     # Bytes: a line of bad UTF-8 is one unreadable line, not the end of the log.
     with open_log(path, "rb") as f:
@@ -271,13 +274,17 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
                     if record is None:
                         skipped.append(number)
                     else:
-                        out.append(record)
+                        yield record
         except (EOFError, gzip.BadGzipFile, lzma.LZMAError) as err:
             if not number and not isinstance(err, EOFError):
                 raise ValueError(f"{path}: not a compressed log, though its name says so") from None
             _log.warning("numwatch: %s: the compressed log ends early; read up to there", path)
     warn_unreadable(path, skipped)
-    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a run log (``iter_jsonl``)."""
+    return list(iter_jsonl(path))
 
 
 def read_log_bytes(path: str | Path) -> bytes:
@@ -299,11 +306,15 @@ def is_flush(record: dict[str, Any]) -> bool:
     return bool(record["metrics"])
 
 
+def starts_run(previous: dict[str, Any] | None, record: dict[str, Any]) -> bool:
+    """Whether ``record`` begins a run after ``previous`` in one log (a path reused by a later
+    run holds several): the run name changes or the step goes back. An equal step stays in the
+    run: a manual flush with no new step, or the record of late events written at detach."""
+    return previous is None or (
+        record.get("run") != previous.get("run") or record["step"] < previous["step"]
+    )
+
+
 def run_starts(records: list[dict[str, Any]]) -> list[int]:
-    """Where each run begins in the records of a log (a path reused by a later run holds
-    several): where the run name changes or the step goes back. An equal step stays in the run:
-    a manual flush with no new step, or the record of late events written at detach."""
-    if not records:
-        return []
-    pairs = enumerate(pairwise(records), 1)
-    return [0] + [i for i, (a, b) in pairs if b.get("run") != a.get("run") or b["step"] < a["step"]]
+    """Where each run begins in the records of a log (``starts_run``)."""
+    return [i for i, r in enumerate(records) if starts_run(records[i - 1] if i else None, r)]

@@ -17,15 +17,16 @@ import html
 import io
 import math
 import sys
+from array import array
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 from numwatch.errors import NumwatchError
-from numwatch.sinks.jsonl import is_flush, read_jsonl, run_starts
+from numwatch.sinks.jsonl import is_flush, iter_jsonl, starts_run
 from numwatch.sinks.prometheus import HEAD_REDUCTIONS
 
 __all__ = ["Run", "load_run", "main", "render_html", "write_report"]
@@ -57,6 +58,44 @@ TENSOR_PLOTS = [
 ]
 
 
+class Points:
+    """One series' (step, value) points, 16 bytes each: a long log's report holds millions
+    (GPT-2's ~150 parameters by a dozen gradient metrics, per flush), which as tuples took
+    several times the log's size in memory."""
+
+    __slots__ = ("steps", "values")
+
+    def __init__(self) -> None:
+        self.steps = array("q")
+        self.values = array("d")
+
+    def append(self, point: tuple[int, float]) -> None:
+        self.steps.append(point[0])
+        self.values.append(point[1])
+
+    def pop(self) -> tuple[int, float]:
+        return self.steps.pop(), self.values.pop()
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, i: int) -> tuple[int, float]:
+        return self.steps[i], self.values[i]
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        return zip(self.steps, self.values, strict=True)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Points):
+            return self.steps == other.steps and self.values == other.values
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like a list
+
+    def __repr__(self) -> str:
+        return f"Points({list(self)!r})"
+
+
 @dataclass
 class Run:
     """One run of a JSONL log, as series: {metric: {labels: [(step, value)]}} plus events."""
@@ -66,7 +105,7 @@ class Run:
     rank: int
     steps: list[int]
     times: list[float]
-    series: dict[str, dict[tuple[tuple[str, str], ...], list[tuple[int, float]]]]
+    series: dict[str, dict[tuple[tuple[str, str], ...], Points]]
     events: list[dict[str, Any]]
     skipped_runs: int = 0
     notes: list[str] = field(default_factory=list)
@@ -108,37 +147,36 @@ def _reduce(values: list[float], reduction: str) -> float:
 
 def load_run(path: str | Path) -> Run:
     """The last run in ``path`` (a log the same path was reused for holds several: see
-    ``run_starts``)."""
+    ``starts_run``), read record by record: memory holds the series, not the log."""
     path = Path(path)
     if not path.is_file():
         raise NumwatchError(f"no run log at {str(path)!r}")
-    records = read_jsonl(path)
-    if not records:
-        raise NumwatchError(f"{str(path)!r} holds no flush records yet")
-    starts = run_starts(records)
-    records = records[starts[-1] :]
-    series: dict[str, dict[tuple[tuple[str, str], ...], list[tuple[int, float]]]]
-    series = defaultdict(lambda: defaultdict(list))
-    events = []
-    for record in records:
+    run: Run | None = None
+    runs = 0
+    previous: dict[str, Any] | None = None
+    for record in iter_jsonl(path):
+        if starts_run(previous, record):
+            runs += 1
+            run = Run(path=path, name="", rank=0, steps=[], times=[], series={}, events=[])
+        assert run is not None
+        run.name, run.rank = record.get("run", ""), record.get("rank", 0)
         step = record["step"]
         for m in record["metrics"]:
-            points = series[m["name"]][tuple(sorted(m["labels"].items()))]
+            points = run.series.setdefault(m["name"], {}).setdefault(
+                tuple(sorted(m["labels"].items())), Points()
+            )
             if points and points[-1][0] == step:  # a second flush of one step (flush() at the
                 points.pop()  # end of training, then detach): its latest value, not a sum
             points.append((step, m["value"]))
-        events += record["events"]
-    flushes = list(filter(is_flush, records))
-    return Run(
-        path=path,
-        name=records[-1].get("run", ""),
-        rank=records[-1].get("rank", 0),
-        steps=[r["step"] for r in flushes],
-        times=[r["time"] for r in flushes],
-        series=series,
-        events=events,
-        skipped_runs=len(starts) - 1,
-    )
+        run.events += record["events"]
+        if is_flush(record):
+            run.steps.append(step)
+            run.times.append(record["time"])
+        previous = {"run": record.get("run"), "step": step}
+    if run is None:
+        raise NumwatchError(f"{str(path)!r} holds no flush records yet")
+    run.skipped_runs = runs - 1
+    return run
 
 
 # ---------------------------------------------------------------------------------------- plots
@@ -232,7 +270,7 @@ def _title(ax: Any, title: str) -> None:
     ax.set_title(_verbatim(title), fontsize=9, loc="left")
 
 
-def _plot(ax: Any, points: list[tuple[int, float]], label: str, **kwargs: Any) -> None:
+def _plot(ax: Any, points: Points | list[tuple[int, float]], label: str, **kwargs: Any) -> None:
     if points:
         steps, values = zip(*points, strict=True)
         # a series of one point (a run after its first flush) is drawn as a dot: a line of
@@ -306,13 +344,13 @@ def _layer_color(i: int, n: int) -> Any:
     return matplotlib.colormaps["viridis"](i / max(n - 1, 1) * 0.9)
 
 
-def _worst_series(run: Run, metric: str, label: str, top: int) -> dict[str, list]:
+def _worst_series(run: Run, metric: str, label: str, top: int) -> dict[str, Points]:
     """The ``top`` label values whose largest finite value over the run is the largest."""
-    by_name: dict[str, list[tuple[int, float]]] = {}
+    by_name: dict[str, Points] = {}
     for labels, points in run.series.get(metric, {}).items():
         by_name[dict(labels).get(label, "")] = points
 
-    def peak(points: list[tuple[int, float]]) -> float:
+    def peak(points: Points) -> float:
         finite = [abs(v) for _, v in points if math.isfinite(v)]
         return max(finite, default=-math.inf)
 
