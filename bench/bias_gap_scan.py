@@ -4,7 +4,9 @@ Why: on ``planted_sink_attention`` (every non-sink logit nearly equal) with 4 si
 paths showed bias ratios of +-0.2-0.5 in plain and stabilized alike, whose sign follows the gap
 (fp32 swamping of near-identical P̄V terms; kernels/flash_attention.py's docstring). This scan
 measures the same on the GPU, against ``planted_tie_attention`` (non-sink logits about N(0, 1)),
-for our modes and SDPA's kernels, so a single gap's number is not read as a kernel property.
+for our modes and SDPA's kernels, so a single gap's number is not read as a kernel property;
+and with ``split_sum=True``, which accumulates the entries near the row maximum and the rest
+apart, so that the swamping cannot happen (``*_split`` columns).
 
 Bias ratio: mean(err) / mean|err| of O against float64 (B4 H8 T1024 D64, causal, bf16, V < 0);
 "ideal" is the float64 result rounded to bf16. Usage (GPU):
@@ -39,6 +41,9 @@ def row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, float | 
     out: dict[str, float | str] = {"ideal": ratio(o64.to(q.dtype), o64)}
     for mode in ("stabilized", "plain", "paper_repro"):
         out[mode] = ratio(flash_attention(q, k, v, is_causal=True, mode=mode), o64)
+    for mode in ("stabilized", "plain"):  # the split sum (flash_attention_torch.SPLIT_LOG2)
+        o = flash_attention(q, k, v, is_causal=True, mode=mode, split_sum=True)
+        out[f"{mode}_split"] = ratio(o, o64)
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
                           ("fa2", SDPBackend.FLASH_ATTENTION)):  # fmt: skip
         try:

@@ -73,8 +73,15 @@ swamps them one way. A few fp32 ulps of one-signed error then decide the bf16 ro
 ratios of ±0.2-0.5 in *both* plain and stabilized, their sign set by where P̄·V lands in its
 binade (it moves with the gap: plain -0.39 at gap 14.25, stabilized -0.31 at 14; over gaps
 12-18 both average |0.2|). The shift cannot remove it (whole-octave shifts only change the
-phase, and move the error to fp16); a more accurate P̄V accumulation would (float64 in the
-reference: +0.06), at about 1.5x the tensor-core work in the kernel. On the H200
+phase, and move the error to fp16); ``split_sum=True`` does: P̄V and the row sum accumulate in
+two parts, the entries within 2^-8 of the row's raw maximum and the rest (flash_attention_torch's
+SPLIT_LOG2), added once at the end, so the far keys' terms add up among themselves before
+meeting the dominant ones. Measured on the CPU (interpreter, B1 H2 T256 D64 causal, seed 1),
+bias ratio plain / stabilized: 2 sinks at gap 16 +0.83 / +0.80 with one sum, -0.06 / -0.08
+split (exact result rounded: -0.07); 4 sinks at gap 15 +0.53 / +0.20, split -0.05 / -0.04; on
+ties at gap 18, where one sum swamps too (+0.66 / +0.26 with 2 / 4 ties), split stays at the
+exact result rounded. It costs a compare and two selects per score and a second P̄V product
+(the Gluon forward does not run it). On the H200
 (bench/results/flash_attention_bias_gap_scan_h200.json: B4 H8 T1024 D64 causal bf16, gaps 12-18,
 2 seeds) the same happens to every kernel on planted sinks: mean |bias ratio| with 2 / 4 sinks
 stabilized 0.29 / 0.17, plain 0.40 / 0.27, cuDNN 0.53 / 0.35, FA2 0.27 / 0.19 (and -0.99 for
@@ -111,6 +118,7 @@ from .flash_attention_torch import (
     MODE_PAPER,
     MODE_PAPER_STABILIZED,
     MODE_PLAIN,
+    MODE_SPLIT,
     MODE_STABILIZED,
     PAPER_MODES,
     reference_backward,
@@ -147,14 +155,20 @@ def flash_attention_fallbacks() -> dict[str, int]:
     return dict(_FALLBACKS)
 
 
-def _kernel_mode(mode: str, stabilize: bool, beta: float) -> int:
+def _kernel_mode(mode: str, stabilize: bool, beta: float, split_sum: bool = False) -> int:
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
     if not (math.isfinite(beta) and beta > 1.0):
         raise ValueError(f"beta must be a finite number > 1, got {beta!r}; the paper uses 2 to 8")
-    if mode == "stabilized" and not stabilize:
-        return MODE_PLAIN
-    return _MODES[mode]
+    kernel_mode = MODE_PLAIN if mode == "stabilized" and not stabilize else _MODES[mode]
+    if split_sum:
+        if kernel_mode in PAPER_MODES:
+            raise ValueError(
+                "split_sum=True is for mode='stabilized' (or plain); the paper_repro modes "
+                "emulate the paper's kernel, whose sum is not split"
+            )
+        kernel_mode |= MODE_SPLIT
+    return kernel_mode
 
 
 def _fallback_reason(
@@ -340,21 +354,23 @@ def flash_attention(
     stabilize: bool = True,
     beta: float = 2.0,
     mode: str = "stabilized",
+    split_sum: bool = False,
 ) -> Tensor:
     """Attention like ``F.scaled_dot_product_attention``, stabilized against biased rounding.
 
-    q (B, H, Tq, D), k/v (B, Hk, Tk, D) -> (B, H, Tq, D) in q's dtype. ``stabilize``, ``beta`` and
-    ``mode`` are described in the module docstring; the rest are SDPA's arguments. Runs the Triton
-    kernel on CUDA and on CPU under ``TRITON_INTERPRET=1``, the torch reference on plain CPU.
-    It dispatches like a torch function, so TorchFunctionModes (numwatch's attention probe) see it.
+    q (B, H, Tq, D), k/v (B, Hk, Tk, D) -> (B, H, Tq, D) in q's dtype. ``stabilize``, ``beta``,
+    ``mode`` and ``split_sum`` are described in the module docstring; the rest are SDPA's
+    arguments. Runs the Triton kernel on CUDA and on CPU under ``TRITON_INTERPRET=1``, the torch
+    reference on plain CPU. It dispatches like a torch function, so TorchFunctionModes
+    (numwatch's attention probe) see it.
     """
     if has_torch_function((q, k, v)):
         return handle_torch_function(
             flash_attention, (q, k, v), q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, stabilize=stabilize,
-            beta=beta, mode=mode,
+            beta=beta, mode=mode, split_sum=split_sum,
         )  # fmt: skip
-    kernel_mode = _kernel_mode(mode, stabilize, beta)
+    kernel_mode = _kernel_mode(mode, stabilize, beta, split_sum)
     use_triton = _use_triton(q)
     return _run(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernel_mode, beta, use_triton
@@ -374,13 +390,14 @@ def flash_attention_reference(
     stabilize: bool = True,
     beta: float = 2.0,
     mode: str = "stabilized",
+    split_sum: bool = False,
 ) -> Tensor:
     """The same attention through the pure-torch blockwise emulation (any device, autograd).
 
     Same arguments, result and fallbacks as ``flash_attention``; it is the CPU path and the
     oracle the Triton kernels are tested against.
     """
-    kernel_mode = _kernel_mode(mode, stabilize, beta)
+    kernel_mode = _kernel_mode(mode, stabilize, beta, split_sum)
     return _run(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernel_mode, beta, False
     )

@@ -26,13 +26,22 @@ MASK_SWAMPS = -(2.0**100)
 SWAMPED_LOGIT = -(2.0**15) * math.log(2.0)
 
 # Modes as the kernels see them (a constexpr in Triton): bit 0 is the stabilizing shift, bit 1
-# the paper's rounding of S, P̄V, O and the row sum to the input dtype.
+# the paper's rounding of S, P̄V, O and the row sum to the input dtype, bit 2 the split sum
+# (MODE_SPLIT, plain and stabilized only).
 MODE_PLAIN = 0
 MODE_STABILIZED = 1
 MODE_PAPER = 2
 MODE_PAPER_STABILIZED = 3  # the paper's rounding with the stabilizing shift
+MODE_SPLIT = 4
 PAPER_MODES = (MODE_PAPER, MODE_PAPER_STABILIZED)
-STABILIZED_MODES = (MODE_STABILIZED, MODE_PAPER_STABILIZED)
+STABILIZED_MODES = (MODE_STABILIZED, MODE_PAPER_STABILIZED, MODE_STABILIZED | MODE_SPLIT)
+
+# The split sum (MODE_SPLIT): P̄V and the row sum accumulate in two parts, the entries within
+# 2^-SPLIT_LOG2 of the row's raw maximum and the rest, added together once at the end. With one
+# accumulator, a few dominant entries (attention sinks, ties) make every other key's P̄V term
+# about an fp32 ulp of it, all alike, and round-to-nearest (or the tensor cores' truncation)
+# swamps them one way: a one-signed error the stabilizing shift cannot remove.
+SPLIT_LOG2 = 8.0
 
 # exp(S - m) rounds to exactly 1.0 in the P dtype once S >= m + SATURATION_LN[dtype]:
 # bf16 keeps 8 significand bits (1 - 2^-9 is the rounding midpoint below 1.0), fp16 keeps 11.
@@ -141,6 +150,7 @@ def reference_forward(
     l_round = torch.zeros((b, h, tq), device=q.device)  # sum of the rounded P̄: normalizes O
     l_exact = torch.zeros((b, h, tq), device=q.device)  # sum of the fp32 P̄: the paper mode's LSE
     acc = torch.zeros_like(qf)  # (B, H, Tq, D) fp32
+    acc_far, l_far = torch.zeros_like(acc), torch.zeros_like(l_round)  # MODE_SPLIT's far part
     m_use = torch.zeros_like(neg_inf)
     for n0 in range(0, tk, REF_BLOCK_N):
         n1 = min(n0 + REF_BLOCK_N, tk)
@@ -162,6 +172,12 @@ def reference_forward(
         alpha = torch.exp2(m_sh - m_use)
         p = torch.exp2(s2 - m_use[..., None])  # (B, H, Tq, bn) fp32
         p_lo = _round(p, dtype)  # what the P̄V product sees
+        if mode & MODE_SPLIT:
+            near = s2 >= (m_raw - SPLIT_LOG2)[..., None]
+            p_far = torch.where(near, 0.0, p_lo)
+            acc_far = acc_far * alpha[..., None] + p_far @ vf[:, :, n0:n1]
+            l_far = l_far * alpha + p_far.sum(-1)
+            p_lo = p_lo - p_far
         pv = p_lo @ vf[:, :, n0:n1]
         if mode in PAPER_MODES:
             # P̄V product, O accumulation and row sum rounded to the input dtype per block.
@@ -174,6 +190,8 @@ def reference_forward(
         if mode in PAPER_MODES:
             l_exact = l_exact * alpha + p.sum(-1)
         m_sh = m_new
+    if mode & MODE_SPLIT:
+        acc, l_round = acc + acc_far, l_round + l_far
     o = acc / torch.where(l_round > 0, l_round, 1.0)[..., None]
     # The LSE from the sum that normalizes O, so the backward's P sums to the forward's weights
     # (the paper mode's rounded sum would add its rounding to the gradient: the fp32 sum there).

@@ -33,6 +33,7 @@ from .flash_attention_torch import (
     SATURATION_LN,
     SHIFT_MAX_LN,
     SHIFT_MIN_LN,
+    SPLIT_LOG2,
     STABILIZED_MODES,
 )
 from .launch import Relauncher, cdiv, direct_constructor, next_power_of_2
@@ -171,7 +172,7 @@ def _logits(
     else:
         rows_q = offs_m[:, None]
         cols_k = offs_n[None, :]
-    PRESCALED: tl.constexpr = MODE >= 2 or MASK_KIND == 2
+    PRESCALED: tl.constexpr = MODE % 4 >= 2 or MASK_KIND == 2
     if MASK_KIND != 0:
         mv = tl.load(
             MASK + mask_base + rows_q * stride_mq + cols_k * stride_mk,
@@ -184,7 +185,7 @@ def _logits(
             mv = mv.to(tl.float32)
             swamped = (mv <= -1.2676506002282294e30) & (mv != float("-inf"))
             s = tl.where(swamped, -22713.046875, s + mv)
-        if MODE >= 2:  # the paper's kernel holds S in the input dtype
+        if MODE % 4 >= 2:  # the paper's kernel holds S in the input dtype
             s = _round_f32(s, DTYPE, INTERPRET)
         x = s * 1.4426950408889634
         xs = 1.0
@@ -208,6 +209,8 @@ def _logits(
 def _fwd_block(
     acc,
     l_r,
+    acc_far,
+    l_far,
     l_e,
     m_raw,
     m_sh,
@@ -244,6 +247,8 @@ def _fwd_block(
     ROWSUM_MMA: the row sum of P̄ on the tensor cores, which takes an upcast and an add per score
     off the ALU pipes (SASS at D 64, 64x64 tiles: -28 % plain, -22 % stabilized instructions per
     key block) for 4 KB more shared memory (too much for the 3-stage D 128 tiles).
+    acc_far, l_far: the split sum's second part (MODE_SPLIT), P̄V and the row sum of the entries
+    more than 2^-SPLIT_LOG2 below the row's raw maximum.
     """
     k = _load_rows(k_desc, b, hk, n0, INTERPRET)  # (BLOCK_N, BLOCK_D)
     v = _load_rows(v_desc, b, hk, n0, INTERPRET)
@@ -287,7 +292,18 @@ def _fwd_block(
     alpha = tl.math.exp2(m_sh - m_use)
     p = tl.math.exp2(x * xs - m_use[:, None])  # (BLOCK_M, BLOCK_N) fp32
     p_lo = _to_lo(p, DTYPE, INTERPRET)
-    if MODE >= 2:
+    if MODE >= 4:  # the split sum: the far entries into their own accumulators
+        near = x >= ((m_raw_new - SPLIT_LOG2) / xs)[:, None]
+        zero = tl.zeros_like(p_lo)
+        p_far = tl.where(near, zero, p_lo)
+        p_lo = tl.where(near, p_lo, zero)
+        if ROWSUM_MMA:
+            ones_far = tl.full([p_far.shape[1], 16], 1.0, DTYPE)
+            l_far = _mm_acc(p_far, ones_far, l_far * alpha[:, None], INTERPRET)
+        else:
+            l_far = l_far * alpha + tl.sum(p_far.to(tl.float32), 1)
+        acc_far = _mm_acc(p_far, v, acc_far * alpha[:, None], INTERPRET)
+    if MODE % 4 >= 2:
         # Emulation of the paper's failing kernel: P̄V, O and l rounded to DTYPE per block.
         pv = _round_f32(_mm(p_lo, v, INTERPRET), DTYPE, INTERPRET)
         alpha_r = _round_f32(alpha, DTYPE, INTERPRET)
@@ -305,9 +321,9 @@ def _fwd_block(
             l_r = l_r * alpha + tl.sum(p_lo.to(tl.float32), 1)
         acc = acc * alpha[:, None]
         acc = _mm_acc(p_lo, v, acc, INTERPRET)
-    if MODE >= 2:  # the emulated kernel's LSE comes from the fp32 P̄, its l_r being rounded
+    if MODE % 4 >= 2:  # the emulated kernel's LSE comes from the fp32 P̄, its l_r being rounded
         l_e = l_e * alpha + tl.sum(p, 1)
-    return acc, l_r, l_e, m_raw_new, m_new, cnt
+    return acc, l_r, acc_far, l_far, l_e, m_raw_new, m_new, cnt
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -383,12 +399,18 @@ def _fwd_kernel(
     m_raw = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m_sh = tl.full([BLOCK_M], float("-inf"), tl.float32)
     cnt = tl.zeros([BLOCK_M], tl.float32)
-    if MODE < 2 and ROWSUM_MMA:
+    if MODE % 4 < 2 and ROWSUM_MMA:
         l_r = tl.zeros([BLOCK_M, 16], tl.float32)  # 16 equal columns: see _fwd_block
     else:
         l_r = tl.zeros([BLOCK_M], tl.float32)
     l_e = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if MODE >= 4:  # the split sum's far part
+        acc_far = tl.zeros_like(acc)
+        l_far = tl.zeros_like(l_r)
+    else:  # unused
+        acc_far = tl.zeros([1, 1], tl.float32)
+        l_far = tl.zeros([1], tl.float32)
 
     # Key blocks that need no causal/bounds mask, then the edge blocks (diagonal, tail).
     full_hi = (T_K // BLOCK_N) * BLOCK_N
@@ -397,9 +419,11 @@ def _fwd_kernel(
         full_hi = tl.minimum(full_hi, m0)
         hi = tl.minimum(T_K, m0 + BLOCK_M)
     for n0 in tl.range(0, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        acc, l_r, l_e, m_raw, m_sh, cnt = _fwd_block(
+        acc, l_r, acc_far, l_far, l_e, m_raw, m_sh, cnt = _fwd_block(
             acc,
             l_r,
+            acc_far,
+            l_far,
             l_e,
             m_raw,
             m_sh,
@@ -432,9 +456,11 @@ def _fwd_kernel(
             INTERPRET,
         )
     for n0 in tl.range(full_hi, hi, BLOCK_N):
-        acc, l_r, l_e, m_raw, m_sh, cnt = _fwd_block(
+        acc, l_r, acc_far, l_far, l_e, m_raw, m_sh, cnt = _fwd_block(
             acc,
             l_r,
+            acc_far,
+            l_far,
             l_e,
             m_raw,
             m_sh,
@@ -470,14 +496,17 @@ def _fwd_kernel(
     m_fin = tl.where(m_sh == float("-inf"), 0.0, m_sh)
     # Fully masked rows (attn_mask only) give O = 0 like SDPA, and LSE = +inf so that the
     # backward's P = exp2(S - LSE) is 0 there.
-    if MODE < 2 and ROWSUM_MMA:
+    if MODE >= 4:
+        acc += acc_far
+        l_r += l_far
+    if MODE % 4 < 2 and ROWSUM_MMA:
         l_r = tl.max(l_r, 1)
     # One IEEE reciprocal per row and a multiply per element: the per-element division took ~500
     # instructions a program (SASS), and differs from it by at most one bf16 ulp, rarely.
     o = acc * tl.math.div_rn(1.0, tl.where(l_r > 0, l_r, 1.0))[:, None]
     # The LSE comes from the same row sum that normalizes O (an add per score fewer), so the
     # backward's P = exp2(S - LSE) sums to what the forward weighted V with.
-    l_lse = l_e if MODE >= 2 else l_r
+    l_lse = l_e if MODE % 4 >= 2 else l_r
     lse = tl.where(l_lse > 0, m_fin + tl.math.log2(tl.where(l_lse > 0, l_lse, 1.0)), float("inf"))
     _store_rows(o_desc, b, h, m0, o, INTERPRET)
     tl.store(LSE + pid_bh.to(tl.int64) * T_Q + offs_m, lse, mask=offs_m < T_Q)

@@ -566,10 +566,11 @@ class Monitor(Joinable):
         stabilize: bool = True,
         beta: float = 2.0,
         mode: AttentionMode = "stabilized",
+        split_sum: bool = False,
     ) -> None:
         """Route the SDPA calls of ``layers`` (globs over module paths; None = all) to numwatch's
         flash-attention kernel, from the next step boundary on (now, if between steps)."""
-        kernel = AttentionKernel(stabilize=stabilize, beta=beta, mode=mode)
+        kernel = AttentionKernel(stabilize=stabilize, beta=beta, mode=mode, split_sum=split_sum)
         if mode.startswith("paper_repro"):
             log.warning(
                 "numwatch: attention routed to mode %r, an emulation of the paper's failing "
@@ -831,10 +832,7 @@ class Monitor(Joinable):
                 stabilized = float(kernel is not None and kernel.stabilized)
                 records.append(MetricRecord("attn_kernel_stabilized", {"layer": layer}, stabilized))
                 if kernel is not None:  # which kernel, reproduction modes included
-                    name = (
-                        "plain" if kernel.mode == "stabilized" and not stabilized else kernel.mode
-                    )
-                    mode = {"layer": layer, "mode": name}
+                    mode = {"layer": layer, "mode": kernel.mode_label}
                     records.append(MetricRecord("attn_kernel_mode", mode, 1.0))
             for reason, n in sorted(flash_attention_fallbacks().items()):
                 records.append(

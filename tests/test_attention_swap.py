@@ -9,6 +9,7 @@ from torch import nn
 
 import numwatch
 from numwatch.actions import swap_kernel
+from numwatch.actions.library import SwapAttentionKernel
 from numwatch.testing import planted_sink_attention
 
 
@@ -172,6 +173,39 @@ def test_each_flush_reports_the_kernels_its_step_ran(calls, caplog):
         (1.0, 0.0, {("a", "stabilized")}),
         (1.0, 0.0, {("a", "stabilized"), ("b", "paper_repro")}),
     ]
+
+
+def test_split_sum_is_routed_reported_and_upgraded_by_the_action(monkeypatch):
+    """swap_attention(split_sum=True) reaches the kernel and names itself in attn_kernel_mode;
+    a swap_attention_kernel action with split_sum re-routes a layer that runs the stabilized
+    kernel without it (and leaves one that has it)."""
+    seen = []
+    real = swap_kernel.flash_attention
+
+    def spy(q, *args, **kwargs):
+        seen.append((kwargs["mode"], kwargs["split_sum"]))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(swap_kernel, "flash_attention", spy)
+    torch.manual_seed(0)
+    model = Two().to(torch.bfloat16)
+    monitor = monitor_for(model)
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    monitor.swap_attention("a", split_sum=True)
+    monitor.swap_attention("b")
+    model(x)
+    monitor.step()
+    assert seen == [("stabilized", True), ("stabilized", False)]
+    modes = {tuple(r.labels.values()) for r in monitor.snapshot().series("attn_kernel_mode")}
+    assert modes == {("a", "stabilized_split"), ("b", "stabilized")}
+    action = SwapAttentionKernel(split_sum=True)
+    for layer in ("a", "b"):
+        event = numwatch.Event(kind="precursor", step=1, message="m", labels={"layer": layer})
+        done = action.run(monitor, event)
+        assert (done is None) == (layer == "a"), (layer, done)
+    assert monitor.attention_kernel("b") == swap_kernel.AttentionKernel(split_sum=True)
+    with pytest.raises(ValueError, match="split_sum"):
+        monitor.swap_attention("a", mode="paper_repro", split_sum=True)
 
 
 @pytest.mark.parametrize("kind", ["eager", "direct_kernel"])

@@ -51,6 +51,11 @@ class SwapAttentionKernel(Action):
         "layer", description="The event's layer only, or every attention layer."
     )
     beta: float = Field(2.0, gt=1.0, le=64.0, description="Stabilization factor of the kernel.")
+    split_sum: bool = Field(
+        False,
+        description="Accumulate the kernel's P̄V in two parts by magnitude (unbiased next to "
+        "attention sinks; see numwatch.kernels.flash_attention).",
+    )
 
     def debounce_key(self, event: Event) -> tuple[tuple[str, str], ...]:
         return (("layer", event.labels.get("layer", "")),) if self.scope == "layer" else ()
@@ -59,7 +64,12 @@ class SwapAttentionKernel(Action):
         layer = event.labels.get("layer")
         target = layer if self.scope == "layer" and layer is not None else None
         current = ctx.attention_kernel(target or "")
-        if target is not None and current is not None and current.stabilized:
+        if (
+            target is not None
+            and current is not None
+            and current.stabilized
+            and current.split_sum == self.split_sum
+        ):
             return None  # already there
         if target is not None and not ctx.attention_routable(target):
             if target not in self._unroutable:  # said once; no "routed" event for nothing
@@ -71,7 +81,7 @@ class SwapAttentionKernel(Action):
                     target,
                 )
             return None
-        ctx.swap_attention(target, beta=self.beta)
+        ctx.swap_attention(target, beta=self.beta, split_sum=self.split_sum)
         return (
             f"routed {'layer ' + repr(target) if target else 'all layers'} to the stabilized kernel"
         )

@@ -27,16 +27,25 @@ class AttentionKernel:
     stabilize: bool = True
     beta: float = 2.0
     mode: AttentionMode = "stabilized"
+    split_sum: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in get_args(AttentionMode):
             raise ValueError(f"mode must be one of {get_args(AttentionMode)}, got {self.mode!r}")
+        if self.split_sum and self.mode.startswith("paper_repro"):
+            raise ValueError("split_sum=True is for the stabilized and plain modes")
         if not 1.0 < self.beta <= 64.0:
             raise ValueError(f"beta must be in (1, 64], got {self.beta}")
 
     @property
     def stabilized(self) -> bool:
         return self.mode == "stabilized" and self.stabilize
+
+    @property
+    def mode_label(self) -> str:
+        """The ``mode`` label of metric attn_kernel_mode: what the kernel computes."""
+        name = "plain" if self.mode == "stabilized" and not self.stabilize else self.mode
+        return name + "_split" if self.split_sum else name
 
     def __call__(self, call: SdpaCall) -> torch.Tensor:
         return flash_attention(
@@ -51,4 +60,5 @@ class AttentionKernel:
             stabilize=self.stabilize,
             beta=self.beta,
             mode=self.mode,
+            split_sum=self.split_sum,
         )

@@ -29,7 +29,12 @@ from numwatch.kernels.flash_attention import (
     flash_attention_fallbacks,
     flash_attention_reference,
 )
-from numwatch.testing import kernel_devices, planted_tie_attention, requires_gpu
+from numwatch.testing import (
+    kernel_devices,
+    planted_sink_attention,
+    planted_tie_attention,
+    requires_gpu,
+)
 
 # The module, not the function: numwatch.kernels may re-export the function under this name.
 fa = importlib.import_module("numwatch.kernels.flash_attention")
@@ -398,6 +403,77 @@ def test_bias_on_planted_ties_design_shape(n_ties):
     assert abs(stable - ideal) <= STABLE_MAX_EXCESS["cuda"], (stable, ideal)
 
 
+# The split sum (split_sum=True) against the sink bias (flash_attention_torch.SPLIT_LOG2): with
+# 2 / 4 identical sinks whose logit beats every other key's by 15-17 (planted_sink_attention),
+# each other key's P̄V term is about an fp32 ulp of the accumulator, and one accumulator rounds
+# them all one way. Measured on the CPU (interpreter, B1 H2 T256 D64 causal, seed 1), bias ratio
+# plain / stabilized, ideal -0.07 / +0.03: one sum +0.83 / +0.80 at (2 sinks, gap 16), +0.53 /
+# +0.20 at (4, 15); split -0.06 / -0.08 and -0.05 / -0.04. Bounds: one sum is off the ideal by
+# more than 0.15 in at least one mode at each point (what the split is for), the split sum within
+# STABLE_MAX_EXCESS of it in both modes.
+SINK_CASES = [(2, 16.0), (4, 15.0), (2, 17.0)]
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n_sink", "gap"), SINK_CASES)
+def test_split_sum_removes_the_sink_bias(n_sink, gap):
+    q, k, v = planted_sink_attention(1, 2, 256, 64, n_sink=n_sink, gap=gap, seed=1)
+    q, k, v = (x.to(_device()) for x in (q, k, v))
+    o64 = _oracle(q, k, v, is_causal=True)
+    ideal = _bias_ratio(o64.to(torch.bfloat16), o64)
+    one_sum = []
+    for stabilize in (True, False):
+        kw = {"is_causal": True, "stabilize": stabilize}
+        one_sum.append(abs(_bias_ratio(flash_attention(q, k, v, **kw), o64) - ideal))
+        for fn in (flash_attention, flash_attention_reference):
+            split = _bias_ratio(fn(q, k, v, split_sum=True, **kw), o64)
+            assert abs(split - ideal) <= STABLE_MAX_EXCESS[_device()], (fn, stabilize, split, ideal)
+    assert max(one_sum) > 0.15, one_sum
+
+
+@pytest.mark.parametrize("gap", [16.0, 18.0])
+@pytest.mark.parametrize("n_ties", [2, 4])
+def test_reference_split_sum_keeps_large_gap_ties_unbiased(gap, n_ties):
+    """Past gap ~16 the ties' rows have the sinks' swamping too (one sum, CPU: +0.08 / +0.15 at
+    gap 16, +0.66 / +0.26 at 18 with 2 / 4 ties); the split sum stays at the ideal."""
+    q, k, v = planted_tie_attention(n_ties, gap, torch.bfloat16, t=256)
+    o64 = _oracle(q, k, v, is_causal=True)
+    ideal = _bias_ratio(o64.to(torch.bfloat16), o64)
+    o = flash_attention_reference(q, k, v, is_causal=True, split_sum=True)
+    assert abs(_bias_ratio(o, o64) - ideal) <= STABLE_MAX_EXCESS["cpu"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("stabilize", [True, False])
+@pytest.mark.parametrize("shape", [CPU_SHAPES[1], CPU_SHAPES[3], CPU_SHAPES[6]], ids=str)
+def test_split_sum_matches_fp64(shape, stabilize):
+    """Forward and gradients of the split sum (odd lengths, GQA, padded and large head dims)."""
+    b, h, hk, tq, tk, d, causal = shape
+    q, k, v, do = _inputs(b, h, hk, tq, tk, d, torch.bfloat16, _device(), seed=3)
+    kw = {"is_causal": causal, "enable_gqa": h != hk, "stabilize": stabilize, "split_sum": True}
+    o, grads = _run_with_grads(flash_attention, q, k, v, do, **kw)
+    o64, grads64 = _oracle_with_grads(q, k, v, do, is_causal=causal)
+    _check_against_oracle(o, grads, o64, grads64, torch.bfloat16)
+    mask = torch.rand(b, 1, 1, tk, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask = mask.to(q.device)
+    o = flash_attention(q, k, v, attn_mask=mask, **kw).detach()
+    o64 = _oracle(q, k, v, attn_mask=mask, is_causal=causal)
+    assert (o.double() - o64).abs().max() <= 4 * EPS[torch.bfloat16] * o64.abs().max()
+
+
+@requires_gpu
+@pytest.mark.parametrize("n_sink", [2, 4])
+def test_split_sum_on_planted_sinks_design_shape(n_sink):
+    """DESIGN.md's GPU shape (B4 H8 T1024 D64 causal, bf16) on sinks at gap 16, where one sum
+    is biased on the H200 too (bench/results/flash_attention_bias_gap_scan_h200.json)."""
+    q, k, v = (x.cuda() for x in planted_sink_attention(4, 8, 1024, 64, n_sink=n_sink, gap=16.0))
+    o64 = _oracle(q, k, v, is_causal=True)
+    ideal = _bias_ratio(o64.to(torch.bfloat16), o64)
+    for stabilize in (True, False):
+        o = flash_attention(q, k, v, is_causal=True, stabilize=stabilize, split_sum=True)
+        assert abs(_bias_ratio(o, o64) - ideal) <= STABLE_MAX_EXCESS["cuda"], stabilize
+
+
 @needs_kernel
 @pytest.mark.parametrize("mode", ["stabilized", "paper_repro", "paper_repro_stabilized"])
 def test_kernel_matches_reference_on_ties(mode):
@@ -682,6 +758,8 @@ def test_paper_repro_and_bad_arguments_raise():
         flash_attention(q, q, q, mode="fast")
     with pytest.raises(ValueError, match="beta"):
         flash_attention(q, q, q, beta=1.0)
+    with pytest.raises(ValueError, match="split_sum"):
+        flash_attention(q, q, q, mode="paper_repro", split_sum=True)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]"):
         flash_attention(q, q, q, dropout_p=-0.5)
 
