@@ -419,7 +419,7 @@ def ratios(r: dict) -> dict:
         "stabilize_cost_fwd": round(ours["fwd_ms"] / plain["fwd_ms"] - 1.0, 3),
         "stabilize_cost_fwd_bwd": round(ours["fwd_bwd_ms"] / plain["fwd_bwd_ms"] - 1.0, 3),
     }
-    if "ours_stabilized_split" in r:  # what split_sum=True costs over the default
+    if isinstance(r.get("ours_stabilized_split"), dict):  # what split_sum=True costs
         split = r["ours_stabilized_split"]
         out["split_cost_fwd"] = round(split["fwd_ms"] / ours["fwd_ms"] - 1.0, 3)
         out["split_cost_fwd_bwd"] = round(split["fwd_bwd_ms"] / ours["fwd_bwd_ms"] - 1.0, 3)

@@ -41,6 +41,8 @@ from .launch import Relauncher, cdiv, direct_constructor, next_power_of_2
 # triton.jit reads TRITON_INTERPRET when it decorates, so this is fixed at import time too.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+_SPLIT_LOG2 = tl.constexpr(SPLIT_LOG2)  # a global a compiled kernel may read
+
 # Sizes that only bound loops and masks: not specialized on (divisibility by 16, == 1), so one
 # binary serves every length and head count.
 _RUNTIME_INTS = ["H", "GROUP", "T_Q", "T_K"]
@@ -293,7 +295,7 @@ def _fwd_block(
     p = tl.math.exp2(x * xs - m_use[:, None])  # (BLOCK_M, BLOCK_N) fp32
     p_lo = _to_lo(p, DTYPE, INTERPRET)
     if MODE >= 4:  # the split sum: the far entries into their own accumulators
-        near = x >= ((m_raw_new - SPLIT_LOG2) / xs)[:, None]
+        near = x >= ((m_raw_new - _SPLIT_LOG2) / xs)[:, None]
         zero = tl.zeros_like(p_lo)
         p_far = tl.where(near, zero, p_lo)
         p_lo = tl.where(near, p_lo, zero)

@@ -18,6 +18,9 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -792,3 +795,52 @@ def test_autocast_casts_inputs_like_sdpa(dtype, autocast):
     assert o.dtype == want.dtype == autocast
     lo = (t.to(autocast) for t in (q, k, v))
     assert torch.equal(o, flash_attention_reference(*lo, attn_mask=mask.to(autocast)))
+
+
+_COMPILE_FWD = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from numwatch.kernels import flash_attention_triton as fat
+mode, d, causal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+cfg = fat._GPU_CONFIGS["fwd_stab" if mode % 2 else "fwd"][(d, causal)]
+constants = {
+    "SAT2": -0.0028, "MODE": mode, "MASK_KIND": 0, "CAUSAL": causal, "BLOCK_M": cfg.block_m,
+    "BLOCK_N": cfg.block_n, "BLOCK_D": d, "WARP_SPECIALIZE": cfg.warp_specialize,
+    "ROWSUM_MMA": cfg.rowsum_mma, "INTERPRET": False,
+}
+ints = [f"stride_{x}{y}" for x in "qkvo" for y in ("b", "h", "t")]
+ints += ["stride_mb", "stride_mh", "stride_mq", "stride_mk", "H", "GROUP", "T_Q", "T_K", "HEAD_DIM"]
+rows = {"Q": cfg.block_m, "K": cfg.block_n, "V": cfg.block_n, "Out": cfg.block_m}
+signature = {
+    **{name: f"tensordesc<bf16[1, 1, {n}, {d}]>" for name, n in rows.items()},
+    "LSE": "*fp32", "MASK": "*bf16", **dict.fromkeys(ints, "i32"), "sm_scale": "fp32",
+    "beta_m1": "fp32", "dmin2": "fp32", "dmax2": "fp32", **dict.fromkeys(constants, "constexpr"),
+}
+options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+kernel = triton.compile(ASTSource(fat._fwd_kernel, signature, constants),
+                        target=GPUTarget("cuda", 90, 32), options=options)
+sys.stdout.write(kernel.asm["ptx"])
+"""
+
+
+@pytest.mark.skipif(fa._tri is None, reason="triton is not installed")
+@pytest.mark.parametrize(
+    ("mode", "d", "causal"),
+    [
+        (fat.MODE_STABILIZED, 64, False),
+        (fat.MODE_STABILIZED | fat.MODE_SPLIT, 64, True),
+        (fat.MODE_SPLIT, 128, False),
+    ],
+)
+def test_triton_forward_compiles_to_sm90_code(mode, d, causal):
+    """The Triton forward as the GPU compiles it (the interpreter runs what a compile refuses,
+    such as a kernel reading a global that is not a constexpr), in a fresh process: the
+    interpreter patches triton.language's operators."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    flags = [str(mode), str(d), str(int(causal))]
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FWD, *flags], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "wgmma.mma_async" in run.stdout and "cp.async.bulk.tensor.4d" in run.stdout
