@@ -81,7 +81,11 @@ bias ratio plain / stabilized: 2 sinks at gap 16 +0.83 / +0.80 with one sum, -0.
 split (exact result rounded: -0.07); 4 sinks at gap 15 +0.53 / +0.20, split -0.05 / -0.04; on
 ties at gap 18, where one sum swamps too (+0.66 / +0.26 with 2 / 4 ties), split stays at the
 exact result rounded. It costs a compare and two selects per score and a second P̄V product
-(the Gluon forward does not run it). On the H200
+(the Gluon forward does not run it): on the H200 (bench/results/flash_attention_h200_session23.json)
++65-87 % forward, +15-23 % forward + backward over the default stabilized kernel; and there
+(flash_attention_bias_gap_scan_split_h200.json, the scan below) its mean |bias ratio| equals the
+exact result rounded to the third digit on sinks and ties alike: 0.040 / 0.027 (2 / 4 sinks),
+0.024 / 0.038 (ties). Before it, on the H200
 (bench/results/flash_attention_bias_gap_scan_h200.json: B4 H8 T1024 D64 causal bf16, gaps 12-18,
 2 seeds) the same happens to every kernel on planted sinks: mean |bias ratio| with 2 / 4 sinks
 stabilized 0.29 / 0.17, plain 0.40 / 0.27, cuDNN 0.53 / 0.35, FA2 0.27 / 0.19 (and -0.99 for

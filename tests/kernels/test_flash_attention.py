@@ -411,9 +411,12 @@ def test_bias_on_planted_ties_design_shape(n_ties):
 # each other key's P̄V term is about an fp32 ulp of the accumulator, and one accumulator rounds
 # them all one way. Measured on the CPU (interpreter, B1 H2 T256 D64 causal, seed 1), bias ratio
 # plain / stabilized, ideal -0.07 / +0.03: one sum +0.83 / +0.80 at (2 sinks, gap 16), +0.53 /
-# +0.20 at (4, 15); split -0.06 / -0.08 and -0.05 / -0.04. Bounds: one sum is off the ideal by
-# more than 0.15 in at least one mode at each point (what the split is for), the split sum within
-# STABLE_MAX_EXCESS of it in both modes.
+# +0.20 at (4, 15); split -0.06 / -0.08 and -0.05 / -0.04. Bounds: the split sum within
+# STABLE_MAX_EXCESS of the ideal in both modes; on the CPU, one sum is off it by more than 0.15 in
+# at least one mode at each point (what the split is for; on the H200 at (2, 17) it was 0.13:
+# the tensor cores swamp differently). On the H200 (bench/results/
+# flash_attention_bias_gap_scan_split_h200.json, B4 H8 T1024, gaps 12-18, 2 seeds) the split
+# sum's mean |ratio| equals the ideal's to the third digit on sinks and ties alike.
 SINK_CASES = [(2, 16.0), (4, 15.0), (2, 17.0)]
 
 
@@ -431,7 +434,8 @@ def test_split_sum_removes_the_sink_bias(n_sink, gap):
         for fn in (flash_attention, flash_attention_reference):
             split = _bias_ratio(fn(q, k, v, split_sum=True, **kw), o64)
             assert abs(split - ideal) <= STABLE_MAX_EXCESS[_device()], (fn, stabilize, split, ideal)
-    assert max(one_sum) > 0.15, one_sum
+    if _device() == "cpu":
+        assert max(one_sum) > 0.15, one_sum
 
 
 @pytest.mark.parametrize("gap", [16.0, 18.0])
