@@ -27,7 +27,7 @@ from numwatch.config import MonitorConfig, RulesConfig
 from numwatch.errors import NumwatchError
 from numwatch.events import Event
 from numwatch.rules import Rule, RuleEngine, configured_rules
-from numwatch.sinks.jsonl import is_flush, iter_jsonl, json_safe, starts_run
+from numwatch.sinks.jsonl import RunBoundaries, is_flush, iter_jsonl, json_safe
 from numwatch.sinks.tail import record_to_snapshot
 
 __all__ = ["main", "replay", "summarize"]
@@ -40,7 +40,7 @@ def replay(
 
     ``rules``: a ``RulesConfig``, or rules themselves (``default_rules()``, or your own list).
     ``records``: parsed JSONL records (``read_jsonl`` or, read one by one, ``iter_jsonl``) of
-    one run; a log whose path was reused holds several (``starts_run`` says where each begins).
+    one run; a log whose path was reused holds several (``RunBoundaries`` says where each begins).
     Each event carries the time of the flush that raised it."""
     if isinstance(rules, (list, tuple)):
         rules = RulesConfig(defaults=False, add=list(rules))
@@ -85,16 +85,14 @@ def summarize(events: Sequence[Event]) -> dict[str, dict[str, int]]:
 
 
 class _RunNumber:
-    """groupby key: which run of the log a record belongs to (``starts_run``)."""
+    """groupby key: which run of the log a record belongs to (``RunBoundaries``)."""
 
     def __init__(self) -> None:
-        self.number = 0
-        self.previous: dict[str, Any] | None = None
+        self.number = -1
+        self.boundaries = RunBoundaries()
 
     def __call__(self, record: dict[str, Any]) -> int:
-        if self.previous is not None and starts_run(self.previous, record):
-            self.number += 1
-        self.previous = record
+        self.number += self.boundaries.starts(record)
         return self.number
 
 

@@ -3,6 +3,7 @@ new run appended after a crash, non-finite event values."""
 
 from __future__ import annotations
 
+import json
 import math
 
 from numwatch.events import Event
@@ -39,6 +40,51 @@ def test_a_repeated_step_stays_in_the_run_a_new_name_or_an_earlier_step_starts_o
         ("b", 2),
     ]
     assert run_starts(records) == [0, 4, 5]
+
+
+def test_late_events_of_an_earlier_step_stay_in_the_run(tmp_path, capsys):
+    """A NaN at step 2 acted on by the flush of step 4: detach's record of what the action did
+    carried the NaN's step, 2, and every reader took it for a new run that held no flush
+    (replay: '0 flushes', the report: 'no flushes'). The record now carries the last flush's
+    step, and a record without metrics never starts a run, also in logs written before."""
+    import torch
+
+    import numwatch
+    from numwatch.cli import main as cli
+    from numwatch.sinks.report import load_run
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    backoff = {"type": "lr_backoff", "factor": 0.5, "steps": 10}
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": [backoff]}]}
+    path = tmp_path / "run.jsonl"
+    monitor = numwatch.Monitor(
+        model, flush_every=5, rules=rules, sinks__jsonl__path=str(path),
+        sinks__console__enabled=False,
+    ).attach(opt)  # fmt: skip
+    for step in range(5):
+        x = torch.randn(5, 4)
+        if step == 2:
+            x[0, 0] = float("nan")
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.detach()
+    records = read_jsonl(path)
+    assert [(r["step"], bool(r["metrics"])) for r in records] == [(4, True), (4, False)]
+    assert [e["step"] for e in records[1]["events"]] == [2]  # the event keeps its own step
+    old = dict(records[1], step=2)  # as written before: the late record at the event's step
+    for log in (path, tmp_path / "old.jsonl"):
+        if log != path:
+            log.write_text("".join(json.dumps(r) + "\n" for r in (records[0], old)))
+        assert run_starts(read_jsonl(log)) == [0]
+        run = load_run(log)
+        assert (run.skipped_runs, run.steps, len(run.events)) == (0, [4], 2)
+        capsys.readouterr()
+        assert cli(["replay", str(log), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert (out["runs_in_log"], out["flushes"], out["logged_events"]) == (1, 1, 1)
 
 
 def test_a_crash_mid_write_loses_only_its_record_and_a_new_run_starts_a_line(tmp_path, caplog):

@@ -27,6 +27,7 @@ from numwatch.snapshot import Snapshot
 __all__ = [
     "SCHEMA_VERSION",
     "JsonlSink",
+    "RunBoundaries",
     "is_flush",
     "iter_jsonl",
     "json_safe",
@@ -34,7 +35,6 @@ __all__ = [
     "parse_record",
     "read_jsonl",
     "run_starts",
-    "starts_run",
     "warn_unreadable",
     "writing",
 ]
@@ -98,6 +98,7 @@ class JsonlSink:
         self._flushes = 0
         self._held: Snapshot | None = None  # the last skipped flush: written at close
         self._rank = 0  # the last flush's, for records of late events
+        self._last_step: int | None = None  # the last written flush's step, likewise
         self._kept: dict[str, bool] = {}  # metric name -> written (the globs tested once)
         self._key = str(self.path.resolve())
         if self._key in _WRITING:
@@ -145,6 +146,7 @@ class JsonlSink:
         self._write(snapshot, events)
 
     def _write(self, snapshot: Snapshot, events: Sequence[Event]) -> None:
+        self._last_step = snapshot.step
         head = {
             "schema": SCHEMA_VERSION,
             "run": self.run_name,
@@ -187,7 +189,8 @@ class JsonlSink:
         head = {
             "schema": SCHEMA_VERSION,
             "run": self.run_name,
-            "step": max(e.step for e in events),
+            # never before the last flush's step: readers would take it for a new run
+            "step": max([e.step for e in events] + [self._last_step or 0]),
             "time": max(e.time for e in events),
             "rank": self._rank,
         }
@@ -306,15 +309,26 @@ def is_flush(record: dict[str, Any]) -> bool:
     return bool(record["metrics"])
 
 
-def starts_run(previous: dict[str, Any] | None, record: dict[str, Any]) -> bool:
-    """Whether ``record`` begins a run after ``previous`` in one log (a path reused by a later
-    run holds several): the run name changes or the step goes back. An equal step stays in the
-    run: a manual flush with no new step, or the record of late events written at detach."""
-    return previous is None or (
-        record.get("run") != previous.get("run") or record["step"] < previous["step"]
-    )
+class RunBoundaries:
+    """Where each run begins in a log's records, read one by one (a path reused by a later run
+    holds several): where the run name changes, or a flush's step goes back from the previous
+    flush's. An equal step stays in the run (a manual flush with no new step), and so does a
+    record without metrics (detach's late events): its step is its events', and a NaN's origin
+    step precedes the flush that reported it."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, int] | None = None  # (run, step) of the run's last flush
+
+    def starts(self, record: dict[str, Any]) -> bool:
+        run, step = record.get("run"), record["step"]
+        last = self._last
+        new = last is None or run != last[0] or (is_flush(record) and step < last[1])
+        if new or is_flush(record):
+            self._last = (run, step)
+        return new
 
 
 def run_starts(records: list[dict[str, Any]]) -> list[int]:
-    """Where each run begins in the records of a log (``starts_run``)."""
-    return [i for i, r in enumerate(records) if starts_run(records[i - 1] if i else None, r)]
+    """Where each run begins in the records of a log (``RunBoundaries``)."""
+    boundaries = RunBoundaries()
+    return [i for i, r in enumerate(records) if boundaries.starts(r)]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from numwatch.errors import NumwatchError
-from numwatch.sinks.jsonl import is_flush, iter_jsonl, starts_run
+from numwatch.sinks.jsonl import RunBoundaries, is_flush, iter_jsonl
 from numwatch.sinks.prometheus import HEAD_REDUCTIONS
 
 __all__ = ["Run", "load_run", "main", "render_html", "write_report"]
@@ -147,15 +147,15 @@ def _reduce(values: list[float], reduction: str) -> float:
 
 def load_run(path: str | Path) -> Run:
     """The last run in ``path`` (a log the same path was reused for holds several: see
-    ``starts_run``), read record by record: memory holds the series, not the log."""
+    ``RunBoundaries``), read record by record: memory holds the series, not the log."""
     path = Path(path)
     if not path.is_file():
         raise NumwatchError(f"no run log at {str(path)!r}")
     run: Run | None = None
     runs = 0
-    previous: dict[str, Any] | None = None
+    boundaries = RunBoundaries()
     for record in iter_jsonl(path):
-        if starts_run(previous, record):
+        if boundaries.starts(record):
             runs += 1
             run = Run(path=path, name="", rank=0, steps=[], times=[], series={}, events=[])
         assert run is not None
@@ -172,7 +172,6 @@ def load_run(path: str | Path) -> Run:
         if is_flush(record):
             run.steps.append(step)
             run.times.append(record["time"])
-        previous = {"run": record.get("run"), "step": step}
     if run is None:
         raise NumwatchError(f"{str(path)!r} holds no flush records yet")
     run.skipped_runs = runs - 1
