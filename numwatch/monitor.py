@@ -746,10 +746,11 @@ class Monitor(Joinable):
                     # distributed.jsonl='per_rank': each rank's log holds its own values
                     view = self._local_snapshot if isinstance(sink, JsonlSink) else snapshot
                     self._guard.run("sinks", sink.emit, view, unsent)
-        # The flush's own cost is charged to the next window's overhead.
+        # The flush's own cost is charged to the next window: to its overhead and to its wall
+        # time (its clock starts here), so the overhead stays a share of step_seconds.
         self._window_steps = 0
-        self._window_start = time.perf_counter()
-        self._guard.overhead_seconds = self._window_start - start
+        self._window_start = start
+        self._guard.overhead_seconds = time.perf_counter() - start
         if snapshot is not None:
             self._run_actions(fired)  # after the sinks: a halt leaves the log complete
         return snapshot
