@@ -60,7 +60,7 @@ from numwatch.rules import Rule, RuleEngine, configured_rules
 from numwatch.selection import matches_any, select_parameters
 from numwatch.sinks.base import Sink
 from numwatch.sinks.console import ConsoleSink
-from numwatch.sinks.jsonl import JsonlSink
+from numwatch.sinks.jsonl import JsonlSink, LogInUse
 from numwatch.sinks.prometheus import PrometheusSink
 from numwatch.snapshot import MetricRecord, Snapshot
 
@@ -112,6 +112,12 @@ def _default_run_name() -> str:
     n = _last_default_name[1] + 1 if _last_default_name[0] == base else 1
     _last_default_name[:] = [base, n]
     return base if n == 1 else f"{base}-{n}"
+
+
+def _next_run_name(name: str) -> str:
+    """``run-<second>`` -> ``run-<second>-2`` -> ``-3``..."""
+    base, _, n = name.rpartition("-")
+    return f"{base}-{int(n) + 1}" if n.isdigit() and base.endswith("Z") else f"{name}-2"
 
 
 class Monitor(Joinable):
@@ -381,9 +387,7 @@ class Monitor(Joinable):
                     f"sinks.jsonl.path {cfg.jsonl.path!r}: {type(e).__name__} {e}; the path may "
                     "use {run_name} and {rank} (write {{ and }} for literal braces)"
                 ) from None
-            self._sinks.append(
-                JsonlSink(self._jsonl_path, self.run_name, cfg.jsonl.every, cfg.jsonl.exclude)
-            )
+            self._sinks.append(self._jsonl_sink())
         if cfg.console.enabled and self.rank == 0:
             self._sinks.append(ConsoleSink(every=cfg.console.every))
         # a taken port raises NumwatchError (attach() undoes itself)
@@ -395,6 +399,20 @@ class Monitor(Joinable):
         )
         if exporter is not None:
             self._sinks.append(exporter)
+
+    def _jsonl_sink(self) -> JsonlSink:
+        """The log's sink; a default run name whose log another monitor writes (another
+        process started in the same second: a sweep, a job array) takes the next suffix."""
+        cfg = self.config.sinks.jsonl
+        for _ in range(1000):
+            try:
+                return JsonlSink(self._jsonl_path, self.run_name, cfg.every, cfg.exclude)
+            except LogInUse:
+                if self.config.run_name is not None or "{run_name}" not in cfg.path:
+                    raise  # a name or a path of the user's own: theirs to change
+                self.run_name = _next_run_name(self.run_name)
+                self._jsonl_path = cfg.path.format(run_name=self.run_name, rank=self.rank)
+        raise NumwatchError(f"no free default log name after {self.run_name!r}")
 
     @property
     def prometheus_url(self) -> str | None:

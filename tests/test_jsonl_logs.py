@@ -181,3 +181,56 @@ def test_bad_bytes_and_a_compressed_log_cut_short_are_read_up_to_the_damage(tmp_
     cut.write_bytes(whole[: len(whole) // 2])
     steps = [r["step"] for r in read_jsonl(cut)]
     assert steps == list(range(len(steps))) and 0 < len(steps) < 200
+
+
+_HOLD = """
+import sys, time
+from numwatch.sinks.jsonl import JsonlSink
+sink = JsonlSink(sys.argv[1], "other")
+print("holding", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_log_another_process_writes_is_refused_and_a_default_name_moves_on(tmp_path, monkeypatch):
+    """Two processes started in one second (a sweep, a job array) took the same default run
+    name and interleaved their records in one log: the in-process check could not see the
+    other process. The log is locked while written: an explicit path is refused, a default
+    run name takes the next suffix."""
+    import subprocess
+    import sys
+
+    import pytest
+    import torch
+
+    import numwatch
+    from numwatch import monitor as monitor_module
+    from numwatch.sinks.jsonl import LogInUse
+
+    monkeypatch.chdir(tmp_path)
+    taken = tmp_path / "numwatch-runs" / "run-20261130T000000Z.rank0.jsonl"
+    taken.parent.mkdir()
+    other = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(taken)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stdout.readline().strip() == "holding"
+        with pytest.raises(LogInUse, match="another process"):
+            JsonlSink(taken, "mine")
+        monkeypatch.setattr(monitor_module, "_default_run_name", lambda: "run-20261130T000000Z")
+        model = torch.nn.Linear(2, 1)
+        monitor = numwatch.Monitor(model, sinks__console__enabled=False).attach()
+        assert monitor.run_name == "run-20261130T000000Z-2"
+        model(torch.randn(3, 2)).sum().backward()
+        monitor.step()
+        monitor.detach()
+        assert read_jsonl(tmp_path / "numwatch-runs" / "run-20261130T000000Z-2.rank0.jsonl")
+        named = numwatch.Monitor(
+            model, run_name="run-20261130T000000Z", sinks__console__enabled=False
+        )
+        with pytest.raises(LogInUse):
+            named.attach()
+    finally:
+        other.kill()
+        other.wait()
+    assert taken.read_text() == ""  # the other process's log got nothing of ours

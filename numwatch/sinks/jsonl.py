@@ -20,6 +20,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from numwatch.errors import NumwatchConfigError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: the in-process check only
+    fcntl = None  # type: ignore[assignment]
 from numwatch.events import Event
 from numwatch.selection import matches
 from numwatch.snapshot import Snapshot
@@ -27,6 +32,7 @@ from numwatch.snapshot import Snapshot
 __all__ = [
     "SCHEMA_VERSION",
     "JsonlSink",
+    "LogInUse",
     "RunBoundaries",
     "is_flush",
     "iter_jsonl",
@@ -71,6 +77,10 @@ def _numbers(values: list[float]) -> list[str]:  # floats: json.dumps would writ
 _WRITING: set[str] = set()
 
 
+class LogInUse(NumwatchConfigError):
+    """The log path is another attached monitor's, in this process or another one."""
+
+
 def writing(path: str | Path) -> bool:
     """Whether an attached monitor of this process writes its log at ``path``."""
     return str(Path(path).resolve()) in _WRITING
@@ -102,13 +112,23 @@ class JsonlSink:
         self._kept: dict[str, bool] = {}  # metric name -> written (the globs tested once)
         self._key = str(self.path.resolve())
         if self._key in _WRITING:
-            raise NumwatchConfigError(
+            raise LogInUse(
                 f"sinks.jsonl.path {str(path)!r} is the log of another attached monitor in this "
                 "process: two runs would interleave their records in one file (give each "
                 "monitor its own run_name or path)"
             )
-        _end_partial_line(self.path)
         self._file = self.path.open("a", encoding="utf-8")
+        if fcntl is not None:  # a writer in another process (a sweep started in one second)
+            try:
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self._file.close()
+                raise LogInUse(
+                    f"sinks.jsonl.path {str(path)!r} is the log of a monitor attached in another "
+                    "process: two runs would interleave their records in one file (give each "
+                    "run its own run_name or path)"
+                ) from None
+        _end_partial_line(self.path)
         _WRITING.add(self._key)
         self._release = weakref.finalize(self, _WRITING.discard, self._key)  # also if dropped
         # '{"name": ..., "labels": {...}, "value": ' per series: the same every flush, so a flush
