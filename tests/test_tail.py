@@ -7,6 +7,7 @@ import gzip
 import io
 import itertools
 import json
+import math
 import threading
 import time
 
@@ -190,6 +191,17 @@ def test_summary_line_of_any_subset_of_the_attention_metrics(kept):
     assert ("repeated-max 25.0%" in text) == (shares and "attn_repeated_max_rows" in kept)
     assert ("saturated 0.0%" in text) == (shares and "attn_saturated_rows" in kept)
     assert ("max_logit 12" in text) == ("attn_max_logit" in kept)
+
+
+@pytest.mark.parametrize("order", [(12.0, math.nan), (math.nan, 12.0)])
+def test_summary_line_shows_a_nan_layer_wherever_it_is(order):
+    """A plain max() kept NaN only when it came first: a layer overflowing later in the stack
+    (a blow-up's first step) hid behind the finite layers before it."""
+    metrics = [MetricRecord("attn_max_logit", {"layer": f"h.{i}", "head": "0"}, v) for i, v in
+               enumerate(order)]  # fmt: skip
+    metrics += [MetricRecord("grad_absmax", {"param": f"p{i}"}, v) for i, v in enumerate(order)]
+    text = plain(summary_line(Snapshot(7, metrics, time=0.0), []))
+    assert "max_logit nan" in text and "grad_absmax nan (p" in text, text
 
 
 def test_summary_line_shows_names_and_messages_verbatim():

@@ -6,6 +6,7 @@ Lines are printed whole, so they interleave cleanly with tqdm bars and logging o
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -13,16 +14,22 @@ from rich.console import Console
 from rich.markup import escape
 
 from numwatch.events import Event
-from numwatch.snapshot import Snapshot
+from numwatch.snapshot import MetricRecord, Snapshot
 
 __all__ = ["ConsoleSink", "summary_line"]
+
+
+def _worst_key(record: MetricRecord) -> tuple[bool, float]:
+    """max() key: NaN is the worst value, as in the Prometheus exporter and the report (a plain
+    max keeps a NaN only where it comes first)."""
+    return (math.isnan(record.value), record.value)
 
 
 def _worst(snapshot: Snapshot, metric: str, label: str) -> tuple[float, str] | None:
     series = snapshot.series(metric)
     if not series:
         return None
-    best = max(series, key=lambda r: r.value)
+    best = max(series, key=_worst_key)
     name = best.labels.get(label, "")
     text = escape(name)  # a name may hold '[...]'
     # escape() doubles a trailing backslash against a tag that may follow; a ')' follows here
@@ -48,7 +55,7 @@ def _attention(snapshot: Snapshot) -> str | None:
         parts.append(f"[{style}]" + " ".join(f"{w} {share:.1%}" for w, share in shares) + "[/]")
     logits = snapshot.series("attn_max_logit")
     if logits:
-        parts.append(f"max_logit {max(r.value for r in logits):.3g}")
+        parts.append(f"max_logit {max(logits, key=_worst_key).value:.3g}")
     return "attn " + " ".join(parts) if parts else None
 
 
