@@ -229,7 +229,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-monitor", action="store_true")
     p.add_argument("--config", default=None, help="numwatch config YAML")
     p.add_argument("--jsonl", default=None, help="numwatch JSONL log path")
-    p.add_argument("--flush-every", type=int, default=10)
+    p.add_argument(
+        "--flush-every", type=int, default=None, help="steps per flush (10; with --config, its)"
+    )
     p.add_argument("--no-mitigation", action="store_true", help="rules report, actions off")
     return p.parse_args(argv)
 
@@ -259,7 +261,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model, opt = build(args)
     monitor = None
     if not args.no_monitor:
-        overrides: dict = {"flush_every": args.flush_every}
+        overrides: dict = {}
+        if args.flush_every is not None:  # a flag given wins over --config's value
+            overrides["flush_every"] = args.flush_every
+        elif args.config is None:
+            overrides["flush_every"] = 10
         if args.jsonl:
             overrides["sinks__jsonl__path"] = args.jsonl
         if args.no_mitigation:

@@ -32,6 +32,21 @@ def test_gpt2_example_trains_with_the_monitor(tmp_path, attention):
     assert layers == {"h.0.attn", "h.1.attn"}
 
 
+def test_gpt2_example_keeps_the_configs_flush_every(tmp_path):
+    """--config's flush_every was overridden by --flush-every's default of 10."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import gpt2
+    finally:
+        sys.path.pop(0)
+    config = tmp_path / "nw.yaml"
+    config.write_text("flush_every: 2\n")
+    log = tmp_path / "run.jsonl"
+    gpt2.main(["--preset", "tiny", "--steps", "6", "--batch", "2", "--config", str(config),
+               "--jsonl", str(log)])  # fmt: skip
+    assert [r["step"] for r in read_jsonl(log)] == [1, 3, 5]
+
+
 def test_a_healthy_eager_warm_up_raises_no_default_event(tmp_path):
     """attn_saturated at 10 % fired on this healthy run (its first three attention samples, max
     logits 0.2-0.35: near-uniform rows of small heads)."""
