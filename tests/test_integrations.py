@@ -190,6 +190,77 @@ def test_lightning_skip_step_skips_the_step_it_judged(pl):
     assert "step" not in trainer.optimizers[0].__dict__  # wrappers removed at the end
 
 
+def test_lightning_two_optimizers_one_step_per_batch_and_the_skip_holds_both(pl):
+    """Manual optimization with two optimizers: each batch closed two monitor steps (the second
+    with the first one's loss), and a skip_step held only the first optimizer's NaN update
+    while logging that it had skipped: the second one's parameters went NaN."""
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    class Two(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.automatic_optimization = False
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            h = self.a(batch[0])
+            if batch_idx == 2:
+                h = h * float("nan")
+            loss = self.b(h).pow(2).mean()
+            o1, o2 = self.optimizers()
+            o1.zero_grad()
+            o2.zero_grad()
+            self.manual_backward(loss)
+            o1.step()
+            o2.step()
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.a.parameters(), lr=0.1),
+                    torch.optim.SGD(self.b.parameters(), lr=0.1)]  # fmt: skip
+
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
+    callback = NumwatchCallback(**monitor_options(rules=rules))
+    module = Two()
+    data = DataLoader(TensorDataset(torch.randn(20, 8)), batch_size=4)
+    trainer = lightning_trainer(pl, [callback], steps=10)  # 5 batches, 2 optimizer steps each
+    trainer.fit(module, data)
+    assert callback.monitor.steps == 5
+    skips = [e.step for e in callback.monitor.events if e.kind == "action"]
+    assert skips == [2]
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert all("step" not in o.__dict__ for o in trainer.optimizers)  # wrappers removed
+
+
+def test_lightning_a_nan_in_the_first_step_is_skipped(pl):
+    """The optimizer was attached after the first step closed: skip_step on step 0 raised
+    'skip_step needs the optimizer: monitor.attach(optimizer)' and the NaN update went through."""
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
+    callback = NumwatchCallback(**monitor_options(rules=rules))
+    module = lightning_module(pl, nan_at=0)
+    lightning_trainer(pl, [callback], steps=3).fit(module, loader(3))
+    assert callback.monitor.errors == {}
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_lightning_wrappers_keep_the_lr_schedulers_mark(pl, recwarn):
+    """The closure-first wrapper lacked the scheduler's mark: PyTorch warned that
+    optimizer.step() had been overridden after the scheduler was built."""
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    class Scheduled(type(lightning_module(pl))):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    callback = NumwatchCallback(**monitor_options())
+    lightning_trainer(pl, [callback], steps=3).fit(Scheduled(), loader(3))
+    assert not [w for w in recwarn if "overridden" in str(w.message)]
+
+
 def test_lightning_halt_in_the_step_of_a_skip_still_skips_it(pl):
     """A halt in the same step close as a skip_step decision detached the monitor, and the
     optimizer wrapper with it: the NaN update went through (the log said it was skipped)."""

@@ -29,6 +29,7 @@ class OptimizerControl:
         self._run_guarded = run_guarded  # the monitor's guard: failures counted, not raised
         self.active = True
         self.skipped_steps = 0
+        self.skips_decided = 0  # skip_current_step() calls: other optimizers of a step follow
         self._before_step = before_step
         self._original = optimizer.step
         self._instance_step = optimizer.__dict__.get("step")  # a wrapper installed before us
@@ -50,6 +51,7 @@ class OptimizerControl:
     def skip_current_step(self) -> None:
         """This step's optimizer.step() does nothing and clears the gradients."""
         self._skip = True
+        self.skips_decided += 1
 
     def new_step(self) -> None:
         """A skip decision belongs to the step it judged: if that step's optimizer.step() never

@@ -13,11 +13,17 @@
 - ``training_step`` usually calls submodules rather than the LightningModule's ``forward``;
   the callback opens the forward that attention interception follows from
   ``on_train_batch_start`` to ``on_before_backward`` (``Monitor.begin_forward``).
-- The trainer's optimizer is attached to the monitor after the first step closes (optimizer
-  probe, skip_step, LR back-off). Lightning runs forward and backward *inside*
-  ``optimizer.step(closure)``, where the optimizer's pre-hooks and the monitor's step wrapper
-  would act before the step's gradients exist; the callback makes ``step`` run the closure
-  first, so a skip decided on a step's gradients skips that very step.
+- The trainer's first optimizer is attached to the monitor at ``on_train_start`` (optimizer
+  probe, skip_step, LR back-off; so a NaN in the very first step can be skipped). Lightning
+  runs forward and backward *inside* ``optimizer.step(closure)``, where the optimizer's
+  pre-hooks and the monitor's step wrapper would act before the step's gradients exist; the
+  callback makes ``step`` run the closure first, so a skip decided on a step's gradients skips
+  that very step.
+- Several optimizers (manual optimization, e.g. a GAN's two): one monitor step per batch,
+  closed at the batch's first optimizer step; its loss is the sum of the batch's backward
+  losses. A skip_step decided for the step withholds every optimizer's update of that batch
+  (the others follow the attached one's decision); the optimizer probe and LR back-off act on
+  the first optimizer only.
 - Stopping: ``request_stop(reason)`` (for rules, callbacks, or you), the event kinds in
   ``stop_on``, and the ``halt`` action (``NumwatchHalt``) set ``trainer.should_stop``; Lightning
   finishes the current step and ends the fit cleanly. The halt report stays in ``.halt``.
@@ -64,7 +70,9 @@ class NumwatchCallback(Callback):
         self._trainer: Any = None
         self._optimizer_attached = False
         self._forward_open = False
-        self._wrapped: tuple[torch.optim.Optimizer, Any, Any] | None = None
+        self._step_closed = False  # this batch's monitor step is closed
+        self._skips_before = 0  # skip decisions before this batch (the followers compare)
+        self._wrapped: list[tuple[torch.optim.Optimizer, Any, Any]] = []
 
     @property
     def monitor(self) -> Monitor | None:
@@ -91,11 +99,27 @@ class NumwatchCallback(Callback):
         self._trainer = trainer
         self._optimizer_attached = False
         self._driver.start(pl_module, None)
+        optimizers = [o for o in getattr(trainer, "optimizers", []) or []]
+        if optimizers and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            self._attach_optimizers(optimizers)
+
+    def _attach_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        monitor = self._driver.active
+        self._optimizer_attached = True
+        if monitor is None:
+            return
+        monitor.attach(optimizers[0])
+        self._run_closure_first(optimizers[0])
+        for optimizer in optimizers[1:]:
+            self._follow_skips(optimizer)
 
     def on_train_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         # training_step usually calls submodules, not the LightningModule's forward: open the
         # forward the attention probe follows by hand, up to the loss.
         monitor = self._driver.active
+        self._step_closed = False
+        control = monitor.optimizer_control if monitor is not None else None
+        self._skips_before = control.skips_decided if control is not None else 0
         if monitor is not None and not self._forward_open:
             monitor.begin_forward()
             self._forward_open = True
@@ -114,13 +138,13 @@ class NumwatchCallback(Callback):
     def on_before_optimizer_step(
         self, trainer: Any, pl_module: Any, optimizer: torch.optim.Optimizer
     ) -> None:
-        self._driver.close_step()
-        monitor = self._driver.active
-        if monitor is not None and not self._optimizer_attached:
+        if not self._step_closed:  # one monitor step per batch, whatever the optimizers
+            self._step_closed = True
+            self._driver.close_step()
+        if not self._optimizer_attached:  # optimizers made after on_train_start
             self._optimizer_attached = True
             if isinstance(optimizer, torch.optim.Optimizer):
-                monitor.attach(optimizer)
-                self._run_closure_first(optimizer)
+                self._attach_optimizers([optimizer])
         if self._driver.stop_reason is not None:
             trainer.should_stop = True
 
@@ -142,18 +166,44 @@ class NumwatchCallback(Callback):
             inner(**kwargs)
             return loss
 
+        self._wrap(optimizer, step, inner)
+
+    def _follow_skips(self, optimizer: torch.optim.Optimizer) -> None:
+        """Another optimizer of the step: its closure first too, then no update (gradients
+        cleared) where the monitor decided to skip this batch's step."""
+        inner = optimizer.step
+
+        def step(closure: Any = None, **kwargs: Any) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            monitor = self._driver.monitor
+            control = monitor.optimizer_control if monitor is not None else None
+            if control is not None and control.skips_decided > self._skips_before:
+                optimizer.zero_grad(set_to_none=True)
+                return loss
+            inner(**kwargs)
+            return loss
+
+        self._wrap(optimizer, step, inner)
+
+    def _wrap(self, optimizer: torch.optim.Optimizer, step: Any, inner: Any) -> None:
+        # An LR scheduler built before marks the step it wrapped: keep the mark, or it warns
+        # that optimizer.step() was overridden after it.
+        if getattr(inner, "_wrapped_by_lr_sched", False):
+            step._wrapped_by_lr_sched = True
         optimizer.step = step  # type: ignore[method-assign]
-        self._wrapped = (optimizer, step, inner)
+        self._wrapped.append((optimizer, step, inner))
 
     def _unwrap(self) -> None:
-        if self._wrapped is not None:
-            optimizer, step, inner = self._wrapped
+        for optimizer, step, inner in self._wrapped:
             if optimizer.__dict__.get("step") is step:
                 if getattr(inner, "__self__", None) is optimizer:
                     del optimizer.step  # the class's method again
                 else:
                     optimizer.step = inner  # the monitor's wrapper: its uninstall removes it
-            self._wrapped = None
+        self._wrapped = []
 
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         self._end_forward()  # a training_step that returned None never reached backward
