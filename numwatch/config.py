@@ -22,6 +22,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     ValidationError,
@@ -337,6 +338,12 @@ class MonitorConfig(_Section):
         None,
         description="Name of the run in logs; default: run-<UTC timestamp> of the Monitor's "
         "creation (-2, -3... for more monitors made in that second in one process).",
+    )
+    first_step: NonNegativeInt = Field(
+        0,
+        description="Number of the first step: a run resumed from a checkpoint at optimizer "
+        "step N gives N, so its steps, events and logs keep the run's numbering (the HF Trainer "
+        "and Lightning callbacks pass the framework's global step).",
     )
     flush_every: PositiveInt = Field(
         50,

@@ -153,6 +153,7 @@ class Monitor(Joinable):
             tracker=NonfiniteTracker(),
             backend=self.config.kernel_backend,
             underflow_dtype=_DTYPES.get(self.config.underflow_dtype or ""),
+            step=self.config.first_step,
         )
         self._probes: list[Any] = []
         self._sinks: list[Sink] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from numwatch.demo import GPTConfig, TinyGPT, bigram_batches
+from numwatch.sinks.jsonl import read_jsonl
 
 CFG = GPTConfig(vocab=16, seq_len=8, d_model=16, n_heads=2, n_layers=2)
 CLIP = 1e-3  # far below the gradient norm of a fresh model: clipping always acts
@@ -344,7 +346,7 @@ def hf_trainer(hf, tmp_path, model, callbacks, steps: int, clip: float = 0.0, **
         learning_rate=0.05,
         max_grad_norm=clip,
         logging_strategy=args.pop("logging_strategy", "no"),
-        save_strategy="no",
+        save_strategy=args.pop("save_strategy", "no"),
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
@@ -510,3 +512,72 @@ def test_hf_halt_becomes_should_training_stop(hf, tmp_path):
     trainer.train()
     assert trainer.state.global_step == 1
     assert callback.halt.report["rule"] == "loss_seen"
+
+
+def test_hf_resumed_training_goes_on_with_the_trainers_step_numbers(hf, tmp_path):
+    """A train() resumed from a checkpoint started the monitor at step 0 again while the
+    Trainer went on from the checkpoint's step: events and logs pointed at the wrong steps."""
+    from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+
+    def train(resume=None):
+        callback = NumwatchTrainerCallback(**monitor_options())
+        trainer = hf_trainer(hf, tmp_path, LMWrapper(), [callback], steps=6, save_strategy="steps",
+                             save_steps=3)  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        return callback.monitor, trainer.state.global_step
+
+    monitor, global_step = train()
+    assert (monitor.steps, global_step) == (6, 6)
+    monitor, global_step = train(str(tmp_path / "checkpoint-3"))
+    assert (monitor.steps, global_step) == (6, 6)
+    assert monitor.snapshot().step == 5  # the Trainer's steps 4-6 are the monitor's 3-5
+
+
+def test_lightning_resumed_fit_goes_on_with_the_trainers_step_numbers(pl, tmp_path):
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    callback = NumwatchCallback(**monitor_options())
+    trainer = lightning_trainer(pl, [callback], steps=3)
+    trainer.fit(lightning_module(pl), loader(6))
+    trainer.save_checkpoint(tmp_path / "three.ckpt")
+    callback = NumwatchCallback(**monitor_options())
+    trainer = lightning_trainer(pl, [callback], steps=6)
+    trainer.fit(lightning_module(pl), loader(6), ckpt_path=tmp_path / "three.ckpt")
+    assert (callback.monitor.steps, trainer.global_step) == (6, 6)
+    assert callback.monitor.snapshot().step == 5
+
+
+_HF_CRASH = """
+import pathlib, sys
+sys.path.insert(0, sys.argv[2])
+import test_integrations as t
+from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+import transformers
+model = t.LMWrapper()
+calls = [0]
+def crash(module, args, kwargs):
+    calls[0] += 1
+    if calls[0] == 6:
+        raise RuntimeError("out of memory (simulated)")
+model.register_forward_pre_hook(crash, with_kwargs=True)
+options = t.monitor_options(flush_every=10, sinks__jsonl__enabled=True,
+                            sinks__jsonl__path=sys.argv[1] + "/nw.jsonl")
+callback = NumwatchTrainerCallback(**options)
+t.hf_trainer(transformers, pathlib.Path(sys.argv[1]), model, [callback], steps=20).train()
+"""
+
+
+def test_hf_a_train_that_raises_still_writes_its_last_steps(hf, tmp_path):
+    """The Trainer has no exception hook: a train() that raised left the monitor attached and
+    the steps since its last flush unwritten (the steps just before a crash, the ones to read).
+    The callback detaches at exit, which writes them."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _HF_CRASH, str(tmp_path), str(Path(__file__).parent)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode != 0 and "out of memory (simulated)" in run.stderr
+    records = read_jsonl(tmp_path / "nw.jsonl")
+    assert [r["step"] for r in records] == [4]  # steps 0-4 closed, no flush before the exit

@@ -10,8 +10,10 @@ middle of the framework's loop; the monitor detaches at once (its log is complet
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -47,11 +49,22 @@ class MonitorDriver:
         self.halt: NumwatchHalt | None = None
         self.stop_reason: str | None = None
         self.loss: torch.Tensor | float | None = None
+        self._exit_hook = False
 
-    def start(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Monitor:
+    def start(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, first_step: int = 0
+    ) -> Monitor:
+        """A fresh monitor, attached. ``first_step``: the framework's global step (a fit resumed
+        from a checkpoint goes on from it), where the configuration leaves ``first_step`` at 0."""
         self.finish()  # a second fit on the same callback starts a fresh monitor
         self.halt, self.stop_reason = None, None
-        self.monitor = Monitor(model, self.config, **self.overrides).attach(optimizer)
+        config = MonitorConfig.load(self.config, **self.overrides)
+        if config.first_step == 0:
+            config = config.model_copy(update={"first_step": int(first_step)})
+        self.monitor = Monitor(model, config).attach(optimizer)
+        if not self._exit_hook:
+            atexit.register(_finish_at_exit, weakref.ref(self))
+            self._exit_hook = True
         for kind in self.stop_on:
             self.monitor.on(kind, self._stop_on_event)
         return self.monitor
@@ -90,3 +103,20 @@ class MonitorDriver:
             except NumwatchHalt as halt:  # the final flush halted: record it, finish detaching
                 self.halt = self.halt or halt
                 self.monitor.detach(within_step=within_step)
+
+
+def _finish_at_exit(ref: weakref.ref[MonitorDriver]) -> None:
+    """A framework that raised out of its loop (Hugging Face's Trainer has no exception hook)
+    left the monitor attached and the steps since its last flush unwritten: detach at exit,
+    which writes them. Not in a distributed run, where the flush would wait for ranks that
+    may be gone."""
+    driver = ref()
+    if driver is None or driver.active is None:
+        return
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return
+    try:
+        driver.finish()
+    except Exception:  # at exit: say it, never raise
+        _log.exception("numwatch: detaching at exit failed")

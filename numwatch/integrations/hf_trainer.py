@@ -90,7 +90,7 @@ class NumwatchTrainerCallback(TrainerCallback):
         torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # inside Accelerate's wrapper
         if not isinstance(torch_optimizer, torch.optim.Optimizer):
             torch_optimizer = None
-        self._driver.start(model, torch_optimizer)
+        self._driver.start(model, torch_optimizer, state.global_step)  # resumed: goes on
         self._loss_hook = model.register_forward_hook(
             UserHook(self._capture_loss), with_kwargs=True
         )

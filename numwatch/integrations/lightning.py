@@ -98,7 +98,7 @@ class NumwatchCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self._trainer = trainer
         self._optimizer_attached = False
-        self._driver.start(pl_module, None)
+        self._driver.start(pl_module, None, trainer.global_step)  # resumed: goes on
         optimizers = [o for o in getattr(trainer, "optimizers", []) or []]
         if optimizers and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
             self._attach_optimizers(optimizers)
