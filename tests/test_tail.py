@@ -12,13 +12,14 @@ import threading
 import time
 
 import pytest
+from conftest import LONG_LOG_FLUSHES, peak_memory
 from rich.console import Console
 
 from numwatch.cli import main as cli
 from numwatch.events import Event
 from numwatch.sinks.console import summary_line
 from numwatch.sinks.jsonl import JsonlSink
-from numwatch.sinks.tail import follow, record_to_snapshot
+from numwatch.sinks.tail import backlog, follow, record_to_snapshot
 from numwatch.snapshot import MetricRecord, Snapshot
 
 
@@ -215,3 +216,22 @@ def test_summary_line_shows_names_and_messages_verbatim():
     assert "grad_absmax 2 (heads.[cls].weight)" in text
     assert "act_absmax 3 (odd[/]name)" in text
     assert text.endswith(f"events: 1 precursor — {message}")
+
+
+def test_the_backlog_of_a_long_log_is_read_from_its_end(long_log, caplog):
+    """`numwatch tail -n 1` read the whole log (and split it into lines) to print one record:
+    about twice the log's size in memory. A line that is not a record among the last ones is
+    still named by its line number."""
+    lines = long_log.read_bytes().split(b"\n")
+    lines[-3] = lines[-3][:100]  # the last-but-one record, cut short
+    long_log.write_bytes(b"\n".join(lines) + b"partial")  # and a line still being written
+    size = long_log.stat().st_size
+    with caplog.at_level("WARNING", logger="numwatch"):
+        (records, end), peak = peak_memory(lambda: backlog(long_log, 2))
+    assert [r["step"] for r in records] == [
+        10 * (LONG_LOG_FLUSHES - 3),
+        10 * (LONG_LOG_FLUSHES - 1),
+    ]
+    assert end == size - len(b"partial")
+    assert f"line {LONG_LOG_FLUSHES - 1}" in caplog.text
+    assert peak < size / 4, (peak, size)  # reading it whole: twice its size

@@ -36,6 +36,7 @@ __all__ = [
     "RunBoundaries",
     "is_flush",
     "iter_jsonl",
+    "iter_log_lines",
     "json_safe",
     "open_log",
     "parse_record",
@@ -282,45 +283,39 @@ def warn_unreadable(path: str | Path, lines: Sequence[int]) -> None:
         )
 
 
-def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Records of a run log one by one (``open_log``, ``parse_record``), for readers of long
-    logs that keep less than every record; lines that are not records are skipped with one
-    warning at the end (``warn_unreadable``)."""
-    skipped = []
-    number = 0
-    # Bytes: a line of bad UTF-8 is one unreadable line, not the end of the log.
+def iter_log_lines(path: str | Path) -> Iterator[bytes]:
+    """The lines of a run log as bytes (``open_log``); of a compressed log cut short, those up to
+    the cut, with a warning."""
+    started = False
     with open_log(path, "rb") as f:
         try:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    record = parse_record(line)
-                    if record is None:
-                        skipped.append(number)
-                    else:
-                        yield record
+            for line in f:
+                started = True
+                yield line
         except (EOFError, gzip.BadGzipFile, lzma.LZMAError) as err:
-            if not number and not isinstance(err, EOFError):
+            if not started and not isinstance(err, EOFError):
                 raise ValueError(f"{path}: not a compressed log, though its name says so") from None
             _log.warning("numwatch: %s: the compressed log ends early; read up to there", path)
+
+
+def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Records of a run log one by one (``iter_log_lines``, ``parse_record``), for readers of
+    long logs that keep less than every record; lines that are not records (bad UTF-8 among
+    them) are skipped with one warning at the end (``warn_unreadable``)."""
+    skipped = []
+    for number, line in enumerate(iter_log_lines(path), 1):
+        if line.strip():
+            record = parse_record(line)
+            if record is None:
+                skipped.append(number)
+            else:
+                yield record
     warn_unreadable(path, skipped)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Every record of a run log (``iter_jsonl``)."""
     return list(iter_jsonl(path))
-
-
-def read_log_bytes(path: str | Path) -> bytes:
-    """The bytes of a run log (``open_log``); of a compressed log cut short, those up to the
-    cut."""
-    parts = []
-    with open_log(path, "rb") as f:
-        try:
-            parts.extend(f)  # by lines: a read past the cut would lose what it had decoded
-        except (EOFError, gzip.BadGzipFile, lzma.LZMAError) as err:
-            if not parts and not isinstance(err, EOFError):
-                raise ValueError(f"{path}: not a compressed log, though its name says so") from None
-    return b"".join(parts)
 
 
 def is_flush(record: dict[str, Any]) -> bool:

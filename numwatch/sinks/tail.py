@@ -13,16 +13,17 @@ import argparse
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Console
 from rich.markup import escape
 
 from numwatch.events import Event
 from numwatch.sinks.console import summary_line
-from numwatch.sinks.jsonl import is_flush, parse_record, read_log_bytes, warn_unreadable
+from numwatch.sinks.jsonl import is_flush, iter_jsonl, parse_record, warn_unreadable
 from numwatch.snapshot import MetricRecord, Snapshot
 
 __all__ = ["follow", "main", "record_to_snapshot"]
@@ -113,25 +114,52 @@ def print_record(console: Console, record: dict[str, Any], *, events: bool = Tru
 
 
 def backlog(path: Path, last: int) -> tuple[list[dict[str, Any]], int]:
-    """The last ``last`` complete records of the log now, and the byte offset after them. Only
-    the lines needed are parsed (a long run's log is large)."""
+    """The last ``last`` complete records of the log now, and the byte offset after them. A
+    plain log is read backwards from its end, in growing blocks, until they are found: a long
+    run's log is gigabytes. A compressed one (an archive, not followed) is read through,
+    holding ``last`` records."""
     if not path.is_file():
         return [], 0
-    data = read_log_bytes(path)
-    end = data.rfind(b"\n") + 1  # a line still being written is read by follow()
-    lines = data[:end].splitlines()
-    records, skipped = [], []
-    for number in range(len(lines), 0, -1):
-        if len(records) >= last:
-            break
-        if lines[number - 1].strip():
-            record = parse_record(lines[number - 1])
-            if record is None:
-                skipped.append(number)
-            else:
-                records.append(record)
-    warn_unreadable(path, skipped[::-1])
-    return records[::-1], end
+    if path.suffix in (".gz", ".xz"):
+        return list(deque(iter_jsonl(path), maxlen=max(last, 0))), 0
+    with path.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        block = 1 << 16
+        while True:
+            start = max(0, size - block)
+            f.seek(start)
+            data = f.read(size - start)
+            cut = data.rfind(b"\n") + 1  # a line still being written is read by follow()
+            # complete lines; the first one of a block that does not start the file may begin
+            # before the block
+            lines = data[:cut].split(b"\n")[:-1][1 if start else 0 :]
+            records, skipped = [], []  # skipped: indexes into lines
+            for i in range(len(lines) - 1, -1, -1):
+                if len(records) >= last:
+                    break
+                if lines[i].strip():
+                    record = parse_record(lines[i])
+                    if record is None:
+                        skipped.append(i)
+                    else:
+                        records.append(record)
+            if len(records) >= last or start == 0:
+                break
+            block *= 4
+        if skipped:  # their line numbers: lines[0] is the line after the one cut at start
+            first = _newlines_before(f, start) + 2 if start else 1
+            warn_unreadable(path, [first + i for i in reversed(skipped)])
+    return records[::-1], start + cut
+
+
+def _newlines_before(f: IO[bytes], offset: int) -> int:
+    f.seek(0)
+    count, left = 0, offset
+    while left:
+        chunk = f.read(min(left, 1 << 16))
+        count += chunk.count(b"\n")
+        left -= len(chunk)
+    return count
 
 
 def main(argv: list[str] | None = None) -> int:
