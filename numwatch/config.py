@@ -407,11 +407,17 @@ class MonitorConfig(_Section):
                 f"config must be a MonitorConfig, a dict or a path to a YAML file, "
                 f"got {type(config).__name__}"
             )
-        merged = _deep_merge(
-            _expand_dunder(base), _env_overrides(os.environ if env is None else env)
-        )
-        merged = _deep_merge(merged, _expand_dunder(overrides))
-        return cls.validated(merged)
+        from_env = _env_overrides(os.environ if env is None else env)
+        from_code = _expand_dunder(overrides)
+        merged = _deep_merge(_deep_merge(_expand_dunder(base), from_env), from_code)
+        # Where each value came from, for the error message (the highest precedence wins).
+        sources: dict[tuple[str, ...], str] = {}
+        if isinstance(config, (str, os.PathLike)):
+            sources |= dict.fromkeys(_leaves(base), f"config file {str(config)!r}")
+        sources |= {path: ENV_PREFIX + "__".join(path).upper() for path in _leaves(from_env)}
+        for path in _leaves(from_code):
+            sources.pop(path, None)
+        return cls.validated(merged, sources)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> MonitorConfig:
@@ -419,12 +425,15 @@ class MonitorConfig(_Section):
         return cls.validated(_read_yaml(Path(path)))
 
     @classmethod
-    def validated(cls, data: Mapping[str, Any]) -> MonitorConfig:
-        """Validate ``data``, turning pydantic's report into one readable NumwatchConfigError."""
+    def validated(
+        cls, data: Mapping[str, Any], sources: Mapping[tuple[str, ...], str] | None = None
+    ) -> MonitorConfig:
+        """Validate ``data``, turning pydantic's report into one readable NumwatchConfigError
+        (naming where a bad value came from when ``sources`` knows: {key path: source})."""
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise NumwatchConfigError(_describe(exc)) from None
+            raise NumwatchConfigError(_describe(exc, sources or {})) from None
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -503,7 +512,9 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     for name, raw in env.items():
         if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX) and name not in KERNEL_ENV:
             key = name[len(ENV_PREFIX) :].lower()
-            if _takes_text(key) or not raw.strip():
+            if not raw.strip():  # `export NUMWATCH_FLUSH_EVERY=`: unset, as a shell user means
+                continue
+            if _takes_text(key):
                 flat[key] = raw
                 continue
             try:
@@ -547,7 +558,24 @@ def _deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, An
     return out
 
 
-def _describe(exc: ValidationError) -> str:
+def _leaves(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The key paths of a nested dict's values (mappings are walked, other values are leaves)."""
+    out = []
+    for key, value in tree.items():
+        path = (*prefix, str(key))
+        out += _leaves(value, path) if isinstance(value, Mapping) and value else [path]
+    return out
+
+
+def _source(loc: tuple[Any, ...], sources: Mapping[tuple[str, ...], str]) -> str:
+    """' (from NUMWATCH_X)' / ' (from config file ...)' for an error at ``loc``; '' for code."""
+    for path, source in sources.items():
+        if tuple(str(p) for p in loc[: len(path)]) == path:
+            return f" (from {source})"
+    return ""
+
+
+def _describe(exc: ValidationError, sources: Mapping[tuple[str, ...], str]) -> str:
     lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "<root>"
@@ -560,11 +588,16 @@ def _describe(exc: ValidationError) -> str:
                     f"({key.replace('.', '__')}=...)"
                 )
                 continue
-            lines.append(f"{field}: unknown setting (check the spelling; env names use '__')")
+            lines.append(
+                f"{field}: unknown setting (check the spelling; env names use '__')"
+                + _source(err["loc"], sources)
+            )
             continue
         value = err.get("input")
         hint = err["msg"]
         if kind == "literal_error" and "expected" in err.get("ctx", {}):
             hint = f"allowed values: {err['ctx']['expected']}"
-        lines.append(f"{field}: got {value!r}; {hint}")
+        if kind == "list_type" and isinstance(value, str):
+            hint += f" (a list in YAML: ['{value}'])"
+        lines.append(f"{field}: got {value!r}; {hint}" + _source(err["loc"], sources))
     return "invalid numwatch config: " + "; ".join(lines)

@@ -196,3 +196,28 @@ def test_an_env_list_of_unquoted_globs_says_to_quote_them():
         MonitorConfig.load(env={"NUMWATCH_WEIGHTS__EXCLUDE": "[*embed*, *wte*]"})
     cfg = MonitorConfig.load(env={"NUMWATCH_WEIGHTS__EXCLUDE": "['*embed*', '*wte*']"})
     assert cfg.weights.exclude == ["*embed*", "*wte*"]
+
+
+def test_a_bad_value_names_where_it_came_from(tmp_path):
+    """A bad NUMWATCH_* value or YAML value was reported as if the code had set it: the
+    variable (or the file) was never named. An empty variable reads as unset."""
+    env = {"NUMWATCH_GRADIENTS__EXCLUDE": "*embed*", "NUMWATCH_FLUSH_EVERY": ""}
+    with pytest.raises(NumwatchConfigError) as err:
+        MonitorConfig.load(env=env)
+    assert str(err.value).endswith(
+        "gradients.exclude: got '*embed*'; Input should be a valid list (a list in YAML: "
+        "['*embed*']) (from NUMWATCH_GRADIENTS__EXCLUDE)"
+    )
+    assert MonitorConfig.load(env={"NUMWATCH_FLUSH_EVERY": ""}).flush_every == 50
+    path = tmp_path / "bad.yaml"
+    path.write_text("flush_every: x\nsinks: {jsonl: {evry: 2}}\n")
+    with pytest.raises(NumwatchConfigError) as err:
+        MonitorConfig.load(path, env={})
+    text, where = str(err.value), f"(from config file {str(path)!r})"
+    assert f"flush_every: got 'x'; Input should be a valid integer, unable to parse string as " \
+        f"an integer {where}" in text  # fmt: skip
+    assert f"sinks.jsonl.evry: unknown setting (check the spelling; env names use '__') " \
+        f"{where}" in text  # fmt: skip
+    with pytest.raises(NumwatchConfigError) as err:  # a keyword override wins: the code's
+        MonitorConfig.load(path, env={}, flush_every="y", sinks__jsonl__evry=None)
+    assert "integer (from" not in str(err.value)
