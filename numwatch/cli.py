@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-__all__ = ["main"]
+__all__ = ["count", "main"]
 
 USAGE = """usage: numwatch <command> [options]
 
@@ -14,6 +15,14 @@ commands:
   tail      follow a JSONL run log in the terminal
   replay    run a rules configuration over a JSONL run log (which events, at which steps)
 """
+
+
+def count(text: str) -> int:
+    """argparse type of a count option (``tail -n``, ``replay --limit``): an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import groupby
 from typing import Any
 
+from numwatch.cli import count
 from numwatch.config import MonitorConfig, RulesConfig
 from numwatch.errors import NumwatchError
 from numwatch.events import Event
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "--config",
         help="numwatch YAML config whose 'rules' section is replayed (default: the default rules)",
     )
-    p.add_argument("--limit", type=int, default=40, help="events listed (0: all); JSON lists all")
+    p.add_argument("--limit", type=count, default=40, help="events listed (0: all); JSON lists all")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args(argv)
     try:

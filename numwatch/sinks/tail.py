@@ -21,6 +21,7 @@ from typing import IO, Any
 from rich.console import Console
 from rich.markup import escape
 
+from numwatch.cli import count
 from numwatch.events import Event
 from numwatch.sinks.console import summary_line
 from numwatch.sinks.jsonl import is_flush, iter_jsonl, parse_record, warn_unreadable
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("log", help="the run's JSONL log (sinks.jsonl.path)")
     parser.add_argument(
-        "-n", "--lines", type=int, default=10, help="flushes already in the log to show first"
+        "-n", "--lines", type=count, default=10, help="flushes already in the log to show first"
     )
     parser.add_argument(
         "--no-follow", action="store_true", help="print what the log holds and exit"
