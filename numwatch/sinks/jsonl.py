@@ -131,7 +131,9 @@ class JsonlSink:
                 ) from None
         _end_partial_line(self.path)
         _WRITING.add(self._key)
-        self._release = weakref.finalize(self, _WRITING.discard, self._key)  # also if dropped
+        # also if dropped unclosed (a monitor left attached after a halt): the path is free
+        # again and the file closed, not left to the garbage collector's ResourceWarning
+        self._release = weakref.finalize(self, _release, self._key, self._file)
         # '{"name": ..., "labels": {...}, "value": ' per series: the same every flush, so a flush
         # encodes only its numbers (thousands of series per flush on a large model).
         self._prefixes: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
@@ -225,6 +227,11 @@ class JsonlSink:
             self._held = None
         self._file.close()
         self._release()
+
+
+def _release(key: str, file: IO[str]) -> None:
+    _WRITING.discard(key)
+    file.close()
 
 
 def _end_partial_line(path: Path) -> None:
