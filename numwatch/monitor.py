@@ -10,6 +10,7 @@ rule (``skip_step``) is configured: it reads two scalars per step to decide befo
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import math
@@ -189,6 +190,7 @@ class Monitor(Joinable):
         self._detach_within = False  # the deferred detach's within_step
         self._skipped_earlier = 0  # updates skipped while attached before (re-attach)
         self._scale_drops: torch.Tensor | None = None  # loss-scale drops counted before
+        self._scaler: Any = None  # the attached GradScaler
         self._rules_step: int | None = None  # the step of the last flush the rules judged
         self._late_losses = False  # step(loss) comes after optimizer.step() in this loop
         # the routing of the step just closed, where routes queued during it changed it since
@@ -268,6 +270,7 @@ class Monitor(Joinable):
 
     def _attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
         self._optimizer = optimizer
+        self._scaler = scaler
         if self.config.optimizer.enabled:
             probe = OptimizerProbe(
                 self.model, optimizer, self.config.optimizer, self._ctx, scaler, self._scale_drops
@@ -335,6 +338,7 @@ class Monitor(Joinable):
         self._probes, self._sinks, self._optimizer_handles = [], [], []
         self._attention = self._gradients = None
         self._optimizer = None
+        self._scaler = None
         self._pending_routes.clear()
         self._attached = False
 
@@ -521,6 +525,9 @@ class Monitor(Joinable):
         else:
             norm_sq = self._gradients.step_norm_sq() if self._gradients is not None else None
             named = {"grad_norm": norm_sq, "loss": loss}
+        scale = getattr(self._scaler, "_scale", None) if self._scaler_on() else None
+        if isinstance(scale, torch.Tensor):  # read with the others: no extra sync
+            named["loss_scale"] = scale.reshape(())
         on_device = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
         values = {k: float(v) for k, v in named.items() if isinstance(v, float)}
         if on_device:
@@ -528,6 +535,14 @@ class Monitor(Joinable):
             values.update(zip(on_device, host, strict=True))
         if "grad_norm" in values:
             values["grad_norm"] = math.sqrt(values["grad_norm"])  # NaN stays NaN
+        scale_now = values.pop("loss_scale", None)
+        if (
+            scale_now is not None
+            and scale_now > 1.0
+            and math.isfinite(values.get("loss", 0.0))
+            and not math.isfinite(values.get("grad_norm", 0.0))
+        ):
+            del values["grad_norm"]  # the scaler's overflow (_scaler_overflows): it skips it
         values["nonfinite"] = sum(values.values())  # non-finite iff one of them is
         fired = self._guard.run("rules", self._engine.evaluate_step, self._ctx.step, values) or []
         for event, _ in fired:
@@ -836,6 +851,7 @@ class Monitor(Joinable):
         shared_from = len(records)  # records from here on are the same on every rank
         origin, seen = self._dist.first_nonfinite(ctx.tracker, host, local_host)
         nonfinite = [] if origin is None else [self._nonfinite_event(origin, step, seen)]
+        nonfinite, overflows = self._scaler_overflows(nonfinite, host)
         if self._window_steps:
             elapsed = time.perf_counter() - self._window_start
             records.append(MetricRecord("step_seconds", {}, elapsed / self._window_steps))
@@ -885,6 +901,7 @@ class Monitor(Joinable):
             )
         if nonfinite and not any(e.kind == "nonfinite" for e, _ in fired):
             fired += [(e, None) for e in nonfinite]  # no nonfinite rule enabled: still report
+        fired += [(e, None) for e in overflows]
         for event, _ in fired:
             self._event_counts[(event.kind, event.rule)] += 1
         records += self._mitigation_records()
@@ -894,6 +911,37 @@ class Monitor(Joinable):
             own += records[shared_from:]
             self._local_snapshot = Snapshot(step, own, time=snapshot.time, rank=self.rank)
         return snapshot, fired
+
+    def _scaler_on(self) -> bool:
+        scaler = self._scaler
+        return scaler is not None and scaler.is_enabled()
+
+    def _scaler_overflows(
+        self, nonfinite: list[Event], host: Mapping[str, torch.Tensor]
+    ) -> tuple[list[Event], list[Event]]:
+        """(nonfinite, overflows). Under an enabled GradScaler, a NaN/Inf that first appears in
+        the gradients (forward and loss finite) is the scaler's overflow: it skips that update
+        and lowers its scale, as designed (at the start of fp16 training, and whenever it tries
+        a larger scale). It is reported as an ``anomaly`` of severity ``info`` (rule
+        ``scaler_overflow``), which no nonfinite rule, ``stop_on`` or halt acts on; while the
+        scale is at 1 or below, where the scale no longer explains it, it stays ``nonfinite``."""
+        if not nonfinite or not self._scaler_on():
+            return nonfinite, []
+        (event,) = nonfinite
+        scale = float(host["opt/scale"]) if "opt/scale" in host else None
+        if event.evidence.get("phase") != "backward" or (scale is not None and scale <= 1.0):
+            return nonfinite, []
+        at = "" if scale is None else f" (loss scale {scale:g})"
+        overflow = dataclasses.replace(
+            event,
+            kind="anomaly",
+            severity="info",
+            rule="scaler_overflow",
+            message=f"GradScaler overflow{at}: {event.message}; the scaler skips that update "
+            "and lowers its scale",
+            evidence={**event.evidence, "scaler_overflow": True, "loss_scale": scale},
+        )
+        return [], [overflow]
 
     def _own_records(self, local_host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
         """The probes' metrics and the loss from this rank's values only (per-rank JSONL)."""

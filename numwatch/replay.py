@@ -59,6 +59,7 @@ def replay(
             fired = [e for e, _ in engine.evaluate(snapshot.step, list(snapshot), nonfinite)]
         if nonfinite and not any(e.kind == "nonfinite" for e in fired):
             fired += nonfinite  # no nonfinite rule enabled: still reported, as the monitor does
+        fired += [e for e in logged if e.rule == "scaler_overflow"]  # the monitor's, as made
         out += [dataclasses.replace(e, time=record["time"]) for e in fired]
     return out
 

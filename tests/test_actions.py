@@ -437,6 +437,52 @@ def test_a_skip_for_a_step_the_grad_scaler_skipped_does_not_skip_the_next_step()
     assert [e.step for e in monitor.events if e.kind == "action"] == [1]
 
 
+HALT_NONFINITE = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["halt"]}]}
+
+
+@pytest.mark.parametrize("init_scale", [1024.0, 1.0])
+@pytest.mark.parametrize("rules", [HALT_NONFINITE, SKIP_NONFINITE], ids=["halt", "skip_step"])
+def test_a_grad_scaler_overflow_is_info_until_the_scale_is_down_to_one(init_scale, rules):
+    """An fp16 run's GradScaler overflows by design (at the start, and whenever it tries a larger
+    scale) and skips those updates itself: each was a critical nonfinite event, which a halt
+    rule or stop_on=['nonfinite'] stopped a healthy run on. Now an info anomaly
+    (scaler_overflow); at a scale of 1 the scale no longer explains it: nonfinite again."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    monitor = monitor_for(model, rules=rules, flush_every=2).attach(opt, scaler=scaler)
+    seen = []
+    monitor.on("nonfinite", seen.append)
+    updated = []
+    try:
+        for step in range(4):
+            loss = model(torch.randn(8, 4)).square().mean()
+            scaler.scale(loss).backward()
+            if step == 1:
+                model.weight.grad[0, 0] = float("inf")  # the overflow of the scaled gradient
+            monitor.step(loss)
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            updated.append(_updated(model, before))
+    except NumwatchHalt:
+        assert init_scale == 1.0 and rules is HALT_NONFINITE
+        return
+    kinds = [(e.kind, e.severity, e.rule) for e in monitor.events]
+    if init_scale == 1.0:
+        assert seen and ("nonfinite", "critical", "nonfinite") in kinds
+        return
+    assert updated == [True, False, True, True]  # the scaler skipped its overflow step
+    assert seen == [] and kinds == [("anomaly", "info", "scaler_overflow")]
+    (event,) = monitor.events
+    assert event.step == 1 and event.labels == {"param": "weight"}
+    assert event.evidence["loss_scale"] == 1024.0 and "GradScaler overflow" in event.message
+    control = monitor.optimizer_control
+    assert control is None or control.skipped_steps == 0  # numwatch withheld nothing
+
+
 def test_a_loss_recorded_after_the_update_judges_no_step():
     """monitor.step(loss) after optimizer.step(): the step was judged (on its gradients) before
     its loss came, and the next step is judged without it; the NaN loss is still reported, at
@@ -711,3 +757,28 @@ def test_a_second_detach_request_in_the_same_step_close_keeps_the_skip():
     monitor.step(loss)
     opt.step()
     assert not monitor.attached and torch.equal(model.weight, before)
+
+
+def test_replay_gives_the_grad_scaler_overflow_as_logged(tmp_path):
+    from numwatch.replay import replay
+    from numwatch.sinks.jsonl import read_jsonl
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    log = tmp_path / "run.jsonl"
+    monitor = monitor_for(model, sinks__jsonl__enabled=True, sinks__jsonl__path=str(log))
+    monitor.attach(opt, scaler=scaler)
+    for step in range(3):
+        loss = model(torch.randn(8, 4)).square().mean()
+        scaler.scale(loss).backward()
+        if step == 1:
+            model.weight.grad[0, 0] = float("inf")
+        monitor.step(loss)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    monitor.detach()
+    events = replay(read_jsonl(log))
+    assert [(e.kind, e.rule, e.step) for e in events] == [("anomaly", "scaler_overflow", 1)]
