@@ -179,7 +179,7 @@ def _train(monitor, model, opt, scaler, cfg: GPTConfig, steps: int) -> None:
         x, y = next(data)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         scaler.scale(loss).backward()
-        if step == 3:  # a planted NaN: a nonfinite event, nonfinite counts, a loss-scale drop
+        if step == 3:  # a planted NaN: a scaler_overflow event, nonfinite counts, a scale drop
             model.blocks[1].mlp[2].weight.grad[0, 0] = float("nan")
         monitor.step(loss)  # with a GradScaler the monitor closes steps itself
         scaler.step(opt)  # skips the update with the NaN
