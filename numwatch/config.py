@@ -410,13 +410,13 @@ class MonitorConfig(_Section):
         from_env = _env_overrides(os.environ if env is None else env)
         from_code = _expand_dunder(overrides)
         merged = _deep_merge(_deep_merge(_expand_dunder(base), from_env), from_code)
-        # Where each value came from, for the error message (the highest precedence wins).
-        sources: dict[tuple[str, ...], str] = {}
+        # Where each value came from, for the error message: (precedence, source) per key path.
+        sources: dict[tuple[str, ...], tuple[int, str]] = {}
         if isinstance(config, (str, os.PathLike)):
-            sources |= dict.fromkeys(_leaves(base), f"config file {str(config)!r}")
-        sources |= {path: ENV_PREFIX + "__".join(path).upper() for path in _leaves(from_env)}
-        for path in _leaves(from_code):
-            sources.pop(path, None)
+            sources |= dict.fromkeys(_leaves(base), (0, f"config file {str(config)!r}"))
+        for name in _env_names(os.environ if env is None else env):
+            sources[tuple(name[len(ENV_PREFIX) :].lower().split("__"))] = (1, name)
+        sources |= dict.fromkeys(_leaves(from_code), (2, ""))  # the code's: no source to name
         return cls.validated(merged, sources)
 
     @classmethod
@@ -426,10 +426,13 @@ class MonitorConfig(_Section):
 
     @classmethod
     def validated(
-        cls, data: Mapping[str, Any], sources: Mapping[tuple[str, ...], str] | None = None
+        cls,
+        data: Mapping[str, Any],
+        sources: Mapping[tuple[str, ...], tuple[int, str]] | None = None,
     ) -> MonitorConfig:
         """Validate ``data``, turning pydantic's report into one readable NumwatchConfigError
-        (naming where a bad value came from when ``sources`` knows: {key path: source})."""
+        (naming where a bad value came from when ``sources`` knows: {key path: (precedence,
+        source)}; a value under a path comes from its highest-precedence source)."""
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -507,25 +510,35 @@ def _expand_dunder(flat: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _env_names(env: Mapping[str, str]) -> list[str]:
+    """The NUMWATCH_* variables that configure the monitor (an empty one is unset, as a shell
+    user means by `export NUMWATCH_FLUSH_EVERY=`)."""
+    return [
+        name
+        for name, raw in env.items()
+        if name.startswith(ENV_PREFIX)
+        and len(name) > len(ENV_PREFIX)
+        and name not in KERNEL_ENV
+        and raw.strip()
+    ]
+
+
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     flat: dict[str, Any] = {}
-    for name, raw in env.items():
-        if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX) and name not in KERNEL_ENV:
-            key = name[len(ENV_PREFIX) :].lower()
-            if not raw.strip():  # `export NUMWATCH_FLUSH_EVERY=`: unset, as a shell user means
-                continue
-            if _takes_text(key):
-                flat[key] = raw
-                continue
-            try:
-                flat[key] = yaml.safe_load(raw)
-            except yaml.YAMLError as e:
-                if raw.lstrip()[:1] in "[{":  # meant as a list or mapping: say why it is not one
-                    raise NumwatchConfigError(
-                        f"{name}={raw!r} does not parse as YAML ({str(e).splitlines()[0]}); "
-                        "quote items that start with * or & (e.g. ['*embed*', '*wte*'])"
-                    ) from None
-                flat[key] = raw
+    for name in _env_names(env):
+        raw, key = env[name], name[len(ENV_PREFIX) :].lower()
+        if _takes_text(key):
+            flat[key] = raw
+            continue
+        try:
+            flat[key] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            if raw.lstrip()[:1] in "[{":  # meant as a list or mapping: say why it is not one
+                raise NumwatchConfigError(
+                    f"{name}={raw!r} does not parse as YAML ({str(e).splitlines()[0]}); "
+                    "quote items that start with * or & (e.g. ['*embed*', '*wte*'])"
+                ) from None
+            flat[key] = raw
     return _expand_dunder(flat)
 
 
@@ -567,15 +580,17 @@ def _leaves(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple
     return out
 
 
-def _source(loc: tuple[Any, ...], sources: Mapping[tuple[str, ...], str]) -> str:
+def _source(loc: tuple[Any, ...], sources: Mapping[tuple[str, ...], tuple[int, str]]) -> str:
     """' (from NUMWATCH_X)' / ' (from config file ...)' for an error at ``loc``; '' for code."""
-    for path, source in sources.items():
-        if tuple(str(p) for p in loc[: len(path)]) == path:
-            return f" (from {source})"
-    return ""
+    at = tuple(str(p) for p in loc)
+    found = [
+        (rank, len(path), name) for path, (rank, name) in sources.items() if at[: len(path)] == path
+    ]
+    source = max(found)[2] if found else ""
+    return f" (from {source})" if source else ""
 
 
-def _describe(exc: ValidationError, sources: Mapping[tuple[str, ...], str]) -> str:
+def _describe(exc: ValidationError, sources: Mapping[tuple[str, ...], tuple[int, str]]) -> str:
     lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "<root>"

@@ -232,6 +232,7 @@ class Monitor(Joinable):
         try:
             if first:
                 self._window_start = time.perf_counter()
+                self._guard.overhead_seconds = 0.0  # a detach's final flush is not this window's
                 if self.config.enabled:
                     self.rank = get_rank()  # torch.distributed may start after __init__
                     self._dist.forget_layouts()
@@ -412,9 +413,14 @@ class Monitor(Joinable):
         for _ in range(1000):
             try:
                 return JsonlSink(self._jsonl_path, self.run_name, cfg.every, cfg.exclude)
-            except LogInUse:
+            except LogInUse as err:
                 if self.config.run_name is not None or "{run_name}" not in cfg.path:
                     raise  # a name or a path of the user's own: theirs to change
+                if get_world_size() > 1:  # each rank would pick its own suffix: names could
+                    raise LogInUse(  # pair one job's rank 0 with another job's rank 1
+                        f"{err} (a default run name is not renamed in a distributed run, whose "
+                        "ranks must agree on it: set run_name, e.g. from the job id)"
+                    ) from None
                 self.run_name = _next_run_name(self.run_name)
                 self._jsonl_path = cfg.path.format(run_name=self.run_name, rank=self.rank)
         raise NumwatchError(f"no free default log name after {self.run_name!r}")

@@ -204,6 +204,9 @@ def test_split_sum_is_routed_reported_and_upgraded_by_the_action(monkeypatch):
         done = action.run(monitor, event)
         assert (done is None) == (layer == "a"), (layer, done)
     assert monitor.attention_kernel("b") == swap_kernel.AttentionKernel(split_sum=True)
+    # the default action (no split) leaves a split layer as it is: it only ever upgrades
+    event = numwatch.Event(kind="precursor", step=2, message="m", labels={"layer": "a"})
+    assert SwapAttentionKernel().run(monitor, event) is None
     with pytest.raises(ValueError, match="split_sum"):
         monitor.swap_attention("a", mode="paper_repro", split_sum=True)
 

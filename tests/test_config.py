@@ -221,3 +221,12 @@ def test_a_bad_value_names_where_it_came_from(tmp_path):
     with pytest.raises(NumwatchConfigError) as err:  # a keyword override wins: the code's
         MonitorConfig.load(path, env={}, flush_every="y", sinks__jsonl__evry=None)
     assert "integer (from" not in str(err.value)
+
+
+def test_a_section_given_whole_in_one_variable_is_named_by_it():
+    """The source was rebuilt from the leaf's path: a variable that does not exist was named."""
+    with pytest.raises(NumwatchConfigError, match=r"\(from NUMWATCH_SINKS\)$"):
+        MonitorConfig.load(env={"NUMWATCH_SINKS": "{jsonl: {every: 0}}"})
+    with pytest.raises(NumwatchConfigError) as err:  # a keyword override of it: the code's
+        MonitorConfig.load(env={"NUMWATCH_SINKS": "{jsonl: {every: 0}}"}, sinks__jsonl__every=-1)
+    assert "(from" not in str(err.value)

@@ -547,6 +547,43 @@ def test_lightning_resumed_fit_goes_on_with_the_trainers_step_numbers(pl, tmp_pa
     assert callback.monitor.snapshot().step == 5
 
 
+def test_lightning_resume_with_two_optimizers_numbers_batches(pl, tmp_path):
+    """global_step counts both optimizers' steps: a resumed GAN fit went on from step 6 after
+    3 batches (logged steps 0, 1, 2, 6, 7, 8)."""
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    class Two(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.automatic_optimization = False
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.b(self.a(batch[0])).pow(2).mean()
+            o1, o2 = self.optimizers()
+            o1.zero_grad()
+            o2.zero_grad()
+            self.manual_backward(loss)
+            o1.step()
+            o2.step()
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.a.parameters(), lr=0.1),
+                    torch.optim.SGD(self.b.parameters(), lr=0.1)]  # fmt: skip
+
+    data = DataLoader(TensorDataset(torch.randn(40, 8)), batch_size=4)
+    log = tmp_path / "log.jsonl"
+    options = monitor_options(run_name="gan", sinks__jsonl__enabled=True,
+                              sinks__jsonl__path=str(log))  # fmt: skip
+    trainer = lightning_trainer(pl, [NumwatchCallback(**options)], steps=6)
+    trainer.fit(Two(), data)
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    trainer = lightning_trainer(pl, [NumwatchCallback(**options)], steps=12)
+    trainer.fit(Two(), data, ckpt_path=tmp_path / "c.ckpt")
+    assert [r["step"] for r in read_jsonl(log)] == list(range(6))
+
+
 _HF_CRASH = """
 import pathlib, sys
 sys.path.insert(0, sys.argv[2])

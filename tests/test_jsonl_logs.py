@@ -234,3 +234,83 @@ def test_a_log_another_process_writes_is_refused_and_a_default_name_moves_on(tmp
         other.kill()
         other.wait()
     assert taken.read_text() == ""  # the other process's log got nothing of ours
+
+
+def test_a_filesystem_without_flock_still_gets_its_log(tmp_path, monkeypatch, caplog):
+    """Lustre with noflock, some FUSE/NFS mounts: flock fails with ENOLCK. Every such failure
+    read as 'log in use': no log at all, and with a default name 1000 empty files were made."""
+    import errno
+
+    import torch
+
+    import numwatch
+    from numwatch.sinks import jsonl
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(jsonl.fcntl, "flock", flock)
+    monkeypatch.setattr(jsonl, "_LOCK_UNSUPPORTED", [])
+    model = torch.nn.Linear(4, 4)
+    path = str(tmp_path / "runs" / "{run_name}.jsonl")
+    with caplog.at_level("WARNING", logger="numwatch"):
+        monitor = numwatch.Monitor(model, sinks__jsonl__path=path, sinks__console__enabled=False)
+        monitor.attach()
+    model(torch.randn(2, 4)).sum().backward()
+    monitor.step()
+    monitor.detach()
+    assert len(list((tmp_path / "runs").iterdir())) == 1
+    assert read_jsonl(monitor.jsonl_path) and "cannot lock the log" in caplog.text
+
+
+def test_a_forked_child_does_not_keep_the_log_locked_after_detach(tmp_path):
+    """A DataLoader worker forked while attached shares the log's open file and so its flock:
+    re-attaching to the same run's log was refused while the worker lived."""
+    import os
+    import signal
+
+    import pytest
+    import torch
+
+    import numwatch
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    model = torch.nn.Linear(2, 1)
+    options = {"run_name": "exp", "sinks__console__enabled": False,
+               "sinks__jsonl__path": str(tmp_path / "{run_name}.jsonl")}  # fmt: skip
+    monitor = numwatch.Monitor(model, **options).attach()
+    child = os.fork()
+    if child == 0:  # the worker: lives on past the parent's detach
+        import time
+
+        time.sleep(30)
+        os._exit(0)
+    try:
+        monitor.detach()
+        numwatch.Monitor(model, **options).attach().detach()  # was refused: LogInUse
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
+def test_a_default_name_is_not_renamed_per_rank(tmp_path, monkeypatch):
+    """Each rank took its own suffix: two jobs started in one second paired one job's rank 0
+    with the other's rank 1. A distributed run is refused and told to set run_name."""
+    import pytest
+    import torch
+
+    import numwatch
+    from numwatch import monitor as monitor_module
+    from numwatch.sinks.jsonl import LogInUse
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(monitor_module, "_default_run_name", lambda: "run-20261130T000000Z")
+    model = torch.nn.Linear(2, 1)
+    first = numwatch.Monitor(model, sinks__console__enabled=False).attach()
+    monkeypatch.setattr(monitor_module, "get_world_size", lambda: 2)
+    try:
+        with pytest.raises(LogInUse, match="set run_name"):
+            numwatch.Monitor(torch.nn.Linear(2, 1), sinks__console__enabled=False).attach()
+    finally:
+        first.detach()

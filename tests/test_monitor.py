@@ -1417,3 +1417,41 @@ def test_overhead_is_a_share_of_the_step_time_that_includes_the_flushes(make_mon
     monitor.detach()
     assert all(o <= s for o, s in zip(overheads, steps, strict=True)), (overheads, steps)
     assert sum(steps) >= 0.8 * wall, (sum(steps), wall)  # the flushes are in the step times
+
+
+def test_a_re_attach_does_not_charge_the_last_detach_to_its_first_window(tmp_path, monkeypatch):
+    """The first window after a re-attach counted detach's final flush as overhead while its
+    step time started at attach: 1030 % of the step time."""
+    from numwatch.sinks.jsonl import JsonlSink
+
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = numwatch.Monitor(
+        model, flush_every=5, sinks__console__enabled=False,
+        sinks__jsonl__path=str(tmp_path / "log.jsonl"),
+    )  # fmt: skip
+    slow, emit = [False], JsonlSink.emit
+
+    def slow_emit(self, snapshot, events):
+        if slow[0]:
+            time.sleep(0.3)
+        return emit(self, snapshot, events)
+
+    monkeypatch.setattr(JsonlSink, "emit", slow_emit)
+
+    def steps(n):
+        for _ in range(n):
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+
+    monitor.attach(opt)
+    steps(3)
+    slow[0] = True
+    monitor.detach()
+    slow[0] = False
+    monitor.attach(opt)
+    steps(5)
+    snap = monitor.snapshot()
+    monitor.detach()
+    assert snap.value("monitor_overhead_seconds") <= snap.value("step_seconds")

@@ -245,3 +245,32 @@ def test_negative_counts_are_refused(args, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli(args)
     assert exit_.value.code == 2 and "must be >= 0, got -1" in capsys.readouterr().err
+
+
+def _record(step: int, n: int = 3) -> str:
+    metrics = [{"name": f"m{i}", "labels": {}, "value": float(step)} for i in range(n)]
+    return json.dumps({"schema": 1, "run": "r", "step": step, "time": 0.0, "rank": 0,
+                       "metrics": metrics, "events": []})  # fmt: skip
+
+
+def test_a_long_line_being_written_is_followed_from_its_start(tmp_path):
+    """A record still being written that is longer than the first block (a large model's):
+    the backlog's offset landed in its middle, and follow() lost it."""
+    path = tmp_path / "a.jsonl"
+    big = _record(5, n=3000)
+    with path.open("w") as f:
+        f.write("".join(_record(s) + "\n" for s in range(5)) + big[: len(big) // 2])
+    records, offset = backlog(path, 0)
+    assert records == [] and offset == path.read_bytes().rfind(b"\n") + 1
+    with path.open("a") as f:
+        f.write(big[len(big) // 2 :] + "\n")
+    assert [r["step"] for r in follow(path, offset=offset, poll=0.01, stop=lambda: True)] == [5]
+
+
+def test_no_follow_prints_a_last_record_without_its_newline(tmp_path, capsys):
+    """Nothing will complete it: it was dropped from a plain log and shown from the same log
+    gzipped."""
+    (tmp_path / "a.jsonl").write_text(_record(0) + "\n" + _record(1))
+    assert cli(["tail", "--no-follow", str(tmp_path / "a.jsonl")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("|")[0].strip() for line in lines] == ["numwatch step 0", "numwatch step 1"]

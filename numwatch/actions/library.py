@@ -68,9 +68,9 @@ class SwapAttentionKernel(Action):
             target is not None
             and current is not None
             and current.stabilized
-            and current.split_sum == self.split_sum
+            and (current.split_sum or not self.split_sum)
         ):
-            return None  # already there
+            return None  # already there (a split sum is never taken back to one sum)
         if target is not None and not ctx.attention_routable(target):
             if target not in self._unroutable:  # said once; no "routed" event for nothing
                 self._unroutable.add(target)

@@ -98,8 +98,8 @@ class NumwatchCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self._trainer = trainer
         self._optimizer_attached = False
-        self._driver.start(pl_module, None, trainer.global_step)  # resumed: goes on
         optimizers = [o for o in getattr(trainer, "optimizers", []) or []]
+        self._driver.start(pl_module, None, _batches_stepped(trainer, len(optimizers)))
         if optimizers and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
             self._attach_optimizers(optimizers)
 
@@ -218,3 +218,15 @@ class NumwatchCallback(Callback):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.on_train_end(trainer, pl_module)
+
+
+def _batches_stepped(trainer: Any, n_optimizers: int) -> int:
+    """The monitor steps a fit resumed from a checkpoint goes on from: one per batch that
+    stepped. ``global_step`` counts optimizer steps, several per batch with several optimizers
+    (manual optimization), where Lightning's own count of batches is read instead."""
+    if n_optimizers > 1:
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        batches = getattr(loop, "_batches_that_stepped", None)
+        if isinstance(batches, int):
+            return batches
+    return int(trainer.global_step)

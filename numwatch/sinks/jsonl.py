@@ -7,6 +7,7 @@ are written as the strings "nan", "inf" and "-inf".
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import logging
@@ -119,18 +120,10 @@ class JsonlSink:
                 "monitor its own run_name or path)"
             )
         self._file = self.path.open("a", encoding="utf-8")
-        if fcntl is not None:  # a writer in another process (a sweep started in one second)
-            try:
-                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                self._file.close()
-                raise LogInUse(
-                    f"sinks.jsonl.path {str(path)!r} is the log of a monitor attached in another "
-                    "process: two runs would interleave their records in one file (give each "
-                    "run its own run_name or path)"
-                ) from None
+        _lock(self._file, path)
         _end_partial_line(self.path)
         _WRITING.add(self._key)
+        _OPEN_LOGS.add(self._file)
         # also if dropped unclosed (a monitor left attached after a halt): the path is free
         # again and the file closed, not left to the garbage collector's ResourceWarning
         self._release = weakref.finalize(self, _release, self._key, self._file)
@@ -231,7 +224,42 @@ class JsonlSink:
 
 def _release(key: str, file: IO[str]) -> None:
     _WRITING.discard(key)
+    _OPEN_LOGS.discard(file)
     file.close()
+
+
+# The open logs, closed in a forked child (a DataLoader worker): a flock belongs to the open
+# file, which the child shares, so the log would stay locked after detach while it lives.
+_OPEN_LOGS: weakref.WeakSet[IO[str]] = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [f.close() for f in list(_OPEN_LOGS)])
+_LOCK_UNSUPPORTED: list[str] = []  # said once per process
+
+
+def _lock(file: IO[str], path: str | Path) -> None:
+    """Lock the log against a writer in another process (a sweep started in one second). Where
+    the filesystem has no flock (Lustre with noflock, some FUSE or NFS mounts), the log is
+    written unlocked, said once."""
+    if fcntl is None:
+        return
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            file.close()
+            raise LogInUse(
+                f"sinks.jsonl.path {str(path)!r} is the log of a monitor attached in another "
+                "process: two runs would interleave their records in one file (give each run "
+                "its own run_name or path)"
+            ) from None
+        if not _LOCK_UNSUPPORTED:
+            _LOCK_UNSUPPORTED.append(str(path))
+            _log.warning(
+                "numwatch: %s: the filesystem cannot lock the log (%s); it is written unlocked, "
+                "so two processes on one path would interleave their records",
+                path,
+                err.strerror or err,
+            )
 
 
 def _end_partial_line(path: Path) -> None:

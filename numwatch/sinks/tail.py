@@ -114,11 +114,13 @@ def print_record(console: Console, record: dict[str, Any], *, events: bool = Tru
             )
 
 
-def backlog(path: Path, last: int) -> tuple[list[dict[str, Any]], int]:
-    """The last ``last`` complete records of the log now, and the byte offset after them. A
-    plain log is read backwards from its end, in growing blocks, until they are found: a long
-    run's log is gigabytes. A compressed one (an archive, not followed) is read through,
-    holding ``last`` records."""
+def backlog(path: Path, last: int, *, partial: bool = False) -> tuple[list[dict[str, Any]], int]:
+    """The last ``last`` complete records of the log now, and the byte offset after them (where
+    ``follow`` goes on: a line still being written is its to read). ``partial``: a last line
+    without its newline counts too, if it is a record (nothing will follow it). A plain log
+    is read backwards from its end, in growing blocks, until they are found: a long run's log
+    is gigabytes. A compressed one (an archive, not followed) is read through, holding
+    ``last`` records."""
     if not path.is_file():
         return [], 0
     if path.suffix in (".gz", ".xz"):
@@ -131,10 +133,14 @@ def backlog(path: Path, last: int) -> tuple[list[dict[str, Any]], int]:
             f.seek(start)
             data = f.read(size - start)
             cut = data.rfind(b"\n") + 1  # a line still being written is read by follow()
+            if cut == 0 and start > 0:  # not one line start in the block yet
+                block *= 4
+                continue
             # complete lines; the first one of a block that does not start the file may begin
             # before the block
             lines = data[:cut].split(b"\n")[:-1][1 if start else 0 :]
-            records, skipped = [], []  # skipped: indexes into lines
+            unended = parse_record(data[cut:]) if partial and data[cut:].strip() else None
+            records, skipped = [unended] if unended and last else [], []  # skipped: indexes
             for i in range(len(lines) - 1, -1, -1):
                 if len(records) >= last:
                     break
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     try:
-        old, offset = backlog(path, args.lines)
+        old, offset = backlog(path, args.lines, partial=args.no_follow)
     except (OSError, ValueError) as err:
         console.print(f"numwatch tail: {escape(str(err))}")
         return 1
