@@ -36,7 +36,7 @@ from numwatch.errors import NumwatchConfigError
 from numwatch.kernels import attention_stats as ats
 from numwatch.kernels import tensor_stats as ts
 from numwatch.kernels.host_copy import to_device
-from numwatch.kernels.power_iteration import failed_scale, pow2_scale
+from numwatch.kernels.power_iteration import WARMUP_ITERS, failed_scale, pow2_scale
 
 try:
     from torch.distributed.tensor import DTensor
@@ -670,9 +670,9 @@ class ShardedPowerIteration:
             raise ValueError("ShardedPowerIteration needs all sharded weights on one mesh")
         group = next(iter(groups.values()), None)
         device = pieces[0].rows.device
-        self._ensure_vectors(pieces, group, device)
+        fresh = self._ensure_vectors(pieces, group, device)
         sigmas: list[torch.Tensor] = []
-        for _ in range(self.iters):
+        for _ in range(max(self.iters, WARMUP_ITERS) if fresh else self.iters):  # as PowerIteration
             packets = [
                 _packet(p, u * c[:, None]) for p, u, c in zip(pieces, self._u, self._c, strict=True)
             ]
@@ -701,10 +701,11 @@ class ShardedPowerIteration:
                 )
         return torch.cat(sigmas)
 
-    def _ensure_vectors(self, pieces: list[_Piece], group: Any, device: torch.device) -> None:
+    def _ensure_vectors(self, pieces: list[_Piece], group: Any, device: torch.device) -> bool:
+        """Whether the vectors were (re)built: the same on every rank (the shapes agree)."""
         signature = tuple((p.groups, p.rows.shape[-1]) for p in pieces)
         if signature == self._signature and self._u and self._u[0].device == device:
-            return
+            return False
         gen = torch.Generator(device="cpu").manual_seed(self.seed)  # the same on every rank
         self._u0 = []
         for g, k in signature:
@@ -724,6 +725,7 @@ class ShardedPowerIteration:
         self._c0 = [torch.where((a > 0) & torch.isfinite(a), pow2_scale(a), 1.0) for a in amax]
         self._c = list(self._c0)
         self._signature = signature
+        return True
 
 
 def weight_blocks(

@@ -57,7 +57,7 @@ from numwatch.probes.base import ProbeContext
 from numwatch.probes.optimizer import OptimizerProbe
 from numwatch.probes.tensors import ActivationProbe, GradientProbe
 from numwatch.probes.weights import WeightProbe
-from numwatch.rules import Rule, RuleEngine, configured_rules
+from numwatch.rules import Rule, RuleEngine, configured_rules, unadopted
 from numwatch.selection import matches_any, select_parameters
 from numwatch.sinks.base import Sink
 from numwatch.sinks.console import ConsoleSink
@@ -901,12 +901,13 @@ class Monitor(Joinable):
                     step,
                     records,
                     nonfinite,
-                    self._mitigation_records,
+                    lambda so_far: self._mitigation_records(
+                        [*so_far, *unadopted(nonfinite, so_far), *overflows]
+                    ),
                 )
                 or []
             )
-        if nonfinite and not any(e.kind == "nonfinite" for e, _ in fired):
-            fired += [(e, None) for e in nonfinite]  # no nonfinite rule enabled: still report
+        fired += [(e, None) for e in unadopted(nonfinite, [e for e, _ in fired])]
         fired += [(e, None) for e in overflows]
         for event, _ in fired:
             self._event_counts[(event.kind, event.rule)] += 1

@@ -19,7 +19,9 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from itertools import groupby
 from typing import Any
 
@@ -27,9 +29,10 @@ from numwatch.cli import count
 from numwatch.config import MonitorConfig, RulesConfig
 from numwatch.errors import NumwatchError
 from numwatch.events import Event
-from numwatch.rules import Rule, RuleEngine, configured_rules
+from numwatch.rules import Rule, RuleEngine, configured_rules, unadopted
 from numwatch.sinks.jsonl import RunBoundaries, is_flush, iter_jsonl, json_safe
 from numwatch.sinks.tail import record_to_snapshot
+from numwatch.snapshot import MetricRecord
 
 __all__ = ["main", "replay", "summarize"]
 
@@ -47,21 +50,49 @@ def replay(
         rules = RulesConfig(defaults=False, add=list(rules))
     engine = RuleEngine(configured_rules(rules or RulesConfig()).values())
     out: list[Event] = []
+    counts: Counter[tuple[str, str]] = Counter()  # events_total as the replayed rules make it
     judged = None  # as live: a second flush of one step (a flush() call) adds no observation
     for record in records:
         if not is_flush(record):  # late events of a detach: actions, nothing to evaluate
             continue
         snapshot, logged = record_to_snapshot(record)
         nonfinite = _origins(logged)
-        fired = []
+        overflows = [e for e in logged if e.rule == "scaler_overflow"]  # the monitor's, as made
+        mitigation = [r for r in snapshot if r.name.startswith("mitigation_")]  # the live run's
+
+        made = partial(_with_monitors, nonfinite=nonfinite, overflows=overflows)
+        late = partial(_late_records, counts=counts, made=made, mitigation=mitigation)
+        fired: list[Event] = []
         if snapshot.step != judged:
             judged = snapshot.step
-            fired = [e for e, _ in engine.evaluate(snapshot.step, list(snapshot), nonfinite)]
-        if nonfinite and not any(e.kind == "nonfinite" for e in fired):
-            fired += nonfinite  # no nonfinite rule enabled: still reported, as the monitor does
-        fired += [e for e in logged if e.rule == "scaler_overflow"]  # the monitor's, as made
+            fired = [e for e, _ in engine.evaluate(snapshot.step, list(snapshot), nonfinite, late)]
+        fired = made(fired)
+        counts.update((e.kind, e.rule) for e in fired)
         out += [dataclasses.replace(e, time=record["time"]) for e in fired]
     return out
+
+
+def _with_monitors(
+    fired: Sequence[Event], nonfinite: Sequence[Event], overflows: Sequence[Event]
+) -> list[Event]:
+    """A flush's rule events plus the monitor's own, as the live monitor reports them."""
+    return [*fired, *unadopted(nonfinite, fired), *overflows]
+
+
+def _late_records(
+    so_far: Sequence[Event],
+    counts: Counter[tuple[str, str]],
+    made: Callable[[Sequence[Event]], list[Event]],
+    mitigation: list[MetricRecord],
+) -> list[MetricRecord]:
+    """events_total from the replayed events (the logged counts hold the live rules'), this
+    flush's own included, as the live rules on it see them; mitigation_* as logged."""
+    now = counts + Counter((e.kind, e.rule) for e in made(so_far))
+    totals = [
+        MetricRecord("events_total", {"kind": kind, "rule": rule}, float(n))
+        for (kind, rule), n in sorted(now.items())
+    ]
+    return totals + mitigation
 
 
 def _origins(logged: Sequence[Event]) -> list[Event]:

@@ -466,3 +466,96 @@ def test_replay_takes_each_logged_origin_once():
             "events": [event("nonfinite"), event("page")]}]  # fmt: skip
     rules = RulesConfig(add=[{"type": "nonfinite", "name": "page"}])
     assert sorted(e.rule for e in replay(log, rules)) == ["nonfinite", "page"]
+
+
+def _records(values, metric="m", labels=None):
+    return [
+        {"schema": 1, "run": "r", "step": i, "time": float(i), "rank": 0, "events": [],
+         "metrics": [{"name": metric, "labels": labels or {}, "value": v}]}
+        for i, v in enumerate(values)
+    ]  # fmt: skip
+
+
+def test_a_step_level_rule_refuses_a_cooldown():
+    """A cooldown on a skip_step rule kept it quiet for steps: the NaN updates of those steps
+    reached the weights."""
+    import torch
+
+    import numwatch
+
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"],
+                      "cooldown": 3}]}  # fmt: skip
+    with pytest.raises(NumwatchConfigError, match="leave cooldown at 0"):
+        numwatch.Monitor(torch.nn.Linear(2, 1), rules=rules, sinks__jsonl__enabled=False)
+
+
+def test_zscore_reports_the_bound_a_downward_spike_crossed():
+    from numwatch.replay import replay
+
+    (event,) = replay(
+        _records([1.0, 2.0] * 15 + [-100.0]), [ZScoreRule(name="z", metric="m", direction="both")]
+    )
+    assert event.value == -100.0 and event.threshold == pytest.approx(1.5 - 6.0 * 0.5, rel=0.1)
+
+
+def test_persistence_gives_zero_no_sign():
+    """min_abs: 0 fired on exact zeros as 'stayed positive' (attn_output_bias is exactly 0 for
+    an exact kernel)."""
+    from numwatch.replay import replay
+
+    rule = PersistenceRule(name="p", metric="m", flushes=5, min_abs=0)
+    assert replay(_records([0.0] * 6), [rule]) == []
+    assert replay(_records([-0.0] * 6), [rule]) == []
+    assert len(replay(_records([1e-9] * 5), [rule])) == 1
+
+
+def test_default_logit_growth_fires_above_ten_percent_a_flush():
+    """min_slope 0.1 of ln(value) is 10.5 %/flush: README says > 10 %."""
+    from numwatch.replay import replay
+
+    labels = {"layer": "h.0.attn", "head": "0"}
+    for growth, fires in ((1.103, True), (1.095, False)):
+        recs = _records([200 * growth**i for i in range(15)], "attn_max_logit", labels)
+        events = [e for e in replay(recs, default_rules()) if e.rule == "attn_max_logit_growth"]
+        assert bool(events) == fires, growth
+
+
+def test_late_rules_see_the_monitors_own_events_of_their_flush_live_and_in_replay(tmp_path):
+    """A rule on events_total saw the NaN origin the monitor reports without a nonfinite rule
+    one flush late (and replay read the logged counts, which hold the late rules' own events:
+    other flushes, other series)."""
+    import torch
+
+    import numwatch
+    from numwatch.replay import replay
+    from numwatch.sinks.jsonl import read_jsonl
+
+    def run(rules, losses):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        log = tmp_path / f"run{len(losses)}-{len(rules['add'])}.jsonl"
+        monitor = numwatch.Monitor(model, flush_every=1, rules=rules, sinks__console__enabled=False,
+                                   sinks__jsonl__path=str(log)).attach()  # fmt: skip
+        for value in losses:
+            loss = model(torch.randn(8, 4)).square().mean() * 0 + value
+            loss.backward()
+            monitor.step(loss)
+            model.zero_grad()
+        monitor.detach()
+
+        def key(e):
+            return (e.rule, e.step, e.labels.get("rule", ""))
+
+        live = [key(e) for e in monitor.events if e.kind != "action"]
+        return live, [key(e) for e in replay(read_jsonl(log), monitor.config.rules)]
+
+    nan_seen = {"type": "threshold", "name": "nan_seen", "metric": "events_total",
+                "threshold": 0.0, "labels": {"kind": "nonfinite"}, "kind": "anomaly",
+                "cooldown": 100}  # fmt: skip
+    live, replayed = run({"defaults": False, "add": [nan_seen]}, [1.0, 1.0, math.nan, 1.0])
+    assert sorted(live) == sorted(replayed) == [("nan_seen", 2, "nonfinite"), ("nonfinite", 2, "")]
+    high = {"type": "threshold", "name": "loss_high", "metric": "loss", "threshold": 100.0}
+    precursors = {"type": "threshold", "name": "precursors", "metric": "events_total",
+                  "threshold": 0.0, "labels": {"kind": "precursor"}}  # fmt: skip
+    live, replayed = run({"defaults": False, "add": [high, precursors]}, [1.0, 1.0, 500.0, 1.0])
+    assert live == replayed

@@ -7,7 +7,7 @@ from pydantic import Field
 
 from numwatch.rules.base import Finding, Rule
 from numwatch.rules.defaults import configured_rules, default_rules
-from numwatch.rules.engine import STEP_METRICS, RuleEngine
+from numwatch.rules.engine import STEP_METRICS, RuleEngine, unadopted
 from numwatch.rules.growth import GrowthRule
 from numwatch.rules.nonfinite import NonfiniteRule
 from numwatch.rules.persistence import PersistenceRule
@@ -34,4 +34,5 @@ __all__ = [
     "ZScoreRule",
     "configured_rules",
     "default_rules",
+    "unadopted",
 ]

@@ -7,6 +7,7 @@ of steps before they blow up, and tie in 2-20 % of rows once logits reach 1e5.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from numwatch.errors import NumwatchConfigError
@@ -100,7 +101,7 @@ def default_rules() -> list[Rule]:
             name="attn_max_logit_growth",
             metric="attn_max_logit",
             window=10,
-            min_slope=0.1,
+            min_slope=math.log(1.1),  # > 10 %/flush: the slope is of ln(value)
             min_r2=0.8,
             min_value=100.0,
             cooldown=10,

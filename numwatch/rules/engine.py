@@ -30,6 +30,12 @@ UNSEEN_METRIC_FLUSHES = 3
 _log = logging.getLogger("numwatch")
 
 
+def unadopted(nonfinite: Sequence[Event], fired: Sequence[Event]) -> list[Event]:
+    """The monitor's NaN/Inf origin events that no nonfinite rule fired on (none enabled, or
+    one selecting other origins): reported all the same, and counted in ``events_total``."""
+    return [] if any(e.kind == "nonfinite" for e in fired) else list(nonfinite)
+
+
 class RuleEngine:
     """``run(fn, *args)`` calls each rule (default: directly); the monitor passes its guard, so
     a rule that raises is counted and skipped for that flush while the others still fire."""
@@ -58,6 +64,13 @@ class RuleEngine:
                     f"rules[{rule.name}]: its actions need a decision every step, from the "
                     f"step's global {rule.metric}, which has no labels to select; drop "
                     f"'labels' (origins are named at flush)"
+                )
+        for rule in self.rules:
+            if rule.name in step_level and rule.cooldown:
+                raise NumwatchConfigError(
+                    f"rules[{rule.name}]: a rule with skip_step decides every step; a cooldown "
+                    f"({rule.cooldown}) would let the updates of the steps it is quiet through "
+                    "(its NaN or spike would reach the weights): leave cooldown at 0"
                 )
         self.step_rules = [r for r in self.rules if r.name in step_level]
         self.flush_rules = [r for r in self.rules if r.name not in step_level]

@@ -36,7 +36,7 @@ class PersistenceRule(Rule):
         recent = [*islice(history, len(history) - (n - 1), None), value]
         if any(not math.isfinite(v) for v in recent):
             return None
-        if not all(abs(v) >= self.min_abs for v in recent):
+        if not all(abs(v) >= self.min_abs and v != 0 for v in recent):  # 0 has no sign
             return None
         signs = {math.copysign(1.0, v) for v in recent}
         if len(signs) != 1:

@@ -62,7 +62,7 @@ class ZScoreRule(Rule):
             return None
         return Finding(
             value,
-            mean + self.sigma * std,
+            mean + self.sigma * std if z > 0 else mean - self.sigma * std,  # the bound crossed
             f"{self.metric} = {value:.4g} is {z:.1f} sigma from its mean {mean:.4g}",
             {"z": z, "mean": mean, "std": std},
         )

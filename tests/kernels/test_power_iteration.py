@@ -50,9 +50,10 @@ def test_planted_spectra_converge(backend: str, device: str) -> None:
 
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
-def test_warm_start_tracks_slow_drift(backend: str, device: str) -> None:
+def test_warm_start_tracks_slow_drift(backend: str, device: str, monkeypatch) -> None:
     """Trained-like matrix (noise + close top directions): one iteration per step suffices once
-    warm, while one iteration from scratch is far off."""
+    warm, and the first call warms up (WARMUP_ITERS), where one iteration from scratch is far
+    off: estimates started low and "grew" for ~10 calls on constant weights."""
     g = torch.Generator().manual_seed(4)
     signal = _planted(64, 48, [6.0, 5.4, 2.0], seed=5)
     noise = torch.randn(64, 48, generator=g, dtype=torch.float64) * 0.1
@@ -63,9 +64,10 @@ def test_warm_start_tracks_slow_drift(backend: str, device: str) -> None:
         a = (signal + noise + t * drift).float().to(device)
         est = warm.step([a])[0].item()
         errors.append(abs(est - _sigma(a).item()) / _sigma(a).item())
+    monkeypatch.setattr(pi, "WARMUP_ITERS", 1)
     cold = PowerIteration(iters=1, backend=backend, seed=1).step([a])[0].item()
     assert abs(cold - _sigma(a).item()) / _sigma(a).item() > 0.01
-    assert max(errors[15:]) < 0.01  # within 1% after warm-up, every step
+    assert max(errors) < 0.01  # within 1 % from the first call, every step
 
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
