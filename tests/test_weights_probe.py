@@ -395,3 +395,100 @@ def test_unmatched_attention_layers_and_dotted_classes_are_said(caplog):
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "attention.layers entry 'atn*' matches nothing" in said
     assert "activations.module_types class 'torch.nn.modules.conv.Conv2d'" in said
+
+
+def test_more_model_families_get_the_right_heads():
+    """GPT-BigCode without MQA keeps [q | k | v] per head: head 1's growth was reported under
+    head 3 and qk_clip scaled head 0's rows; StarCoder (MQA) names its key heads kv_heads;
+    CodeGen's (mp, [q | v | k]) blocks were read as [q | k | v]; BERT (query/key) and T5 (q/k)
+    had no per-head norms, and qk_clip failed on every firing."""
+    transformers = pytest.importorskip("transformers")
+    from numwatch.actions.library import qk_clip
+
+    torch.manual_seed(0)
+    cfg = transformers.GPTBigCodeConfig(n_embd=32, n_layer=1, n_head=4, vocab_size=16,
+                                        n_positions=8, multi_query=False)  # fmt: skip
+    model = transformers.GPTBigCodeForCausalLM(cfg)
+    attn, hd = model.transformer.h[0].attn, 8
+    w = attn.c_attn.weight
+    with torch.no_grad():
+        w[24:32].mul_(100)  # head 1's W_q: rows 3 * hd * 1 .. + hd
+    layout = find_qk_layout(attn)
+    assert torch.equal(layout.q[1].matrix(), w[24:32]) and torch.equal(
+        layout.k[1].matrix(), w[32:40]
+    )
+    monitor = monitor_for(model, weights__iters=300)
+    monitor.step()
+    snap = monitor.snapshot()
+    monitor.detach()
+    got = [snap.value("attn_q_spectral_norm", layer="transformer.h.0.attn", head=str(h))
+           for h in range(4)]  # fmt: skip
+    assert got == pytest.approx(
+        [sigma(w[3 * hd * h : 3 * hd * h + hd]) for h in range(4)], rel=1e-3
+    )
+    x = torch.randn(1, 6, 32)
+
+    def max_logits():
+        with torch.no_grad():
+            qkv = attn.c_attn(x).view(1, 6, 4, 3 * hd)
+            q, k = qkv[..., :hd].transpose(1, 2), qkv[..., hd : 2 * hd].transpose(1, 2)
+            return ((q @ k.transpose(-1, -2)) * hd**-0.5).amax((-1, -2))[0]
+
+    before = max_logits()
+    qk_clip(model, "transformer.h.0.attn", 1, before[1].item(), tau=before[1].item() / 4)
+    after = max_logits()
+    assert after[1].item() == pytest.approx(before[1].item() / 4, rel=1e-4)
+    torch.testing.assert_close(after[[0, 2, 3]], before[[0, 2, 3]])
+
+    mqa_cfg = transformers.GPTBigCodeConfig(
+        n_embd=32, n_layer=1, n_head=4, vocab_size=16, n_positions=8, multi_query=True
+    )
+    mqa = transformers.GPTBigCodeForCausalLM(mqa_cfg)
+    layout = find_qk_layout(mqa.transformer.h[0].attn)
+    assert (len(layout.q), len(layout.k)) == (4, 1)
+
+    codegen = transformers.CodeGenForCausalLM(transformers.CodeGenConfig(
+        vocab_size=16, n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=8))  # fmt: skip
+    assert find_qk_layout(codegen.transformer.h[0].attn) is None
+
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=32))  # fmt: skip
+    layout = find_qk_layout(bert.bert.encoder.layer[0].attention.self)
+    assert (len(layout.q), len(layout.k)) == (4, 4)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=16, d_model=32, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
+        num_heads=4, decoder_start_token_id=0))  # fmt: skip
+    layout = find_qk_layout(t5.encoder.block[0].layer[0].SelfAttention)
+    assert (len(layout.q), len(layout.k)) == (4, 4)
+
+
+def test_qk_norm_models_are_not_clipped_and_have_no_logit_bound():
+    """Qwen3's per-head RMSNorm after q_proj/k_proj undoes a rescale of W_q/W_k: qk_clip
+    shrank them ~550x over 8 firings while the logits stayed put."""
+    transformers = pytest.importorskip("transformers")
+    from numwatch.actions.library import qk_clip
+    from numwatch.errors import NumwatchError
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        max_position_embeddings=32,
+    )
+    model = transformers.Qwen3ForCausalLM(cfg)
+    layer = "model.layers.0.self_attn"
+    assert find_qk_layout(model.get_submodule(layer)).qk_norm
+    before = model.get_submodule(layer).q_proj.weight.detach().clone()
+    with pytest.raises(NumwatchError, match="QK-norm"):
+        qk_clip(model, layer, 0, 90.0, tau=5.0)
+    assert torch.equal(model.get_submodule(layer).q_proj.weight, before)
+    monitor = monitor_for(model)
+    monitor.step()
+    snap = monitor.snapshot()
+    monitor.detach()
+    assert snap.series("attn_q_spectral_norm") and not snap.series("attn_qk_logit_bound")

@@ -143,7 +143,15 @@ def _qk_layout(model: torch.nn.Module, layer: str) -> QKLayout:
     if layout is None:
         raise NumwatchError(
             f"qk_clip: no known Q/K projection layout in {layer!r} ({type(module).__name__}); "
-            "supported: q_proj/k_proj, fused qkv/c_attn/Wqkv, nn.MultiheadAttention"
+            "supported: q_proj/k_proj, query/key, q/k, fused qkv/c_attn/Wqkv, "
+            "nn.MultiheadAttention"
+        )
+    if layout.qk_norm:
+        raise NumwatchError(
+            f"qk_clip: {layer!r} ({type(module).__name__}) normalizes q and k per head after "
+            "the projections (QK-norm), which undoes any rescale of W_q/W_k: the logits would "
+            "not move while the weights shrank at every firing. Its logits are bounded by the "
+            "norm's gains instead"
         )
     return layout
 

@@ -3,8 +3,9 @@
 Shared by the per-head spectral norms (weights probe) and QK-clip (actions): both need the rows
 of W_q and W_k that produce head h, whatever the model calls them. Known layouts: separate
 ``q_proj``/``k_proj`` Linears (Llama, Mistral, most of transformers), one fused Linear
-``qkv``/``c_attn``/``Wqkv`` of 3*d outputs (nanoGPT), GPT-2's transposed Conv1D ``c_attn``, and
-``nn.MultiheadAttention``'s ``in_proj_weight`` or separate ``q/k_proj_weight``.
+``qkv``/``c_attn``/``Wqkv`` of 3*d outputs (nanoGPT), GPT-2's transposed Conv1D ``c_attn``,
+GPT-BigCode's per-head ``[q | k | v]`` ``c_attn``, BERT's ``query``/``key`` and T5's ``q``/``k``,
+and ``nn.MultiheadAttention``'s ``in_proj_weight`` or separate ``q/k_proj_weight``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def _local_part(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tenso
 class QKLayout:
     q: list[HeadSlice]  # one per query head
     k: list[HeadSlice]  # one per key/value head
+    # A norm of q and k per head after the projections (QK-norm: Qwen3, Gemma 3, OLMo 2): it
+    # undoes any rescale of W_q/W_k, so sigma_q sigma_k / sqrt(d) bounds no logit and QK-clip
+    # cannot clip one.
+    qk_norm: bool = False
 
     def views(self, side: str) -> torch.Tensor:
         """All heads of one side ('q' or 'k') as one strided (heads, head_dim, d) or
@@ -80,6 +85,16 @@ class QKLayout:
 
         heads = self.q if side == "q" else self.k
         first = heads[0]
+        hd = first.stop - first.start
+        stride = heads[1].start - first.start if len(heads) > 1 else hd
+        if stride != hd:  # heads interleaved with other rows (GPT-BigCode: [q | k | v] per head)
+            w, (s0, s1) = first.weight, first.weight.stride()
+            step = s0 if first.dim == 0 else s1
+            size = (len(heads), hd, w.shape[1]) if first.dim == 0 else (len(heads), w.shape[0], hd)
+            inner = (s0, s1)
+            return w.as_strided(
+                size, (stride * step, *inner), w.storage_offset() + first.start * step
+            )
         block = first.weight.narrow(first.dim, first.start, heads[-1].stop - first.start)
         return head_views(block, len(heads), out_dim=first.dim)
 
@@ -89,7 +104,12 @@ class QKLayout:
 
 
 # Names of the key/value head count (HF, Meta, gemma_pytorch, litgpt).
-_KV_HEAD_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_query_groups")
+_KV_HEAD_NAMES = (
+    "num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_query_groups", "kv_heads",
+)  # fmt: skip
+# Children that normalize q and k per head after the projections (QK-norm).
+_QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm",
+                  "key_layernorm", "q_ln", "k_ln")  # fmt: skip
 
 
 def _heads_of(module: nn.Module) -> tuple[int | None, int | None]:
@@ -127,12 +147,24 @@ def find_qk_layout(module: nn.Module, n_heads: int | None = None) -> QKLayout | 
     Projections that do not split into whole heads (none at all, or a remainder; key heads
     that do not divide the query heads) are not a known layout: their slices would be wrong.
     """
+    layout = _find(module, n_heads)
+    if layout is not None and any(hasattr(module, name) for name in _QK_NORM_NAMES):
+        return QKLayout(layout.q, layout.k, qk_norm=True)
+    return layout
+
+
+def _find(module: nn.Module, n_heads: int | None) -> QKLayout | None:
     heads, kv_heads = _heads_of(module)
     heads = n_heads or heads
     kv_heads = kv_heads if n_heads is None else n_heads
     if not heads:
         return None
-    q_proj, k_proj = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+    if getattr(module, "mp_num", None) is not None:  # CodeGen: (mp, [q | v | k]) blocks
+        return None
+    for q_name, k_name in (("q_proj", "k_proj"), ("query", "key"), ("q", "k")):  # HF, BERT, T5
+        q_proj, k_proj = getattr(module, q_name, None), getattr(module, k_name, None)
+        if isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear):
+            break
     if isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear):
         hd = q_proj.out_features // heads
         kvh = k_proj.out_features // hd if hd else 0
@@ -155,6 +187,8 @@ def find_qk_layout(module: nn.Module, n_heads: int | None = None) -> QKLayout | 
             _slices(module.k_proj_weight, None if b is None else b[d : 2 * d], 0, 0, heads, hd),
         )
     cross_q = getattr(module, "q_attn", None)  # GPT-2 cross-attention: q apart, c_attn = [k | v]
+    if isinstance(cross_q, nn.Linear):  # GPT-BigCode's: its c_attn splits otherwise
+        return None
     if cross_q is not None and isinstance(getattr(cross_q, "weight", None), nn.Parameter):
         kv = getattr(module, "c_attn", None)
         hd = cross_q.weight.shape[1] // heads
@@ -163,6 +197,18 @@ def find_qk_layout(module: nn.Module, n_heads: int | None = None) -> QKLayout | 
         return QKLayout(
             _slices(cross_q.weight, cross_q.bias, 1, 0, heads, hd),
             _slices(kv.weight, kv.bias, 1, 0, heads, hd),
+        )
+    fused = getattr(module, "c_attn", None)
+    if getattr(module, "multi_query", None) is False and isinstance(fused, nn.Linear):
+        # GPT-BigCode without MQA: c_attn's output is viewed (heads, 3 * head_dim), [q | k | v]
+        # per head
+        hd = fused.out_features // (3 * heads)
+        if not hd or 3 * hd * heads != fused.out_features or _wrong_head_dim(module, hd):
+            return None
+        w, b = fused.weight, fused.bias
+        return QKLayout(
+            [HeadSlice(w, b, 0, 3 * hd * h, 3 * hd * h + hd) for h in range(heads)],
+            [HeadSlice(w, b, 0, 3 * hd * h + hd, 3 * hd * h + 2 * hd) for h in range(heads)],
         )
     for name in ("qkv", "c_attn", "Wqkv", "qkv_proj"):  # [q heads | k heads | v heads] layout
         fused = getattr(module, name, None)

@@ -161,8 +161,9 @@ class WeightProbe:
                 kv = h // (nq // nk)
                 out.append(MetricRecord("attn_q_spectral_norm", labels, sq[h]))
                 out.append(MetricRecord("attn_k_spectral_norm", labels, sk[kv]))
-                bound = qk_logit_bound(sq[h], sk[kv], head_dim**-0.5)
-                out.append(MetricRecord("attn_qk_logit_bound", labels, bound))
+                if not layout.qk_norm:  # after a QK-norm the product bounds no logit
+                    bound = qk_logit_bound(sq[h], sk[kv], head_dim**-0.5)
+                    out.append(MetricRecord("attn_qk_logit_bound", labels, bound))
         return out
 
     def reset(self) -> None:
