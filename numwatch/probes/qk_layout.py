@@ -159,7 +159,7 @@ def _find(module: nn.Module, n_heads: int | None) -> QKLayout | None:
     kv_heads = kv_heads if n_heads is None else n_heads
     if not heads:
         return None
-    if getattr(module, "mp_num", None) is not None:  # CodeGen: (mp, [q | v | k]) blocks
+    if type(module).__name__.startswith("CodeGen"):  # (mp, [q | v | k]) blocks in its qkv_proj
         return None
     for q_name, k_name in (("q_proj", "k_proj"), ("query", "key"), ("q", "k")):  # HF, BERT, T5
         q_proj, k_proj = getattr(module, q_name, None), getattr(module, k_name, None)
