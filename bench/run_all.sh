@@ -15,7 +15,7 @@ if [[ $what == gpu || $what == all ]]; then
   # the statistics against session 10's code (the commit of attention_stats.json), one process
   $py bench/ab_attention_stats.py --against 9fdd857 --out $R/attention_stats_ab_9fdd857_session21_h200.json
   $py bench/bench_flash_attention.py --out $R/flash_attention_h200.json
-  $py bench/bias_gap_scan.py --out $R/flash_attention_bias_gap_scan_h200.json
+  $py bench/bias_gap_scan.py --out $R/flash_attention_bias_gap_scan_split_h200.json
   $py bench/sweep_flash_gluon.py --out $R/flash_attention_gluon_configs_h200.json
   # the Gluon forward's last kernel change (packed P̄ cvt) against its predecessor, one process
   $py bench/ab_flash_gluon.py --against 6a67384 --out $R/flash_attention_gluon_packed_cvt_h200.json
