@@ -141,7 +141,7 @@ def _columns(n: int, max_cols: Sequence[int], min_cols: Sequence[int]) -> torch.
 _STAT_OPS = _columns(ts.N_STATS, ts.MAX_COLUMNS, ts.MIN_COLUMNS)
 _HEAD_OPS = _columns(ats.N_HEAD_STATS, ats.HEAD_MAX_COLUMNS, ats.HEAD_MIN_COLUMNS)
 # Full values every rank holds already, and the window's largest loss (of any rank's steps).
-_KNOWN_MAX = ("weights/", "opt/", "grad_norm_sq_", "loss_window_max")
+_KNOWN_MAX = ("weights/", "opt/", "grad_norm_sq_", "loss_window_max", "act_headroom/")
 
 
 def element_ops(

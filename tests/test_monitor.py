@@ -1455,3 +1455,42 @@ def test_a_re_attach_does_not_charge_the_last_detach_to_its_first_window(tmp_pat
     snap = monitor.snapshot()
     monitor.detach()
     assert snap.value("monitor_overhead_seconds") <= snap.value("step_seconds")
+
+
+def test_headroom_of_a_module_whose_outputs_mix_dtypes():
+    """An fp16 output with fp32 attention weights (eager Llama attention under autocast): the
+    merged absmax was divided by the last tensor's dtype's range, so an fp16 output at 92 % of
+    its range read 1.8e-34 (no overflow risk), and an fp32 value of 1e5 next to an fp16
+    tensor read 1.53 (past overflow)."""
+
+    class Mixed(nn.Module):
+        def __init__(self, order):
+            super().__init__()
+            self.order = order
+
+        def forward(self, x):
+            big16, small32 = (x * 60000.0).half(), torch.softmax(x.float(), -1)
+            big32, small16 = x.float() * 1e5, x.half()
+            return (big16, small32) if self.order == "fp16 first" else (big32, small16)
+
+    model = nn.Sequential(nn.Identity())
+    model.missed, model.false_alarm = Mixed("fp16 first"), Mixed("fp32 first")
+
+    def forward(x):
+        return sum(t.float().sum() for t in (*model.missed(x), *model.false_alarm(x)))
+
+    monitor = numwatch.Monitor(
+        model, flush_every=1, activations__every=1, sinks__console__enabled=False,
+        sinks__jsonl__enabled=False,
+    ).attach()  # fmt: skip
+    monitor.begin_forward()
+    forward(torch.tensor([[1.0, -0.5, 0.25, 0.1]]))
+    monitor.end_forward()
+    monitor.step()
+    snap = monitor.snapshot()
+    monitor.detach()
+    assert snap.value("activation_headroom", module="missed") == pytest.approx(60000 / 65504)
+    assert snap.value("activation_headroom", module="false_alarm") == pytest.approx(1 / 65504)
+    assert [e.labels for e in monitor.events if e.rule == "activation_overflow_risk"] == [
+        {"module": "missed"}
+    ]

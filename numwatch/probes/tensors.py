@@ -80,8 +80,11 @@ def stat_records(
     name: str,
     row: torch.Tensor | Sequence[float],
     dtype: torch.dtype | None,
+    headroom: float | None = None,
 ) -> list[MetricRecord]:
     """Metrics ``{prefix}_*`` of one host-side stat row (see README, 'Metric reference').
+    ``headroom``: measured per tensor (outputs of several dtypes); else absmax over ``dtype``'s
+    largest finite value.
 
     A flush turns every row of every table into these records (GPT-2: ~2,200 per flush), so
     this is written for the host's speed: one label dict per row, names built once."""
@@ -106,7 +109,11 @@ def stat_records(
         zeros / numel if numel else 0.0,
         r[ts.SUBNORMAL],
         r[ts.UNDERFLOW] / nonzero_finite if nonzero_finite else 0.0,
-        r[ts.ABSMAX] / _dtype_max(dtype) if dtype is not None else math.nan,
+        headroom
+        if headroom is not None
+        else r[ts.ABSMAX] / _dtype_max(dtype)
+        if dtype is not None
+        else math.nan,
     )
     return list(map(_make_record, zip(_metric_names(prefix), repeat({label: name}), values)))
 
@@ -117,16 +124,18 @@ def table_records(
     named: Sequence[tuple[str, Any]],
     merged: torch.Tensor | None,
     dtypes: Mapping[int, torch.dtype],
+    headroom: Sequence[float] | None = None,
 ) -> list[MetricRecord]:
     """``stat_records`` of every row of a merged host table that saw values. A row this process
     never measured (other ranks' values after aggregation: a module that ran there only) has no
-    dtype here: its headroom is NaN."""
+    dtype here: its headroom is NaN, unless ``headroom`` (per row, measured) has it."""
     if merged is None:
         return []
     out: list[MetricRecord] = []
     for i, ((name, _), row) in enumerate(zip(named, merged.tolist(), strict=True)):
         if row[ts.NUMEL] > 0:
-            out += stat_records(prefix, label, name, row, dtypes.get(i))
+            h = headroom[i] if headroom is not None else None
+            out += stat_records(prefix, label, name, row, dtypes.get(i), h)
     return out
 
 
@@ -432,9 +441,15 @@ class ActivationProbe:
         self._pending: list[tuple[int, torch.Tensor, int | None]] = []
         self._pending_bytes = 0
         self._unbatched: set[int] = set()  # modules whose outputs changed in place
-        # device -> (first order number, module indices, stat rows) per measurement
-        self._measured: dict[torch.device, list[tuple[int, list[int], torch.Tensor]]] = {}
+        # device -> (first order number, module indices, stat rows, dtypes) per measurement
+        self._measured: dict[torch.device, list[tuple[int, list[int], torch.Tensor, tuple]]] = {}
         self._plans: dict[tuple[torch.device, tuple[int, ...]], tuple[Any, Any, int]] = {}
+        # Per device: each module's largest absmax / (its tensor's dtype's largest finite
+        # value) this window. A module's outputs may mix dtypes (an fp16 output with fp32
+        # attention weights under autocast): their merged absmax over one dtype's range was no
+        # headroom of either.
+        self._headroom: dict[torch.device, torch.Tensor] = {}
+        self._ranges: dict[tuple[torch.device, tuple[torch.dtype, ...]], torch.Tensor] = {}
 
     def attach(self) -> None:
         self._handles.append(
@@ -557,30 +572,58 @@ class ActivationProbe:
             )
             names = tuple(self.modules[i][0] for i in indices)
             first = self.ctx.tracker.reserve("forward", "module", names, self.ctx.step)
-            self._measured.setdefault(device, []).append((first, indices, stats))
+            dtypes = tuple(t.dtype for _, t in items)
+            self._measured.setdefault(device, []).append((first, indices, stats, dtypes))
+
+    def _note_headroom(
+        self, device: torch.device, indices: list[int], stats: torch.Tensor, dtypes: tuple
+    ) -> None:
+        ranges = self._ranges.get((device, dtypes))
+        if ranges is None:
+            if len(self._ranges) > 64:
+                self._ranges.clear()
+            ranges = self._ranges[(device, dtypes)] = to_device(
+                [_dtype_max(d) for d in dtypes], torch.float64, device
+            )
+        table = self._headroom.get(device)
+        if table is None:  # a normal tensor, also when made in an inference-mode forward
+            with torch.inference_mode(False):
+                n = len(self.modules)
+                table = self._headroom[device] = torch.zeros(n, dtype=torch.float64, device=device)
+        rows, _, _ = self._plan(device, indices)
+        index = rows if len(rows) == len(indices) else to_device(indices, torch.long, device)
+        table.scatter_reduce_(0, index, stats[:, ts.ABSMAX].double() / ranges, "amax")
 
     @torch.no_grad()
     def _settle(self) -> None:
         """Merge the measured rows into the tables and the non-finite tracker, per device."""
         measured, self._measured = self._measured, {}
         for device, parts in measured.items():
-            stats = torch.cat([st for _, _, st in parts])
-            orders = [float(first + k) for first, idx, _ in parts for k in range(len(idx))]
+            stats = torch.cat([st for _, _, st, _ in parts])
+            orders = [float(first + k) for first, idx, _, _ in parts for k in range(len(idx))]
             self.ctx.tracker.observe_many(
                 to_device(orders, torch.float64, device), nonfinite_counts(stats)
             )
-            rows, seg, n = self._plan(device, [i for _, idx, _ in parts for i in idx])
+            rows, seg, n = self._plan(device, [i for _, idx, _, _ in parts for i in idx])
             self._tables[device].add_rows(
                 rows, stats if seg is None else reduce_by_index(stats, seg, n)
             )
+            for _, idx, st, dtypes in parts:
+                self._note_headroom(device, idx, st, dtypes)
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         self._settle()
-        return self._tables.device_tensors()
+        out = self._tables.device_tensors()
+        out.update({f"act_headroom/{i}": t for i, t in enumerate(self._headroom.values())})
+        return out
 
     def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
         merged = self._tables.merged(host)
-        return table_records("activation", "module", self.modules, merged, self._dtypes)
+        parts = [host[k] for k in host if k.startswith("act_headroom/")]
+        headroom = torch.stack(parts).amax(0).tolist() if parts else None
+        return table_records("activation", "module", self.modules, merged, self._dtypes, headroom)
 
     def reset(self) -> None:
         self._tables.reset()
+        for table in self._headroom.values():
+            table.zero_()
