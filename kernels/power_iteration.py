@@ -616,12 +616,12 @@ class PowerIteration:
             restarted = self._restarted
             state = self._prepare(matrices)
             fresh = fresh or self._restarted > restarted
-        if fresh:  # new vectors: converge once, or the first estimates read ~20 % low and
-            iters = max(iters, WARMUP_ITERS)  # "grow" over the next samples (weights constant)
             if state.cacheable:
                 self._states[key] = state
                 if len(self._states) > 8:
                     self._states.popitem(last=False)
+        if fresh:  # new vectors: converge once, or the first estimates read ~20 % low and
+            iters = max(iters, WARMUP_ITERS)  # "grow" over the next samples (weights constant)
         if state.plan is not None:
             run = functools.partial(_run_split, state, self._vec, iters, self._cfg)
             return self._run(state, iters, run)

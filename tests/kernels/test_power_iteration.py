@@ -330,3 +330,21 @@ def test_rows_longer_than_a_program_holds_run_on_torch(monkeypatch: pytest.Monke
     assert torch.equal(split._vec.c, ref._vec.c)
     state = next(iter(split._states.values()))
     assert state.plan is not None and state.plan.n_mats == 3 and state.rest == [0, 2]
+
+
+def test_a_moved_weight_s_new_layout_is_cached(monkeypatch) -> None:
+    """After a weight moved to new storage (same shape), the state was rebuilt at every step
+    (no cache entry was made for the new layout: on CUDA no graph was ever captured)."""
+    calls = []
+    prepare = PowerIteration._prepare
+    monkeypatch.setattr(
+        PowerIteration, "_prepare", lambda self, m: calls.append(1) or prepare(self, m)
+    )
+    a = torch.randn(16, 16)
+    p = PowerIteration(backend="torch")
+    for _ in range(3):
+        p.step([a])
+    moved = a.clone()
+    for _ in range(3):
+        p.step([moved])
+    assert len(calls) == 2
