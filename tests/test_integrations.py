@@ -618,3 +618,19 @@ def test_hf_a_train_that_raises_still_writes_its_last_steps(hf, tmp_path):
     assert run.returncode != 0 and "out of memory (simulated)" in run.stderr
     records = read_jsonl(tmp_path / "nw.jsonl")
     assert [r["step"] for r in records] == [4]  # steps 0-4 closed, no flush before the exit
+
+
+def test_the_exit_detach_skips_a_distributed_run_even_after_destroy(monkeypatch):
+    """It decided 'distributed' from an initialized process group at exit: after the usual
+    destroy_process_group() it flushed rank-local shard values into the global log."""
+    import weakref
+
+    from numwatch.integrations import _driver
+
+    for world, detached in ((2, False), (1, True)):
+        monkeypatch.setattr(_driver, "get_world_size", lambda world=world: world)
+        driver = _driver.MonitorDriver(monitor_options(), {}, ())
+        driver.start(nn.Linear(2, 1), None)
+        _driver._finish_at_exit(weakref.ref(driver))  # no process group now, as after destroy
+        assert driver.monitor.attached is not detached
+        driver.finish()

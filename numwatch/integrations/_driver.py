@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from numwatch.config import MonitorConfig
+from numwatch.distributed import get_world_size
 from numwatch.errors import NumwatchConfigError, NumwatchHalt
 from numwatch.events import EVENT_KINDS, Event
 from numwatch.monitor import Monitor
@@ -50,6 +51,7 @@ class MonitorDriver:
         self.stop_reason: str | None = None
         self.loss: torch.Tensor | float | None = None
         self._exit_hook = False
+        self.distributed = False  # the fit runs on several ranks (decided at start)
 
     def start(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, first_step: int = 0
@@ -62,6 +64,7 @@ class MonitorDriver:
         if config.first_step == 0:
             config = config.model_copy(update={"first_step": int(first_step)})
         self.monitor = Monitor(model, config).attach(optimizer)
+        self.distributed = get_world_size() > 1
         if not self._exit_hook:
             atexit.register(_finish_at_exit, weakref.ref(self))
             self._exit_hook = True
@@ -111,11 +114,8 @@ def _finish_at_exit(ref: weakref.ref[MonitorDriver]) -> None:
     which writes them. Not in a distributed run, where the flush would wait for ranks that
     may be gone."""
     driver = ref()
-    if driver is None or driver.active is None:
-        return
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return
+    if driver is None or driver.active is None or driver.distributed:
+        return  # (a destroyed process group at exit still was one: its flush is not global)
     try:
         driver.finish()
     except Exception:  # at exit: say it, never raise
