@@ -297,6 +297,17 @@ class Aggregator:
                 f"{differ[0]}: {mine[differ[0]]}); aggregation needs the same on every rank"
             )
 
+    def shared_name(self, name: str) -> str:
+        """Rank 0's ``name`` on every rank (default run names come from each rank's clock: ranks
+        attaching across a second boundary named one job twice). One broadcast, at attach, on
+        every rank once ``agree`` has lined them up."""
+        if not self.active:
+            return name
+        box = [name]
+        dist.broadcast_object_list(box, src=0, group=self._group_cpu())
+        self.collectives += 1
+        return box[0]
+
     def _wait_for_every_rank(self) -> None:
         """Count this attach on the default store and wait until every rank's is counted, up
         to ``attach_timeout``: a collective would hang without end when some rank never attaches.

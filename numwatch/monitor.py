@@ -237,6 +237,9 @@ class Monitor(Joinable):
                     self.rank = get_rank()  # torch.distributed may start after __init__
                     self._dist.forget_layouts()
                     self._dist.agree(self._aggregation_settings())  # before any hook
+                    shared = self._dist.shared_name(self.run_name)  # on every rank
+                    if self.config.run_name is None:  # a default name: one for the job
+                        self.run_name = shared
                     launch.CUDA_GRAPHS = self.config.cuda_graphs
                     self._build_probes()
                     self._build_sinks()

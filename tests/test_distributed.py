@@ -648,6 +648,24 @@ def scenario_sharded_sigma(rank: int, out: Path) -> dict:
     return {"first": first, "converged": converged, "tiny": tiny_pi.step(tiny)}
 
 
+def scenario_default_name(rank: int, out: Path) -> dict:
+    """Default run names come from each rank's clock: ranks attaching across a second boundary
+    named one job twice (two logs, two Prometheus run labels). Rank 0's is everyone's."""
+    from numwatch import monitor as monitor_module
+
+    real = monitor_module._default_run_name
+    monitor_module._default_run_name = lambda: f"run-20261201T00000{rank}Z"  # ranks' clocks
+    try:
+        monitor = numwatch.Monitor(
+            Net(), flush_every=1, distributed__jsonl="per_rank", sinks__console__enabled=False,
+            sinks__jsonl__path=str(out / "default_name" / "{run_name}.rank{rank}.jsonl"),
+        ).attach()  # fmt: skip
+    finally:
+        monitor_module._default_run_name = real
+    monitor.detach()
+    return {"run_name": monitor.run_name, "jsonl": monitor.jsonl_path}
+
+
 SCENARIOS = {
     "ddp_stats": scenario_ddp_stats,
     "ddp_nan": scenario_ddp_nan,
@@ -670,6 +688,7 @@ SCENARIOS = {
     "rule_mismatch": scenario_rule_mismatch,
     "layouts_differ": scenario_layouts_differ,
     "reattach_unfrozen": scenario_reattach_unfrozen,
+    "default_name": scenario_default_name,
 }
 
 
@@ -1149,6 +1168,15 @@ def test_a_disabled_monitor_in_join_does_not_wait_for_flags(runs):
 def test_scenarios_are_fast(runs):
     for name, results in runs.items():
         assert max(r["seconds"] for r in results) < 30, name
+
+
+def test_a_default_run_name_is_rank_0s_on_every_rank(runs):
+    results = _ok(runs["default_name"])
+    assert [r["run_name"] for r in results] == ["run-20261201T000000Z"] * 2
+    assert [Path(r["jsonl"]).name for r in results] == [
+        "run-20261201T000000Z.rank0.jsonl",
+        "run-20261201T000000Z.rank1.jsonl",
+    ]
 
 
 def test_the_rank_is_read_at_attach(monkeypatch, tmp_path):
