@@ -372,7 +372,8 @@ class Monitor(Joinable):
         if cfg.activations.enabled:
             self._probes.append(ActivationProbe(self.model, cfg.activations, self._ctx))
         if cfg.weights.enabled:
-            self._probes.append(WeightProbe(self.model, cfg.weights, self._ctx))
+            aggregate = self.config.distributed.aggregate
+            self._probes.append(WeightProbe(self.model, cfg.weights, self._ctx, aggregate))
         # Always present: besides statistics it routes attention calls (kernel hot-swap).
         self._attention = AttentionProbe(self.model, cfg.attention, self._ctx)
         self._probes.append(self._attention)

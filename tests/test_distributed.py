@@ -571,6 +571,27 @@ def scenario_fsdp_nan(rank: int, out: Path, aggregate: bool) -> dict:
     return res
 
 
+def scenario_fsdp_one_rank_local(rank: int, out: Path) -> dict:
+    """FSDP2, a monitor on rank 0 alone with distributed.aggregate=false (the attach error's own
+    advice): the weight probe's sharded power iteration all-reduced on the mesh, which rank 1
+    never joined, and FSDP's own collectives met it (a hang, or a gloo timeout)."""
+    net = _fsdp_net()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+    monitor = None
+    if rank == 0:
+        monitor = _monitor(net, out, "fsdp_one_rank", weights__every=1,
+                           distributed__aggregate=False).attach(opt)  # fmt: skip
+    for step in range(3):
+        net(batch(rank, step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    res = {"steps": 3}
+    if monitor is not None:
+        res["weights"] = [r.name for r in monitor.snapshot() if r.name.startswith("weight_")]
+        monitor.detach()
+    return res
+
+
 def scenario_swap(rank: int, out: Path, aggregate: bool) -> dict:
     """DDP: repeated maxima on rank 1 only; the swap rule decides on the global fraction."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -689,6 +710,7 @@ SCENARIOS = {
     "layouts_differ": scenario_layouts_differ,
     "reattach_unfrozen": scenario_reattach_unfrozen,
     "default_name": scenario_default_name,
+    "fsdp_one_rank_local": scenario_fsdp_one_rank_local,
 }
 
 
@@ -1177,6 +1199,12 @@ def test_a_default_run_name_is_rank_0s_on_every_rank(runs):
         "run-20261201T000000Z.rank0.jsonl",
         "run-20261201T000000Z.rank1.jsonl",
     ]
+
+
+def test_a_local_monitor_on_one_fsdp_rank_issues_no_collective(runs):
+    results = _ok(runs["fsdp_one_rank_local"])
+    assert [r["steps"] for r in results] == [3, 3]
+    assert results[0]["weights"] == []  # sharded weights are left out without aggregation
 
 
 def test_the_rank_is_read_at_attach(monkeypatch, tmp_path):

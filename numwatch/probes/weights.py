@@ -9,19 +9,22 @@ at every sampled step instead of paying for an SVD.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from numwatch.config import WeightsConfig
-from numwatch.distributed import ShardedPowerIteration, weight_blocks
+from numwatch.distributed import ShardedPowerIteration, is_dtensor, weight_blocks
 from numwatch.kernels.host_copy import to_device
 from numwatch.kernels.power_iteration import PowerIteration, qk_logit_bound
 from numwatch.probes.base import ProbeContext, gathering_device
 from numwatch.probes.qk_layout import QKLayout, find_qk_layout
 from numwatch.selection import _warn_unmatched, matches, select_parameters
 from numwatch.snapshot import MetricRecord
+
+log = logging.getLogger("numwatch")
 
 __all__ = ["WeightProbe"]
 
@@ -42,7 +45,11 @@ def _embedding_tables(model: nn.Module) -> set[int]:
 class WeightProbe:
     component = "weights"
 
-    def __init__(self, model: nn.Module, cfg: WeightsConfig, ctx: ProbeContext) -> None:
+    def __init__(
+        self, model: nn.Module, cfg: WeightsConfig, ctx: ProbeContext, aggregate: bool = True
+    ) -> None:
+        """``aggregate``: collectives are allowed (distributed.aggregate); without them the
+        sharded (FSDP2) weights, whose norms take an all-reduce per iteration, are left out."""
         self.cfg = cfg
         self.ctx = ctx
         tables = set() if cfg.embeddings else _embedding_tables(model)
@@ -61,6 +68,14 @@ class WeightProbe:
                         _measurable(h.weight) for h in (layout.q[0], layout.k[0])
                     ):
                         self.layers.append((name, layout))
+        if not aggregate:
+            self._drop_sharded()
+        # a layout whose heads interleave with other rows has no sharded block (MatrixBlock
+        # splits a contiguous row range into heads)
+        self.layers = [
+            (name, lay) for name, lay in self.layers
+            if not (_interleaved(lay) and is_dtensor(lay.q[0].weight))
+        ]  # fmt: skip
         self._pi: dict[torch.device, PowerIteration] = {}
         self._sigma: torch.Tensor | None = None  # (N,) float32, latest estimates
         self._fresh = False  # estimated since the last flush: only then are they reported
@@ -77,6 +92,21 @@ class WeightProbe:
         # the device that gathers them
         self._groups: list[tuple[torch.device, list[torch.Tensor]]] = []
         self._order: torch.Tensor | None = None
+
+    def _drop_sharded(self) -> None:
+        sharded = [n for n, p in self.params if is_dtensor(p)]
+        sharded += [n for n, lay in self.layers if is_dtensor(lay.q[0].weight)]
+        if sharded:
+            log.warning(
+                "numwatch: weights: %d sharded (FSDP2) weights or layers are left out (%s%s): "
+                "their spectral norms take an all-reduce across ranks, which "
+                "distributed.aggregate=false rules out",
+                len(sharded),
+                ", ".join(sharded[:3]),
+                ", ..." if len(sharded) > 3 else "",
+            )
+        self.params = [(n, p) for n, p in self.params if not is_dtensor(p)]
+        self.layers = [(n, lay) for n, lay in self.layers if not is_dtensor(lay.q[0].weight)]
 
     def attach(self) -> None:
         """Nothing to hook: the probe reads the weights at step time."""
@@ -169,3 +199,9 @@ class WeightProbe:
     def reset(self) -> None:
         """Estimates are kept: they are the state the next step warm-starts from."""
         self._fresh = False
+
+
+def _interleaved(layout: QKLayout) -> bool:
+    """Heads not one after another (GPT-BigCode's [q | k | v] per head)."""
+    heads = layout.q
+    return len(heads) > 1 and heads[1].start - heads[0].start != heads[0].stop - heads[0].start
