@@ -841,6 +841,9 @@ class Monitor(Joinable):
         if isinstance(self._loss, torch.Tensor):
             device_tensors["loss"] = self._loss
         device_tensors.update(self._loss_window.device_tensors())
+        scale = getattr(self._scaler, "_scale", None) if self._scaler_on() else None
+        if isinstance(scale, torch.Tensor):  # for _scaler_overflows, optimizer probe or not
+            device_tensors["scaler/scale"] = scale.reshape(())
         if self._dist.active:  # global values over all ranks (numwatch/distributed.py)
             optimizer = next((p for p in self._probes if isinstance(p, OptimizerProbe)), None)
             device_tensors = self._dist.aggregate(
@@ -939,7 +942,7 @@ class Monitor(Joinable):
         if not nonfinite or not self._scaler_on():
             return nonfinite, []
         (event,) = nonfinite
-        scale = float(host["opt/scale"]) if "opt/scale" in host else None
+        scale = float(host["scaler/scale"]) if "scaler/scale" in host else None
         if event.evidence.get("phase") != "backward" or (scale is not None and scale <= 1.0):
             return nonfinite, []
         at = "" if scale is None else f" (loss scale {scale:g})"

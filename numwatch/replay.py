@@ -57,7 +57,8 @@ def replay(
             continue
         snapshot, logged = record_to_snapshot(record)
         nonfinite = _origins(logged)
-        overflows = [e for e in logged if e.rule == "scaler_overflow"]  # the monitor's, as made
+        overflows = [e for e in logged if e.evidence.get("scaler_overflow") is True]  # the
+        # monitor's own (a user's rule may have the name), as made
         mitigation = [r for r in snapshot if r.name.startswith("mitigation_")]  # the live run's
 
         made = partial(_with_monitors, nonfinite=nonfinite, overflows=overflows)

@@ -782,3 +782,45 @@ def test_replay_gives_the_grad_scaler_overflow_as_logged(tmp_path):
     monitor.detach()
     events = replay(read_jsonl(log))
     assert [(e.kind, e.rule, e.step) for e in events] == [("anomaly", "scaler_overflow", 1)]
+
+
+def test_the_scale_decides_without_the_optimizer_probe():
+    """With optimizer.enabled=False the flush had no loss scale, and a NaN gradient at a scale
+    of 1 or below read as the scaler's info overflow instead of a critical nonfinite."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for probe in (True, False):
+        scaler = torch.amp.GradScaler("cpu", init_scale=0.5, growth_interval=10**6)
+        monitor = monitor_for(model, optimizer__enabled=probe).attach(opt, scaler=scaler)
+        y = model(torch.randn(8, 4))
+        loss = (y - y.detach()).abs().sqrt().sum()  # forward and loss finite, gradient NaN
+        scaler.scale(loss).backward()
+        monitor.step(loss)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert [(e.kind, e.severity) for e in monitor.events] == [("nonfinite", "critical")]
+        monitor.detach()
+
+
+def test_replay_keeps_a_users_rule_named_scaler_overflow_once(tmp_path):
+    from numwatch.replay import replay
+    from numwatch.sinks.jsonl import read_jsonl
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    log = tmp_path / "run.jsonl"
+    rule = {"type": "threshold", "name": "scaler_overflow", "metric": "loss", "threshold": 100.0}
+    rules = {"defaults": False, "add": [rule]}
+    monitor = monitor_for(
+        model, rules=rules, sinks__jsonl__enabled=True, sinks__jsonl__path=str(log)
+    ).attach()
+    for value in (1.0, 500.0, 1.0):
+        loss = model(torch.randn(8, 4)).mean() * 0 + value
+        loss.backward()
+        monitor.step(loss)
+        model.zero_grad()
+    monitor.detach()
+    assert [(e.rule, e.step) for e in replay(read_jsonl(log), monitor.config.rules)] == [
+        ("scaler_overflow", 1)
+    ]

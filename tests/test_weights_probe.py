@@ -492,3 +492,25 @@ def test_qk_norm_models_are_not_clipped_and_have_no_logit_bound():
     snap = monitor.snapshot()
     monitor.detach()
     assert snap.series("attn_q_spectral_norm") and not snap.series("attn_qk_logit_bound")
+
+
+def test_qk_norm_is_a_norm_that_is_there():
+    """Llama 4 names its L2 QK-norm qk_norm (missed: qk_clip shrank W_q 10x for a 0.5 % move);
+    models with QK-norm off keep nn.Identity under q_norm (taken for a norm: qk_clip refused)."""
+    q_proj, k_proj = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    class Attn(nn.Module):
+        def __init__(self, **norms):
+            super().__init__()
+            self.num_heads, self.q_proj, self.k_proj = 4, q_proj, k_proj
+            for name, module in norms.items():
+                setattr(self, name, module)
+
+    class L2Norm(nn.Module):  # no parameters, as Llama 4's
+        def forward(self, x):
+            return x / x.norm(dim=-1, keepdim=True)
+
+    assert find_qk_layout(Attn(qk_norm=L2Norm())).qk_norm
+    assert find_qk_layout(Attn(q_norm=nn.RMSNorm(4), k_norm=nn.RMSNorm(4))).qk_norm
+    assert not find_qk_layout(Attn(q_norm=nn.Identity(), k_norm=nn.Identity())).qk_norm
+    assert not find_qk_layout(Attn(q_norm=None)).qk_norm

@@ -108,8 +108,8 @@ _KV_HEAD_NAMES = (
     "num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_query_groups", "kv_heads",
 )  # fmt: skip
 # Children that normalize q and k per head after the projections (QK-norm).
-_QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm",
-                  "key_layernorm", "q_ln", "k_ln")  # fmt: skip
+_QK_NORM_NAMES = ("q_norm", "k_norm", "qk_norm", "q_layernorm", "k_layernorm",
+                  "query_layernorm", "key_layernorm", "q_ln", "k_ln")  # fmt: skip
 
 
 def _heads_of(module: nn.Module) -> tuple[int | None, int | None]:
@@ -148,9 +148,15 @@ def find_qk_layout(module: nn.Module, n_heads: int | None = None) -> QKLayout | 
     that do not divide the query heads) are not a known layout: their slices would be wrong.
     """
     layout = _find(module, n_heads)
-    if layout is not None and any(hasattr(module, name) for name in _QK_NORM_NAMES):
+    if layout is not None and any(_normalizes(getattr(module, n, None)) for n in _QK_NORM_NAMES):
         return QKLayout(layout.q, layout.k, qk_norm=True)
     return layout
+
+
+def _normalizes(child: object) -> bool:
+    """A module under a QK-norm name that does something: models with QK-norm off keep an
+    ``nn.Identity`` (or None) there."""
+    return isinstance(child, nn.Module) and not isinstance(child, nn.Identity)
 
 
 def _find(module: nn.Module, n_heads: int | None) -> QKLayout | None:
