@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["count", "main"]
+__all__ = ["count", "main", "seconds"]
 
 USAGE = """usage: numwatch <command> [options]
 
@@ -22,6 +22,14 @@ def count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """argparse type of a duration option (``tail --interval``): a float > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 

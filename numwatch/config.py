@@ -583,8 +583,10 @@ def _leaves(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple
 def _source(loc: tuple[Any, ...], sources: Mapping[tuple[str, ...], tuple[int, str]]) -> str:
     """' (from NUMWATCH_X)' / ' (from config file ...)' for an error at ``loc``; '' for code."""
     at = tuple(str(p) for p in loc)
-    found = [
-        (rank, len(path), name) for path, (rank, name) in sources.items() if at[: len(path)] == path
+    found = [  # a value under the source's path, or a section's own validator over it
+        (rank, len(path), name)
+        for path, (rank, name) in sources.items()
+        if at[: len(path)] == path or path[: len(at)] == at
     ]
     source = max(found)[2] if found else ""
     return f" (from {source})" if source else ""

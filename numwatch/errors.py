@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["NumwatchConfigError", "NumwatchError", "NumwatchHalt"]
+__all__ = ["LogInUse", "NumwatchConfigError", "NumwatchError", "NumwatchHalt"]
 
 
 class NumwatchError(Exception):
@@ -14,6 +14,10 @@ class NumwatchError(Exception):
 
 class NumwatchConfigError(NumwatchError, ValueError):
     """A configuration value is invalid; the message names the field, the value and the fix."""
+
+
+class LogInUse(NumwatchConfigError):
+    """The JSONL log path is another attached monitor's, in this process or another one."""
 
 
 class NumwatchHalt(NumwatchError):

@@ -207,6 +207,9 @@ def test_split_sum_is_routed_reported_and_upgraded_by_the_action(monkeypatch):
     # the default action (no split) leaves a split layer as it is: it only ever upgrades
     event = numwatch.Event(kind="precursor", step=2, message="m", labels={"layer": "a"})
     assert SwapAttentionKernel().run(monitor, event) is None
+    monitor.swap_attention("a", mode="plain", split_sum=True)  # plain split: stabilized, split
+    assert SwapAttentionKernel().run(monitor, event) is not None
+    assert monitor.attention_kernel("a") == swap_kernel.AttentionKernel(split_sum=True)
     with pytest.raises(ValueError, match="split_sum"):
         monitor.swap_attention("a", mode="paper_repro", split_sum=True)
 

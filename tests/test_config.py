@@ -230,3 +230,14 @@ def test_a_section_given_whole_in_one_variable_is_named_by_it():
     with pytest.raises(NumwatchConfigError) as err:  # a keyword override of it: the code's
         MonitorConfig.load(env={"NUMWATCH_SINKS": "{jsonl: {every: 0}}"}, sinks__jsonl__every=-1)
     assert "(from" not in str(err.value)
+
+
+def test_a_sections_own_validator_names_the_source_too(tmp_path):
+    """weights.alternate (refused by the section's validator) lost its source: the error's
+    place is the section, the source's the setting under it."""
+    path = tmp_path / "alt.yaml"
+    path.write_text("weights:\n  alternate: true\n")
+    with pytest.raises(NumwatchConfigError, match=r"from config file .*alt\.yaml"):
+        MonitorConfig.load(path, env={})
+    with pytest.raises(NumwatchConfigError, match=r"from NUMWATCH_WEIGHTS__ALTERNATE"):
+        MonitorConfig.load(env={"NUMWATCH_WEIGHTS__ALTERNATE": "true"})

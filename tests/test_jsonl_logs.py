@@ -280,12 +280,15 @@ def test_a_forked_child_does_not_keep_the_log_locked_after_detach(tmp_path):
     options = {"run_name": "exp", "sinks__console__enabled": False,
                "sinks__jsonl__path": str(tmp_path / "{run_name}.jsonl")}  # fmt: skip
     monitor = numwatch.Monitor(model, **options).attach()
+    ready, told = os.pipe()
     child = os.fork()
-    if child == 0:  # the worker: lives on past the parent's detach
+    if child == 0:  # the worker (its fork handlers have run): lives on past the parent's detach
         import time
 
+        os.write(told, b"1")
         time.sleep(30)
         os._exit(0)
+    os.read(ready, 1)
     try:
         monitor.detach()
         numwatch.Monitor(model, **options).attach().detach()  # was refused: LogInUse

@@ -81,7 +81,9 @@ class SwapAttentionKernel(Action):
                     target,
                 )
             return None
-        ctx.swap_attention(target, beta=self.beta, split_sum=self.split_sum)
+        # a layer the user put on the split sum keeps it (it is only ever an upgrade)
+        split_sum = self.split_sum or (current is not None and current.split_sum)
+        ctx.swap_attention(target, beta=self.beta, split_sum=split_sum)
         return (
             f"routed {'layer ' + repr(target) if target else 'all layers'} to the stabilized kernel"
         )

@@ -20,7 +20,7 @@ from itertools import compress
 from pathlib import Path
 from typing import IO, Any
 
-from numwatch.errors import NumwatchConfigError
+from numwatch.errors import LogInUse, NumwatchConfigError
 
 try:
     import fcntl
@@ -77,10 +77,6 @@ def _numbers(values: list[float]) -> list[str]:  # floats: json.dumps would writ
 
 # Logs open for writing in this process (resolved paths), one writer each.
 _WRITING: set[str] = set()
-
-
-class LogInUse(NumwatchConfigError):
-    """The log path is another attached monitor's, in this process or another one."""
 
 
 def writing(path: str | Path) -> bool:

@@ -25,6 +25,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from numwatch.cli import count
 from numwatch.errors import NumwatchError
 from numwatch.sinks.jsonl import RunBoundaries, is_flush, iter_jsonl
 from numwatch.sinks.prometheus import HEAD_REDUCTIONS
@@ -669,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("log", help="the run's JSONL log (sinks.jsonl.path)")
     parser.add_argument("-o", "--out", default=None, help="HTML file (default: LOG with .html)")
     parser.add_argument(
-        "--top", type=int, default=8, help="parameters/modules drawn per gradient/activation plot"
+        "--top", type=count, default=8, help="parameters/modules drawn per gradient/activation plot"
     )
     args = parser.parse_args(argv)
     try:

@@ -21,7 +21,7 @@ from typing import IO, Any
 from rich.console import Console
 from rich.markup import escape
 
-from numwatch.cli import count
+from numwatch.cli import count, seconds
 from numwatch.events import Event
 from numwatch.sinks.console import summary_line
 from numwatch.sinks.jsonl import is_flush, iter_jsonl, parse_record, warn_unreadable
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-follow", action="store_true", help="print what the log holds and exit"
     )
-    parser.add_argument("--interval", type=float, default=0.5, help="seconds between polls")
+    parser.add_argument("--interval", type=seconds, default=0.5, help="seconds between polls")
     parser.add_argument("--no-events", action="store_true", help="no line per event")
     args = parser.parse_args(argv)
     console = Console(highlight=False, soft_wrap=True)
