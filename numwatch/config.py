@@ -215,6 +215,22 @@ class RulesConfig(_Section):
         description="Rules to add; one named like a default rule replaces it.",
     )
 
+    @model_validator(mode="after")
+    def _actions_are_valid(self) -> RulesConfig:
+        """The actions' settings are checked with the rest (``numwatch replay --config`` and
+        ``MonitorConfig.load`` accepted what ``Monitor`` then refused)."""
+        from numwatch.actions.library import SkipStep, build_action  # the actions import this
+
+        for rule in self.add:
+            actions = [build_action(a, f"rules[{rule.name}].actions") for a in rule.actions]
+            if rule.cooldown and any(isinstance(a, SkipStep) for a in actions):
+                raise ValueError(
+                    f"rules[{rule.name}]: a rule with skip_step decides every step; a cooldown "
+                    f"({rule.cooldown}) would let the updates of the steps it is quiet through: "
+                    "leave cooldown at 0"
+                )
+        return self
+
 
 class JsonlSinkConfig(_Section):
     """The JSONL run log: one JSON object per flush (schema in README, 'JSONL schema')."""
@@ -422,7 +438,8 @@ class MonitorConfig(_Section):
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> MonitorConfig:
         """Config from a YAML file alone (no env, no overrides)."""
-        return cls.validated(_read_yaml(Path(path)))
+        data = _read_yaml(Path(path))
+        return cls.validated(data, dict.fromkeys(_leaves(data), (0, f"config file {str(path)!r}")))
 
     @classmethod
     def validated(
@@ -616,5 +633,9 @@ def _describe(exc: ValidationError, sources: Mapping[tuple[str, ...], tuple[int,
             hint = f"allowed values: {err['ctx']['expected']}"
         if kind == "list_type" and isinstance(value, str):
             hint += f" (a list in YAML: ['{value}'])"
-        lines.append(f"{field}: got {value!r}; {hint}" + _source(err["loc"], sources))
+        if isinstance(value, Mapping) and kind == "value_error":  # a section's own check: its
+            got = hint.removeprefix("Value error, ")  # message says what, not the whole section
+        else:
+            got = f"got {value!r}; {hint}"
+        lines.append(f"{field}: {got}" + _source(err["loc"], sources))
     return "invalid numwatch config: " + "; ".join(lines)

@@ -214,3 +214,23 @@ def test_cli_json_is_strict_json_with_an_infinite_value(tmp_path, capsys):
 
     out = json.loads(capsys.readouterr().out, parse_constant=strict)
     assert [e["value"] for e in out["events"]] == ["inf"]
+
+
+def test_replay_refuses_a_config_the_monitor_would_refuse(tmp_path, capsys):
+    """Actions were validated by Monitor() only: replay --config (and MonitorConfig.load)
+    accepted a bad action setting, a misspelled action, or a cooldown on a skip_step rule."""
+    log = tmp_path / "run.jsonl"
+    log.write_text(json.dumps(record(9, 1.0)) + "\n")
+    for action, cooldown, says in (
+        ("{type: swap_attention_kernel, split_sum: maybe}", 0, "split_sum"),
+        ("swap_attention_kernal", 0, "unknown action"),
+        ("skip_step", 3, "leave cooldown at 0"),
+    ):
+        config = tmp_path / "rules.yaml"
+        config.write_text(
+            "rules:\n  add:\n    - {name: r, metric: loss, type: threshold, threshold: 0.1, "
+            f"cooldown: {cooldown}, actions: [{action}]}}\n"
+        )
+        assert cli(["replay", str(log), "--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and f"(from config file {str(config)!r})" in err, err
