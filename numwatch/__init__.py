@@ -6,7 +6,7 @@ monitor.detach()
 """
 
 from numwatch.config import MonitorConfig
-from numwatch.errors import LogInUse, NumwatchConfigError, NumwatchError
+from numwatch.errors import NumwatchConfigError, NumwatchError
 from numwatch.events import Event
 from numwatch.monitor import Monitor
 from numwatch.snapshot import MetricRecord, Snapshot
@@ -15,7 +15,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Event",
-    "LogInUse",
     "MetricRecord",
     "Monitor",
     "MonitorConfig",

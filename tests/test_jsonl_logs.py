@@ -205,7 +205,7 @@ def test_a_log_another_process_writes_is_refused_and_a_default_name_moves_on(tmp
 
     import numwatch
     from numwatch import monitor as monitor_module
-    from numwatch.sinks.jsonl import LogInUse
+    from numwatch.errors import LogInUse
 
     monkeypatch.chdir(tmp_path)
     taken = tmp_path / "numwatch-runs" / "run-20261130T000000Z.rank0.jsonl"
@@ -305,7 +305,7 @@ def test_a_default_name_is_not_renamed_per_rank(tmp_path, monkeypatch):
 
     import numwatch
     from numwatch import monitor as monitor_module
-    from numwatch.sinks.jsonl import LogInUse
+    from numwatch.errors import LogInUse
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(monitor_module, "_default_run_name", lambda: "run-20261130T000000Z")
