@@ -20,7 +20,7 @@ from numwatch.cli import main as cli
 from numwatch.errors import NumwatchError
 from numwatch.events import Event
 from numwatch.sinks.jsonl import JsonlSink
-from numwatch.sinks.report import load_run, render_html, write_report
+from numwatch.sinks.report import load_run, render_html, summary_rows, write_report
 from numwatch.snapshot import MetricRecord, Snapshot
 
 pytest.importorskip("matplotlib", reason="numwatch[report] extra (matplotlib) not installed")
@@ -325,3 +325,21 @@ def test_skips_are_marked_at_their_steps_from_the_action_events(tmp_path, monkey
     monkeypatch.setattr(Axes, "plot", plot)
     report._training_plot(run)
     assert sorted(set(marked)) == [0, 5]
+
+
+def test_the_summary_names_each_routed_layers_kernel_mode(tmp_path):
+    """A layer on plain_split read like a native one (only attn_kernel_stabilized was read),
+    and stabilized_split like stabilized."""
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path, "modes")
+    for step, modes in (
+        (9, {"a": "plain_split"}),
+        (19, {"a": "plain_split", "b": "stabilized_split"}),
+    ):
+        records = [MetricRecord("loss", {}, 1.0)]
+        records += [MetricRecord("attn_kernel_mode", {"layer": layer, "mode": mode}, 1.0)
+                    for layer, mode in modes.items()]  # fmt: skip
+        sink.emit(Snapshot(step, records, time=float(step)), [])
+    sink.close()
+    rows = dict(summary_rows(load_run(path)))
+    assert rows["numwatch kernel modes at the end"] == "a: plain_split, b: stabilized_split"

@@ -478,6 +478,14 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     on = sorted(layer for layer, pts in stabilized.items() if pts and pts[-1][1] > 0)
     if stabilized:
         rows.append(("layers on the stabilized kernel at the end", ", ".join(on) or "none"))
+    last = run.steps[-1] if run.steps else None
+    modes = sorted(  # the mode names what the kernel computes: plain, *_split, reproductions
+        f"{dict(labels)['layer']}: {dict(labels)['mode']}"
+        for labels, pts in run.series.get("attn_kernel_mode", {}).items()
+        if pts and pts[-1][0] == last and pts[-1][1] > 0
+    )
+    if "attn_kernel_mode" in run.series:
+        rows.append(("numwatch kernel modes at the end", ", ".join(modes) or "none"))
     overhead, step_s = run.scalar("monitor_overhead_seconds"), run.scalar("step_seconds")
     if overhead and step_s:
         o = sum(v for _, v in overhead) / len(overhead)
