@@ -535,9 +535,9 @@ class Monitor(Joinable):
         else:
             norm_sq = self._gradients.step_norm_sq() if self._gradients is not None else None
             named = {"grad_norm": norm_sq, "loss": loss}
-        scale = getattr(self._scaler, "_scale", None) if self._scaler_on() else None
-        if isinstance(scale, torch.Tensor):  # read with the others: no extra sync
-            named["loss_scale"] = scale.reshape(())
+        scale = self._scaler_scale()
+        if scale is not None:  # read with the others: no extra sync
+            named["loss_scale"] = scale
         on_device = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
         values = {k: float(v) for k, v in named.items() if isinstance(v, float)}
         if on_device:
@@ -841,9 +841,9 @@ class Monitor(Joinable):
         if isinstance(self._loss, torch.Tensor):
             device_tensors["loss"] = self._loss
         device_tensors.update(self._loss_window.device_tensors())
-        scale = getattr(self._scaler, "_scale", None) if self._scaler_on() else None
-        if isinstance(scale, torch.Tensor):  # for _scaler_overflows, optimizer probe or not
-            device_tensors["scaler/scale"] = scale.reshape(())
+        scale = self._scaler_scale()
+        if scale is not None:  # for _scaler_overflows, optimizer probe or not
+            device_tensors["scaler/scale"] = scale
         if self._dist.active:  # global values over all ranks (numwatch/distributed.py)
             optimizer = next((p for p in self._probes if isinstance(p, OptimizerProbe)), None)
             device_tensors = self._dist.aggregate(
@@ -926,9 +926,13 @@ class Monitor(Joinable):
             self._local_snapshot = Snapshot(step, own, time=snapshot.time, rank=self.rank)
         return snapshot, fired
 
-    def _scaler_on(self) -> bool:
+    def _scaler_scale(self) -> torch.Tensor | None:
+        """The enabled GradScaler's scale on the device (None: no scaler, or none yet)."""
         scaler = self._scaler
-        return scaler is not None and scaler.is_enabled()
+        if scaler is None or not scaler.is_enabled():
+            return None
+        scale = getattr(scaler, "_scale", None)
+        return scale.reshape(()) if isinstance(scale, torch.Tensor) else None
 
     def _scaler_overflows(
         self, nonfinite: list[Event], host: Mapping[str, torch.Tensor]
@@ -939,7 +943,7 @@ class Monitor(Joinable):
         a larger scale). It is reported as an ``anomaly`` of severity ``info`` (rule
         ``scaler_overflow``), which no nonfinite rule, ``stop_on`` or halt acts on; while the
         scale is at 1 or below, where the scale no longer explains it, it stays ``nonfinite``."""
-        if not nonfinite or not self._scaler_on():
+        if not nonfinite or self._scaler is None or not self._scaler.is_enabled():
             return nonfinite, []
         (event,) = nonfinite
         scale = float(host["scaler/scale"]) if "scaler/scale" in host else None

@@ -83,6 +83,36 @@ def lightning_module(pl, nan_at: int | None = None):
     return Module()
 
 
+def two_optimizer_module(pl, nan_at: int | None = None):
+    """Manual optimization with two optimizers (a GAN's shape); a NaN activation at batch
+    ``nan_at``."""
+
+    class Two(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.automatic_optimization = False
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            h = self.a(batch[0])
+            if batch_idx == nan_at:
+                h = h * float("nan")
+            loss = self.b(h).pow(2).mean()
+            o1, o2 = self.optimizers()
+            o1.zero_grad()
+            o2.zero_grad()
+            self.manual_backward(loss)
+            o1.step()
+            o2.step()
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.a.parameters(), lr=0.1),
+                    torch.optim.SGD(self.b.parameters(), lr=0.1)]  # fmt: skip
+
+    return Two()
+
+
 def grad_norm(module: nn.Module) -> float:
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
@@ -198,32 +228,9 @@ def test_lightning_two_optimizers_one_step_per_batch_and_the_skip_holds_both(pl)
     while logging that it had skipped: the second one's parameters went NaN."""
     from numwatch.integrations.lightning import NumwatchCallback
 
-    class Two(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.automatic_optimization = False
-            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
-
-        def training_step(self, batch, batch_idx):
-            h = self.a(batch[0])
-            if batch_idx == 2:
-                h = h * float("nan")
-            loss = self.b(h).pow(2).mean()
-            o1, o2 = self.optimizers()
-            o1.zero_grad()
-            o2.zero_grad()
-            self.manual_backward(loss)
-            o1.step()
-            o2.step()
-
-        def configure_optimizers(self):
-            return [torch.optim.SGD(self.a.parameters(), lr=0.1),
-                    torch.optim.SGD(self.b.parameters(), lr=0.1)]  # fmt: skip
-
     rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
     callback = NumwatchCallback(**monitor_options(rules=rules))
-    module = Two()
+    module = two_optimizer_module(pl, nan_at=2)
     data = DataLoader(TensorDataset(torch.randn(20, 8)), batch_size=4)
     trainer = lightning_trainer(pl, [callback], steps=10)  # 5 batches, 2 optimizer steps each
     trainer.fit(module, data)
@@ -552,35 +559,15 @@ def test_lightning_resume_with_two_optimizers_numbers_batches(pl, tmp_path):
     3 batches (logged steps 0, 1, 2, 6, 7, 8)."""
     from numwatch.integrations.lightning import NumwatchCallback
 
-    class Two(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.automatic_optimization = False
-            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
-
-        def training_step(self, batch, batch_idx):
-            loss = self.b(self.a(batch[0])).pow(2).mean()
-            o1, o2 = self.optimizers()
-            o1.zero_grad()
-            o2.zero_grad()
-            self.manual_backward(loss)
-            o1.step()
-            o2.step()
-
-        def configure_optimizers(self):
-            return [torch.optim.SGD(self.a.parameters(), lr=0.1),
-                    torch.optim.SGD(self.b.parameters(), lr=0.1)]  # fmt: skip
-
     data = DataLoader(TensorDataset(torch.randn(40, 8)), batch_size=4)
     log = tmp_path / "log.jsonl"
     options = monitor_options(run_name="gan", sinks__jsonl__enabled=True,
                               sinks__jsonl__path=str(log))  # fmt: skip
     trainer = lightning_trainer(pl, [NumwatchCallback(**options)], steps=6)
-    trainer.fit(Two(), data)
+    trainer.fit(two_optimizer_module(pl), data)
     trainer.save_checkpoint(tmp_path / "c.ckpt")
     trainer = lightning_trainer(pl, [NumwatchCallback(**options)], steps=12)
-    trainer.fit(Two(), data, ckpt_path=tmp_path / "c.ckpt")
+    trainer.fit(two_optimizer_module(pl), data, ckpt_path=tmp_path / "c.ckpt")
     assert [r["step"] for r in read_jsonl(log)] == list(range(6))
 
 
