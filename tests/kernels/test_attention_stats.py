@@ -8,6 +8,9 @@ the saturation thresholds: fp32 rounding cannot flip a count, so counts are comp
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -265,6 +268,30 @@ def test_max_arriving_in_a_later_tile(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_repeated_maxima_past_the_64th_key_tile(impl):
+    """Repeated maxima in a key tile past the 64th (for tile widths up to 64), alone or tied
+    with a key in the first tile: any per-tile bookkeeping (tile indices, bit masks) must hold.
+
+    S = k[:, 0] + k[:, 1] (q = (1, 1), scale 1): a background of distinct values per tile, far
+    below the planted maxima 8, so that no other tile holds two entries near a running max.
+    """
+    Tk, D = 4128, 16
+    k = torch.zeros(1, 2, Tk, D)
+    k[..., 0] = -2.0 - torch.arange(Tk) % 200
+    inside = -(2.0**-10)  # in the bf16 window (2^-9)
+    for h, (ties, near) in enumerate((([4100, 4101], [4105]), ([5, 4100], [6, 4101]))):
+        k[0, h, ties + near, 0] = 8.0
+        k[0, h, near, 1] = inside
+    q = torch.zeros(1, 2, 4, D)
+    q[..., :2] = 1.0
+    got = stats(impl, q.bfloat16(), k.bfloat16(), scale=1.0).cpu()
+    assert got[:, A.TIE_ENTRIES].tolist() == [8.0, 8.0]  # 4 rows x 2 ties
+    assert got[:, A.REPEATED_MAX_ROWS].tolist() == [4.0, 4.0]
+    assert got[:, A.SATURATED_ENTRIES].tolist() == [12.0, 16.0]
+    assert got[:, A.MAX_LOGIT].tolist() == [8.0, 8.0]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_row_max_near_zero(impl):
     """Scores of a few 2^-14: row maxima within 2|thr| of 0 (rows recounted entry by entry)."""
     g = torch.Generator().manual_seed(4)
@@ -344,6 +371,97 @@ def test_fp32_rounding_at_the_saturation_boundary(impl):
     assert got[:, A.TIE_ENTRIES].tolist() == [5.0] * 4 + [10.0]
 
 
+def _bf16_chunks(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values (..., ) as three bf16 parts (..., 3) whose fp32 sum is exactly x: with q's
+    first three dims 1, q . k adds them exactly in any order (every partial sum fits 24 bits)."""
+    parts = []
+    rest = x.double()
+    for _ in range(3):
+        part = rest.to(torch.bfloat16, copy=True)
+        part = torch.where(part.double().abs() > rest.abs(), _toward_zero(part), part)
+        parts.append(part)
+        rest = rest - part.double()
+    assert rest.eq(0).all()
+    return torch.stack(parts, -1)
+
+
+def _toward_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.nextafter(x.float(), torch.zeros_like(x.float())).to(torch.bfloat16)
+
+
+def _least_at_least(f, b: torch.Tensor, near: torch.Tensor) -> torch.Tensor:
+    """The smallest fp32 x with f(x) >= b, for f monotone and the answer within 8 floats of
+    ``near``."""
+    x = _next_up(near, -8)
+    assert f(x) < b and f(_next_up(near, 8)) >= b
+    while f(x) < b:
+        x = _next_up(x)
+    return x
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scale", [0.3, 1 / math.sqrt(128)])
+def test_fp32_rounding_of_a_general_scale(impl, scale):
+    """S = fp32(fp32(QK^T) * scale): distinct products that round to one S value tie, and the
+    saturation boundary is met in S, one float apart, in one key tile or across several.
+
+    QK^T values: the max X, whose S the float below X shares (a tie); P, the least product
+    whose S saturates; the floats below P, which do not. Head 0 has X, X-, P, P-, P-- in one
+    key tile; head 1 in separate tiles with the max last; head 2 is head 1 negated; head 3 has
+    X, then P- in a later tile; head 4 X and P in one tile, where (at scale 0.3) P lies below
+    fp32(bound / scale), the bound's image through the reciprocal of the scale; head 5 X, then
+    X- in a later tile.
+    """
+    thr = torch.tensor(A.saturation_threshold(torch.bfloat16), dtype=torch.float32)
+    c = torch.tensor(scale, dtype=torch.float32)
+
+    def big(x):
+        return x * c
+
+    def edges(sign: int, below_reciprocal: bool) -> tuple[torch.Tensor, ...]:
+        # S just above a power of two: its floats are coarser than the products' there
+        X = sign * torch.tensor(32.3, dtype=torch.float32) / c
+        for _ in range(100):
+            M = big(X)
+            bound = _least_at_least(lambda s, M=M: s - M, thr, M + thr)
+            P = _least_at_least(big, bound, bound / c)
+            tie = big(_next_up(X, -1)) == M
+            if tie and (not below_reciprocal or bound * (1 / c) > P):
+                return X, P
+            X = _next_up(X)
+        raise AssertionError("no such max within 100 floats")
+
+    X, P = edges(1, False)
+    Xn, Pn = edges(-1, False)
+    Xp, Pp = edges(1, scale == 0.3)
+    plans = [
+        ([X, _next_up(X, -1), P, _next_up(P, -1), _next_up(P, -2)], [100, 101, 102, 103, 104]),
+        ([X, _next_up(X, -1), P, _next_up(P, -1), _next_up(P, -2)], [200, 3, 40, 70, 150]),
+        ([Xn, _next_up(Xn, -1), Pn, _next_up(Pn, -1), _next_up(Pn, -2)], [200, 3, 40, 70, 150]),
+        ([X, _next_up(P, -1)], [3, 200]),
+        ([Xp, Pp], [100, 101]),
+        ([X, _next_up(X, -1)], [3, 200]),
+    ]
+    want = [(2, 3), (2, 3), (2, 3), (1, 1), (1, 2), (2, 2)]
+    Tk, D = 210, 16
+    k = torch.zeros(1, len(plans), Tk, D)
+    k[..., 0] = -1000.0  # background: far below every window
+    for h, (vals, pos) in enumerate(plans):
+        k[0, h, pos, 0:3] = _bf16_chunks(torch.stack(vals)).float()
+        k[0, h, pos, 3:] = 0.0
+    q = torch.zeros(1, len(plans), 6, D)
+    q[..., 0:3] = 1.0
+    got = stats(impl, q.bfloat16(), k.bfloat16(), scale=scale).cpu()
+    for h, (vals, _) in enumerate(plans):
+        row = big(torch.stack([*vals, torch.tensor(-1000.0)]))
+        ties, sat = int((row == row.max()).sum()), int((row - row.max() >= thr).sum())
+        assert (ties, sat) == want[h]
+        assert got[h, A.TIE_ENTRIES] == 6 * ties and got[h, A.REPEATED_MAX_ROWS] == 6 * (ties > 1)
+        assert got[h, A.SATURATED_ENTRIES] == (6 * sat if sat > 1 else 0)
+        assert got[h, A.MAX_LOGIT] == row.max().double()
+        assert got[h, A.MIN_LOGIT] == row.min().double()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("scale", [None, -0.3])
 def test_dyadic_random_general_scale(impl, scale):
@@ -355,6 +473,25 @@ def test_dyadic_random_general_scale(impl, scale):
     for causal in (False, True):
         got = stats(impl, q, k, scale=scale, is_causal=causal)
         assert_stats(got, oracle(q, k, scale=scale, causal=causal))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scale", [None, 0.25])
+def test_every_key_twice(impl, scale):
+    """Every key next to its copy: every row max is tied, and nearly every key tile holds a row
+    with two entries at its running max (the statistics kernel's worst case for its cost:
+    bench/bench_attention_stats.py's stats_all_rows_tied). 2200 keys: past the 64th tile for
+    tile widths up to 32."""
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randint(-8, 9, (1, 2, 40, 32), generator=g) / 8).to(torch.bfloat16)
+    k = (torch.randint(-8, 9, (1, 2, 2200, 32), generator=g) / 8).to(torch.bfloat16)
+    k[:, :, 1::2] = k[:, :, 0::2]
+    for causal in (False, True):
+        got = stats(impl, q, k, scale=scale, is_causal=causal)
+        want = oracle(q, k, scale=scale, causal=causal)
+        if not causal:  # (causal rows may end between a key and its copy)
+            assert want[:, A.REPEATED_MAX_ROWS].tolist() == [40.0, 40.0]
+        assert_stats(got, want)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -861,3 +998,41 @@ def test_gpu_statistics_never_sync_after_the_first_call():
         torch.minimum(parts[0][:, A.MIN_LOGIT], parts[1][:, A.MIN_LOGIT])
     )
     assert (empty[:, A.MAX_LOGIT] == -math.inf).all() and (empty[:, A.MIN_LOGIT] == math.inf).all()
+
+
+_COMPILE_STATS = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from numwatch.kernels import attention_stats as A
+mask_kind, causal, mul_scale, entropy = (int(x) for x in sys.argv[1:])
+constants = dict(
+    HAS_ROWS=True, HAS_BATCH=False, MASK_KIND=mask_kind, IS_CAUSAL=bool(causal),
+    ENTROPY=bool(entropy), MUL_SCALE=bool(mul_scale), UPCAST=False,
+    PRECISION="tf32", EVEN_D=True, BLOCK_M=64, BLOCK_N=128, BLOCK_D=64,
+)
+names = A._head_stats_kernel.arg_names
+pointers = {"Q": "*bf16", "K": "*bf16", "MASK": "*u8" if mask_kind == 1 else "*bf16",
+            "ROWS_IDX": "*i64", "BATCH_IDX": "*i64", "PART": "*fp64"}
+floats = ("scale", "unit", "thr", "mask_floor")
+signature = {n: pointers.get(n) or ("fp32" if n in floats else "i32") for n in names}
+signature.update(dict.fromkeys(constants, "constexpr"))
+kernel = triton.compile(ASTSource(A._head_stats_kernel, signature, constants),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+sys.stdout.write(kernel.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize(
+    ("mask_kind", "causal", "mul_scale", "entropy"), [(0, 1, 1, 0), (2, 0, 0, 1)]
+)
+def test_statistics_kernel_compiles_to_sm90_code(mask_kind, causal, mul_scale, entropy):
+    """The kernel as the GPU compiles it, in a fresh process (the interpreter runs code that a
+    compile refuses, such as one name bound to two types in the branches of an if)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    flags = [str(x) for x in (mask_kind, causal, mul_scale, entropy)]
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE_STATS, *flags], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "wgmma.mma_async" in run.stdout and "set.ge.f32.f32" in run.stdout
