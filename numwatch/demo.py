@@ -132,11 +132,33 @@ def _port(text: str) -> int:
     return value
 
 
+def _learning_rate(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+_learning_rate.__name__ = "learning rate"
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**63:  # torch.manual_seed's range
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
+    return value
+
+
+_seed.__name__ = "seed"
+
+
 def _device(text: str) -> str:
     try:
         device = torch.device(text)
     except RuntimeError as e:
         raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
+    if device.type not in ("cpu", "cuda"):  # bf16 autocast and the kernels: these two
+        raise argparse.ArgumentTypeError(f"{text!r}: the demo trains on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{text!r}: this torch has no usable CUDA device")
     return text
@@ -146,8 +168,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="numwatch demo", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=_count(1), default=300, help="training steps (300)")
     p.add_argument("--batch", type=_count(1), default=16, help="sequences per batch (16)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (3e-3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data (0)")
+    p.add_argument("--lr", type=_learning_rate, default=3e-3, help="AdamW learning rate (3e-3)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the model and the data (0)")
     p.add_argument(
         "--device",
         type=_device,
@@ -179,7 +201,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoint")
     p.add_argument("--no-monitor", action="store_true", help="train without numwatch (baseline)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.nan_at is not None and args.nan_at >= args.steps:
+        p.error(f"argument --nan-at: step {args.nan_at} is past the last step ({args.steps - 1})")
+    return args
 
 
 def _run_name() -> str:
@@ -217,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     try:
         monitor = None if args.no_monitor else numwatch.Monitor(model, **overrides).attach(opt)
-    except NumwatchError as err:  # a port in use, a log path another monitor writes, ...
+    except (NumwatchError, OSError) as err:  # a port in use, a log path not writable, ...
         print(f"numwatch demo: {err}", file=sys.stderr)
         print(
             "numwatch demo: --metrics-port N picks another port, --no-metrics serves none, "

@@ -48,6 +48,13 @@ def test_two_demos_on_one_log_are_two_runs(tmp_path, monkeypatch):
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here"),
         ),
         (["--steps", "ten"], "--steps: invalid integer >= 1 value: 'ten'"),
+        # tracebacks from torch until session 24
+        (["--lr", "-1"], "--lr: must be a finite number > 0, got -1"),
+        (["--lr", "nan"], "--lr: must be a finite number > 0, got nan"),
+        (["--seed", str(2**70)], "--seed: must be in [0, 2**63)"),
+        (["--device", "meta"], "--device: 'meta': the demo trains on cpu or cuda"),
+        # planted nothing, silently
+        (["--steps", "3", "--nan-at", "10"], "--nan-at: step 10 is past the last step (2)"),
     ],
 )
 def test_bad_demo_arguments_are_usage_errors(capsys, args, message):
@@ -55,6 +62,12 @@ def test_bad_demo_arguments_are_usage_errors(capsys, args, message):
         main(args)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_log_path_that_is_a_directory_is_a_message_not_a_traceback(tmp_path, capsys):
+    assert main(["--steps", "1", "--no-metrics", "--jsonl", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "--jsonl PATH writes another log" in err
 
 
 def test_a_port_in_use_is_a_message_not_a_traceback(tmp_path, capsys):
