@@ -155,23 +155,31 @@ def test_counters_gauges_and_events():
     assert events == {(("kind", "spike"), ("rank", "3"), ("rule", "r")): 5.0}
 
 
-def test_a_metric_a_flush_did_not_sample_keeps_its_last_series():
+def test_a_series_a_flush_did_not_sample_keeps_its_last_value():
     """Attention and activation series vanished from every flush that did not sample them
     (flush_every < attention.every): Prometheus marked them stale between samples and an alert
-    with `for:` could never hold. A metric present in the new flush replaces all its series."""
+    with `for:` could never hold. Until session 24 gradients (gradients.every) still did, and so
+    did the updates of parameters another flush's rotation measured (optimizer.max_bytes): the
+    hold went by metric name, not by series."""
     sampled = Snapshot(
         1,
         [
             MetricRecord("loss", {}, 0.5),
             MetricRecord("attn_max_logit", {"layer": "a", "head": "0"}, 7.0),
             MetricRecord("weight_spectral_norm", {"param": "w"}, 3.0),
+            MetricRecord("grad_norm", {}, 1.5),
+            MetricRecord("optimizer_update_ratio", {"param": "w"}, 1e-3),
         ],
         time=1.7e9,
     )
     between = Snapshot(3, [MetricRecord("loss", {}, 0.25)], time=1.7e9)
     resampled = Snapshot(
         5,
-        [MetricRecord("loss", {}, 0.2), MetricRecord("weight_spectral_norm", {"param": "v"}, 2.0)],
+        [
+            MetricRecord("loss", {}, 0.2),
+            MetricRecord("weight_spectral_norm", {"param": "w"}, 2.0),
+            MetricRecord("optimizer_update_ratio", {"param": "v"}, 2e-3),  # the rotation's next
+        ],
         time=1.7e9,
     )
     collector = SnapshotCollector(const_labels={"rank": "0"})
@@ -181,11 +189,14 @@ def test_a_metric_a_flush_did_not_sample_keeps_its_last_series():
     assert got[("numwatch_loss", (("rank", "0"),))] == 0.25
     assert got[("numwatch_attn_max_logit", (("layer", "a"), ("rank", "0")))] == 7.0
     assert got[("numwatch_weight_spectral_norm", (("param", "w"), ("rank", "0")))] == 3.0
+    assert got[("numwatch_grad_norm", (("rank", "0"),))] == 1.5
     collector.update(resampled)
     got = samples(collector.exposition())
-    norms = {lab: v for (name, lab), v in got.items() if name == "numwatch_weight_spectral_norm"}
-    assert norms == {(("param", "v"), ("rank", "0")): 2.0}
+    assert got[("numwatch_weight_spectral_norm", (("param", "w"), ("rank", "0")))] == 2.0
+    ratios = {lab: v for (name, lab), v in got.items() if name == "numwatch_optimizer_update_ratio"}
+    assert ratios == {(("param", "v"), ("rank", "0")): 2e-3, (("param", "w"), ("rank", "0")): 1e-3}
     assert got[("numwatch_attn_max_logit", (("layer", "a"), ("rank", "0")))] == 7.0
+    assert got[("numwatch_grad_norm", (("rank", "0"),))] == 1.5
     # a metric whose absence is its value is not held: no layer routed any more
     routed = Snapshot(6, [MetricRecord("attn_kernel_mode", {"layer": "a", "mode": "plain"}, 1.0)],
                       time=1.7e9)  # fmt: skip

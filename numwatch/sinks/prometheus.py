@@ -209,8 +209,8 @@ def _sampled(name: str) -> bool:
     return name.startswith(_SAMPLED_PREFIXES)
 
 
-_SAMPLED_PREFIXES = ("attn_", "activation_", "weight_spectral_norm", "optimizer_update_ratio",
-                     "optimizer_absorbed_fraction")  # fmt: skip
+_SAMPLED_PREFIXES = ("attn_", "activation_", "grad_", "weight_spectral_norm",
+                     "optimizer_update_ratio", "optimizer_absorbed_fraction")  # fmt: skip
 
 
 class SnapshotCollector(Collector):
@@ -257,18 +257,22 @@ class SnapshotCollector(Collector):
     def update(self, snapshot: Snapshot, events: Sequence[Event] = ()) -> None:
         """Serve ``snapshot`` from now on and count ``events`` (one reference swap).
 
-        A metric the snapshot does not carry at all (a probe that samples less often than the
-        monitor flushes: attention, activations, spectral norms, updates) keeps the series of
-        the last snapshot that had it: a scrape between two samples would otherwise find the
-        series gone, Prometheus would mark them stale, and an alert with ``for:`` could never
-        hold."""
+        A series the snapshot does not carry (a probe that samples less often than the monitor
+        flushes: attention, activations, gradients, spectral norms, updates; or updates measured
+        in rotation, a share of the parameters per sample) keeps its value of the last snapshot
+        that had it: a scrape between two samples would otherwise find the series gone,
+        Prometheus would mark them stale, and an alert with ``for:`` could never hold."""
         for event in events:
             self._events[(event.kind, event.rule)] += 1
         served = self._state[0]
         if served is not None:
             names, labels, values = snapshot.columns()
-            have = set(names)
-            held = [r for r in served if r.name not in have and _sampled(r.name)]
+            have = {(n, *sorted(lab.items())) for n, lab in zip(names, labels, strict=True)}
+            held = [
+                r
+                for r in served
+                if _sampled(r.name) and (r.name, *sorted(r.labels.items())) not in have
+            ]
             if held:
                 records = [*zip(names, labels, values, strict=True), *held]
                 snapshot = Snapshot(snapshot.step, records, time=snapshot.time, rank=snapshot.rank)
