@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 import numwatch
@@ -85,6 +86,46 @@ def test_swap_routes_exactly_the_chosen_layers(calls):
     monitor.step()
     assert len(calls) == 1
     assert monitor.snapshot().value("attn_kernel_stabilized", layer="b") == 0
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, use_reentrant):
+        super().__init__()
+        self.a = Attn()
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        if self.use_reentrant is None:
+            return self.a(x)
+        return torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpointed_layer_recomputes_with_the_kernel_it_is_routed_to(calls, use_reentrant):
+    """Activation checkpointing runs a layer's forward again in backward, outside the model's
+    forward. That recompute ran native SDPA: non-reentrant checkpointing refused the mismatch
+    (a CheckpointError: backward failed), reentrant silently took native SDPA's gradients. A
+    route set before the layer was ever seen holds too; the recompute is not measured again."""
+
+    def run(use_reentrant):
+        torch.manual_seed(0)
+        model = Checkpointed(use_reentrant).to(torch.bfloat16)
+        hooks = (dict(model.a._forward_pre_hooks), dict(model.a._forward_hooks))
+        monitor = monitor_for(model, attention__every=1)
+        monitor.swap_attention(mode="paper_repro")  # before the first forward
+        x = (torch.randn(2, 16, 32) * 4).to(torch.bfloat16).requires_grad_()
+        model(x).float().mul(torch.linspace(-1, 1, 32)).sum().backward()
+        monitor.step()
+        rows = monitor.snapshot().value("attn_rows", layer="a", head="0")
+        monitor.detach()
+        assert (dict(model.a._forward_pre_hooks), dict(model.a._forward_hooks)) == hooks
+        return model.a.qkv.weight.grad, x.grad, rows
+
+    plain = run(None)
+    checkpointed = run(use_reentrant)
+    assert torch.equal(checkpointed[0], plain[0]) and torch.equal(checkpointed[1], plain[1])
+    assert checkpointed[2] == plain[2] > 0
+    assert calls == ["paper_repro"] * 3  # forward; forward and its recompute
 
 
 def test_multihead_attention_cannot_be_swapped_and_says_so(calls, caplog):

@@ -177,6 +177,12 @@ class AttentionProbe:
         # Layer glob -> kernel replacing SDPA there (None = native); the last match wins.
         self._routes: dict[str, Callable[[SdpaCall], torch.Tensor] | None] = {}
         self._route_cache: dict[str, Callable[[SdpaCall], torch.Tensor] | None] = {}
+        # Routed layers' own entry hooks: a forward of theirs outside the model's (activation
+        # checkpointing recomputes it in backward) must run the same kernel as the forward did.
+        self._route_handles: list[Any] = []
+        self._route_hooked: set[str] = set()
+        self._route_depth = 0
+        self._route_mode: _Interceptor | None = None
 
     # ------------------------------------------------------------------ kernel routing
     def set_route(self, pattern: str, kernel: Callable[[SdpaCall], torch.Tensor] | None) -> None:
@@ -184,10 +190,63 @@ class AttentionProbe:
         self._routes.pop(pattern, None)
         self._routes[pattern] = kernel
         self._route_cache.clear()
+        self.hook_routed_layers()
 
     def clear_routes(self) -> None:
         self._routes.clear()
         self._route_cache.clear()
+        self.hook_routed_layers()
+
+    def hook_routed_layers(self) -> None:
+        """Hook the layers that a route takes now (those seen calling SDPA), and no others."""
+        want = {
+            layer
+            for layer in self.sdpa_layers
+            if layer not in self.unroutable and self.route_for(layer) is not None
+        }
+        if want == self._route_hooked:
+            return
+        self._unhook_routed_layers()
+        for layer in sorted(want):
+            module = self._modules.get(layer) or self.model.get_submodule(layer)
+            self._modules[layer] = module
+            self._route_handles += [
+                module.register_forward_pre_hook(UserHook(self._route_enter)),
+                module.register_forward_hook(UserHook(self._route_exit), always_call=True),
+            ]
+        self._route_hooked = want
+
+    def _unhook_routed_layers(self) -> None:
+        for h in self._route_handles:
+            h.remove()
+        self._route_handles.clear()
+        self._route_hooked = set()
+        self._route_depth = 0
+        mode, self._route_mode = self._route_mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    @torch.compiler.disable
+    def _route_enter(self, _module: nn.Module, _inputs: Any) -> None:
+        # Inside the model's forward the mode is entered already; outside it (a recompute in
+        # backward, a layer called alone) only routing, never sampling: a recompute is not a
+        # second call.
+        if self._depth or not (self._route_depth or self.routing):
+            return
+        self._route_depth += 1
+        if self._route_depth == 1:
+            self._route_mode = _Interceptor(self)
+            self._route_mode.__enter__()
+
+    @torch.compiler.disable
+    def _route_exit(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
+        if self._route_depth == 0:
+            return
+        self._route_depth -= 1
+        if self._route_depth == 0:
+            mode, self._route_mode = self._route_mode, None
+            if mode is not None:
+                mode.__exit__(None, None, None)
 
     @property
     def routing(self) -> bool:
@@ -233,6 +292,7 @@ class AttentionProbe:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._unhook_routed_layers()
         self._abandon_forward()
 
     def on_step(self) -> None:
@@ -244,6 +304,8 @@ class AttentionProbe:
                 self._measure_held()
         if self._root_open:
             self._abandon_forward()
+        if self._routes:  # layers first seen in this step's forward
+            self.hook_routed_layers()
 
     def _abandon_forward(self) -> None:
         # A forward that never reached its exit (a KeyboardInterrupt, or an exception in a
@@ -332,6 +394,8 @@ class AttentionProbe:
         if routable:
             self.sdpa_layers.add(layer)
         route = self.route_for(layer) if routable else None
+        if route is not None and layer not in self._route_hooked:  # routed, first seen now
+            self.hook_routed_layers()
         call = SdpaCall.from_args(args, kwargs) if route is not None else None
         out = route(call) if call is not None and not call.extra else func(*args, **kwargs)
         if self.sampling and self.cfg.sdpa and self._wanted(layer):
