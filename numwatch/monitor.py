@@ -103,6 +103,18 @@ def _warn_uncovered(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def _refuse_lazy_parameters(model: nn.Module) -> None:
+    """Lazy modules (nn.LazyLinear...) have no parameter shapes until their first forward: the
+    weight and gradient probes, which take their parameters at attach, cannot read them."""
+    lazy = [n for n, p in model.named_parameters() if nn.parameter.is_lazy(p)]
+    if lazy:
+        raise NumwatchConfigError(
+            f"the model has uninitialized lazy parameters ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}): run one forward pass (a dummy batch) before "
+            "Monitor.attach(), so that they have their shapes"
+        )
+
+
 _last_default_name = ["", 0]  # the last default run name of this process, and its count
 
 
@@ -234,6 +246,7 @@ class Monitor(Joinable):
                 self._window_start = time.perf_counter()
                 self._guard.overhead_seconds = 0.0  # a detach's final flush is not this window's
                 if self.config.enabled:
+                    _refuse_lazy_parameters(self.model)
                     self.rank = get_rank()  # torch.distributed may start after __init__
                     self._dist.forget_layouts()
                     self._dist.agree(self._aggregation_settings())  # before any hook
@@ -688,9 +701,9 @@ class Monitor(Joinable):
         # An evaluation forward (no_grad, inference_mode) between optimizer.step() and a late
         # step(loss) is not part of a training step: it must not make that call close one, nor
         # count in the activation statistics (training_only).
-        grad = torch.is_grad_enabled()
-        self._ctx.eval_forward = not grad or not self.model.training
-        if grad:
+        # A validation forward of a model in eval mode with grad left on is not one either.
+        self._ctx.eval_forward = not torch.is_grad_enabled() or not self.model.training
+        if not self._ctx.eval_forward:
             self._run_waiting_flush()
             self._ctx.activity = True
         if self._join_config.enable:  # inside Join: tell joined ranks this one still trains

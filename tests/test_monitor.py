@@ -15,7 +15,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import numwatch
-from numwatch.errors import NumwatchHalt
+from numwatch.errors import NumwatchConfigError, NumwatchHalt
 from numwatch.sinks.console import ConsoleSink
 from numwatch.sinks.jsonl import read_jsonl
 from numwatch.testing import hook_state, host_never_waits, planted_tensor, requires_gpu
@@ -506,6 +506,22 @@ def test_models_without_trainable_parameters_or_attention(make_monitor):
     assert params == {"b.weight", "b.bias", "c.weight", "c.bias"}
 
 
+def test_a_model_with_uninitialized_lazy_modules_is_refused_with_the_fix(make_monitor):
+    """attach() read the shapes of nn.LazyLinear's uninitialized parameters: a torch ValueError
+    from inside the weight probe. After one forward the same model attaches."""
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(2))
+    hooks = dict(model._forward_pre_hooks)
+    with pytest.raises(NumwatchConfigError, match=r"lazy parameters \(0.weight.*one forward"):
+        make_monitor(model).attach()
+    assert dict(model._forward_pre_hooks) == hooks
+    model(torch.randn(3, 5))
+    monitor = make_monitor(model).attach()
+    model(torch.randn(3, 5)).sum().backward()
+    monitor.step()
+    assert monitor.flush().value("grad_numel", param="2.weight") == 16
+    monitor.detach()
+
+
 def test_meta_device_model_is_skipped_not_broken(make_monitor):
     with torch.device("meta"):
         model = Net()
@@ -852,10 +868,15 @@ class SyncCounter(TorchFunctionMode):
         return out
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_an_evaluation_forward_before_a_late_step_call_opens_no_step(make_monitor, set_to_none):
-    """optimizer.step(), then a no_grad forward (validation, logging), then step(loss): the call
-    only records the loss, as without the forward. It closed an extra, empty step."""
+@pytest.mark.parametrize(
+    ("set_to_none", "validation"), [(True, "no_grad"), (False, "no_grad"), (True, "eval_mode")]
+)
+def test_an_evaluation_forward_before_a_late_step_call_opens_no_step(
+    make_monitor, set_to_none, validation
+):
+    """optimizer.step(), then a validation forward (no_grad, or the model in eval mode with grad
+    left on), then step(loss): the call only records the loss, as without the forward. It
+    closed an extra, empty step (no_grad until session 21; eval mode until session 24)."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -865,8 +886,13 @@ def test_an_evaluation_forward_before_a_late_step_call_opens_no_step(make_monito
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
-        with torch.no_grad():
+        if validation == "no_grad":
+            with torch.no_grad():
+                model(torch.randn(5, 4))
+        else:
+            model.eval()
             model(torch.randn(5, 4))
+            model.train()
         monitor.step(loss)
     assert monitor.steps == 4
     snap = monitor.flush()

@@ -116,6 +116,31 @@ def test_nested_module_output_is_left_out_alone(make_monitor):
     assert snap.get("activation_numel", module="nest") is None
 
 
+def test_per_sample_gradients_through_the_model_are_left_out_alone(make_monitor):
+    """torch.func's vmap(grad(...)) over the monitored model (per-sample gradients): its
+    batched tensors failed the activation statistics (vmap refuses a value read), an error
+    counted and logged at every sampled step. The training forward is still measured."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = make_monitor(model, flush_every=2, activations__every=1).attach(opt)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_fn(p, x, y):
+        return (functional_call(model, p, (x[None],)) - y).square().mean()
+
+    for _ in range(2):
+        x, y = torch.randn(5, 4), torch.randn(5, 1)
+        vmap(grad(loss_fn), in_dims=(None, 0, 0))(params, x, y)
+        model(x).sub(y).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert no_errors(monitor)
+    assert monitor.history[-1].value("activation_numel", module="0") == 2 * 5 * 8
+
+
 def test_a_meta_loss_is_not_recorded(make_monitor):
     """A dry run on the meta device: its loss has no value to read at flush."""
     with torch.device("meta"):

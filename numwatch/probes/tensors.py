@@ -158,13 +158,16 @@ def _floating(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     ``()``. Sparse tensors are left out: an uncoalesced one (nn.Embedding(sparse=True)'s
     gradient) repeats indices, so its values' extremes and sum of squares are not the tensor's,
     and coalescing it reads its size back to the host. Nested tensors (nn.TransformerEncoder's
-    fast path) report a strided layout but cannot be flattened."""
+    fast path) report a strided layout but cannot be flattened. Tensors of a torch.func
+    transform (vmap, grad: per-sample gradients through the model) are the transform's own: a
+    statistic would read batched values as one tensor, and vmap refuses the kernels' reads."""
     ok = (
         t.layout is torch.strided
         and not t.is_nested
         and t.is_floating_point()
         and t.numel() > 0
         and not t.is_meta
+        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
     )
     return (t,) if ok else ()
 
