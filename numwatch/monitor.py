@@ -419,6 +419,10 @@ class Monitor(Joinable):
             rank=self.rank,
             local_rank=get_local_rank(),
             run_name=self.run_name,
+            known_events=[
+                *((rule.kind, rule.name) for rule in self._engine.rules),
+                *(("action", name) for name, acts in self._actions.items() if acts),
+            ],
         )
         if exporter is not None:
             self._sinks.append(exporter)

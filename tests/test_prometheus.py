@@ -384,6 +384,24 @@ def tiny_training(monitor_overrides: dict, steps: int = 4, nan_at: int | None = 
     return monitor, model
 
 
+def test_every_configured_rule_has_an_event_series_from_the_start():
+    """events_total{kind,rule} appeared only at a rule's first event, at 1: increase() and
+    rate() lose that first event (a counter needs an earlier sample), and the dashboard's event
+    panels read "No data" on a healthy run. Every configured rule (and the action it runs) is
+    served at 0 from the first flush, and still after another rule fired."""
+    monitor, _ = tiny_training({}, steps=2)  # one flush
+    body = get(monitor.prometheus_url)[2]
+    assert value(body, "numwatch_events_total", kind="spike", rule="loss_spike") == 0
+    assert value(body, "numwatch_events_total", kind="action", rule="attn_repeated_max") == 0
+    assert value(body, "numwatch_events_total", kind="nonfinite", rule="nonfinite") == 0
+    monitor.detach()
+    monitor, _ = tiny_training({}, nan_at=1)
+    body = get(monitor.prometheus_url)[2]
+    assert value(body, "numwatch_events_total", kind="nonfinite", rule="nonfinite") == 1
+    assert value(body, "numwatch_events_total", kind="spike", rule="loss_spike") == 0
+    monitor.detach()
+
+
 def test_monitor_serves_and_detach_stops():
     monitor, _ = tiny_training({}, nan_at=1)
     url = monitor.prometheus_url

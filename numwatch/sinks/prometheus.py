@@ -27,7 +27,7 @@ import re
 import socket
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain, groupby, repeat
 from operator import itemgetter
 from socketserver import ThreadingMixIn
@@ -230,7 +230,11 @@ class SnapshotCollector(Collector):
         exclude: Sequence[str] = (),
         const_labels: dict[str, str] | None = None,
         run_name: str = "",
+        known_events: Iterable[tuple[str, str]] = (),
     ) -> None:
+        """``known_events``: the (kind, rule) pairs the configured rules can emit, served as
+        0 from the start: a counter series that appears at 1 loses its first increase to
+        ``increase()`` and ``rate()``, and panels show "No data" on a healthy run."""
         if heads not in ("layer", "top_k", "all"):
             raise ValueError(f"heads must be 'layer', 'top_k' or 'all', got {heads!r}")
         if top_k < 1:
@@ -241,7 +245,8 @@ class SnapshotCollector(Collector):
         self.exclude = tuple(exclude)
         self.const_labels = {k: str(v) for k, v in (const_labels or {}).items()}
         self.run_name = run_name
-        self._events: Counter[tuple[str, str]] = Counter()
+        self._known_events = dict.fromkeys(known_events, 0)
+        self._events: Counter[tuple[str, str]] = Counter(self._known_events)
         self._state: tuple[Snapshot | None, dict[tuple[str, str], int]] = (None, {})
         self._families: tuple[object, list[_Family]] = (object(), [])
         self._text: tuple[object, bytes] = (object(), b"")
@@ -349,6 +354,13 @@ class SnapshotCollector(Collector):
                 records, worst = _reduce_heads(name, records, self.heads, self.top_k, self._layout)
                 worst_heads += worst
             name = _sanitize(name)
+            if name == "events_total":  # the monitor's counts: the rules yet to fire at 0
+                seen = {(r.labels.get("kind"), r.labels.get("rule")) for r in records}
+                records = records + [
+                    MetricRecord(name, {"kind": kind, "rule": rule}, 0.0)
+                    for kind, rule in self._known_events
+                    if (kind, rule) not in seen
+                ]
             typ = "counter" if name.endswith("_total") else "gauge"
             text = metric_help(name, self.heads if reduced else None)
             families.append(_Family(name, typ, text, records))
@@ -609,6 +621,7 @@ class PrometheusSink:
         rank: int = 0,
         run_name: str = "",
         serve: bool = True,
+        known_events: Iterable[tuple[str, str]] = (),
     ) -> None:
         self.collector = SnapshotCollector(
             heads=heads,
@@ -617,6 +630,7 @@ class PrometheusSink:
             exclude=exclude,
             const_labels={"rank": str(rank)},
             run_name=run_name,
+            known_events=known_events,
         )
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
@@ -627,7 +641,13 @@ class PrometheusSink:
 
     @classmethod
     def from_config(
-        cls, cfg: PrometheusSinkConfig, *, rank: int, local_rank: int, run_name: str
+        cls,
+        cfg: PrometheusSinkConfig,
+        *,
+        rank: int,
+        local_rank: int,
+        run_name: str,
+        known_events: Iterable[tuple[str, str]] = (),
     ) -> PrometheusSink | None:
         """The sink ``cfg`` asks for on this rank, or None.
 
@@ -651,6 +671,7 @@ class PrometheusSink:
             exclude=cfg.exclude,
             rank=rank,
             run_name=run_name,
+            known_events=known_events,
         )
 
     @property
