@@ -705,9 +705,11 @@ class Monitor(Joinable):
         # An evaluation forward (no_grad, inference_mode) between optimizer.step() and a late
         # step(loss) is not part of a training step: it must not make that call close one, nor
         # count in the activation statistics (training_only).
-        # A validation forward of a model in eval mode with grad left on is not one either.
-        self._ctx.eval_forward = not torch.is_grad_enabled() or not self.model.training
-        if not self._ctx.eval_forward:
+        # (A model in eval mode with grad on may be training, e.g. without dropout: its forward
+        # begins a step.)
+        grad = torch.is_grad_enabled()
+        self._ctx.eval_forward = not grad or not self.model.training
+        if grad:
             self._run_waiting_flush()
             self._ctx.activity = True
         if self._join_config.enable:  # inside Join: tell joined ranks this one still trains
