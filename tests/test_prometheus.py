@@ -159,8 +159,9 @@ def test_a_series_a_flush_did_not_sample_keeps_its_last_value():
     """Attention and activation series vanished from every flush that did not sample them
     (flush_every < attention.every): Prometheus marked them stale between samples and an alert
     with `for:` could never hold. Until session 24 gradients (gradients.every) still did, and so
-    did the updates of parameters another flush's rotation measured (optimizer.max_bytes): the
-    hold went by metric name, not by series."""
+    did the updates of parameters another flush's rotation measured (optimizer.max_bytes). A
+    metric sampled again is served as sampled: the gradient series of a parameter frozen since
+    is gone (held, a NaN count would fire an alert for the rest of the run)."""
     sampled = Snapshot(
         1,
         [
@@ -168,6 +169,7 @@ def test_a_series_a_flush_did_not_sample_keeps_its_last_value():
             MetricRecord("attn_max_logit", {"layer": "a", "head": "0"}, 7.0),
             MetricRecord("weight_spectral_norm", {"param": "w"}, 3.0),
             MetricRecord("grad_norm", {}, 1.5),
+            MetricRecord("grad_nonfinite", {"param": "w"}, 1.0),
             MetricRecord("optimizer_update_ratio", {"param": "w"}, 1e-3),
         ],
         time=1.7e9,
@@ -179,6 +181,7 @@ def test_a_series_a_flush_did_not_sample_keeps_its_last_value():
             MetricRecord("loss", {}, 0.2),
             MetricRecord("weight_spectral_norm", {"param": "w"}, 2.0),
             MetricRecord("optimizer_update_ratio", {"param": "v"}, 2e-3),  # the rotation's next
+            MetricRecord("grad_nonfinite", {"param": "v"}, 0.0),  # w frozen: no gradient
         ],
         time=1.7e9,
     )
@@ -197,6 +200,8 @@ def test_a_series_a_flush_did_not_sample_keeps_its_last_value():
     assert ratios == {(("param", "v"), ("rank", "0")): 2e-3, (("param", "w"), ("rank", "0")): 1e-3}
     assert got[("numwatch_attn_max_logit", (("layer", "a"), ("rank", "0")))] == 7.0
     assert got[("numwatch_grad_norm", (("rank", "0"),))] == 1.5
+    nonfinite = {lab: v for (name, lab), v in got.items() if name == "numwatch_grad_nonfinite"}
+    assert nonfinite == {(("param", "v"), ("rank", "0")): 0.0}
     # a metric whose absence is its value is not held: no layer routed any more
     routed = Snapshot(6, [MetricRecord("attn_kernel_mode", {"layer": "a", "mode": "plain"}, 1.0)],
                       time=1.7e9)  # fmt: skip

@@ -40,7 +40,7 @@ from prometheus_client.registry import Collector
 
 from numwatch.errors import NumwatchError
 from numwatch.events import Event
-from numwatch.snapshot import MetricRecord, Snapshot
+from numwatch.snapshot import MetricRecord, Snapshot, series_key
 
 if TYPE_CHECKING:
     from numwatch.config import PrometheusSinkConfig
@@ -211,6 +211,8 @@ def _sampled(name: str) -> bool:
 
 _SAMPLED_PREFIXES = ("attn_", "activation_", "grad_", "weight_spectral_norm",
                      "optimizer_update_ratio", "optimizer_absorbed_fraction")  # fmt: skip
+# Measured in rotation (optimizer.max_bytes): a sample holds a share of the parameters.
+_ROTATED = frozenset({"optimizer_update_ratio", "optimizer_absorbed_fraction"})
 
 
 class SnapshotCollector(Collector):
@@ -262,22 +264,25 @@ class SnapshotCollector(Collector):
     def update(self, snapshot: Snapshot, events: Sequence[Event] = ()) -> None:
         """Serve ``snapshot`` from now on and count ``events`` (one reference swap).
 
-        A series the snapshot does not carry (a probe that samples less often than the monitor
-        flushes: attention, activations, gradients, spectral norms, updates; or updates measured
-        in rotation, a share of the parameters per sample) keeps its value of the last snapshot
-        that had it: a scrape between two samples would otherwise find the series gone,
-        Prometheus would mark them stale, and an alert with ``for:`` could never hold."""
+        A metric the snapshot does not carry at all (a probe that samples less often than the
+        monitor flushes: attention, activations, gradients, spectral norms, updates) keeps the
+        series of the last snapshot that had it, and so does each parameter's update measured in
+        rotation (a share of the parameters per sample): a scrape between two samples would
+        otherwise find the series gone, Prometheus would mark them stale, and an alert with
+        ``for:`` could never hold. A metric sampled this flush is served as sampled (a parameter
+        frozen since has no gradient series)."""
         for event in events:
             self._events[(event.kind, event.rule)] += 1
         served = self._state[0]
         if served is not None:
             names, labels, values = snapshot.columns()
-            have = {(n, *sorted(lab.items())) for n, lab in zip(names, labels, strict=True)}
-            held = [
-                r
-                for r in served
-                if _sampled(r.name) and (r.name, *sorted(r.labels.items())) not in have
-            ]
+            have = set(names)
+            # A sampled metric missing altogether keeps all its series; one measured in rotation
+            # keeps the series of parameters another sample measured.
+            held = [r for r in served if r.name not in have and _sampled(r.name)]
+            for name in _ROTATED & have:
+                fresh = {series_key(r.labels) for r in snapshot.series(name)}
+                held += [r for r in served.series(name) if series_key(r.labels) not in fresh]
             if held:
                 records = [*zip(names, labels, values, strict=True), *held]
                 snapshot = Snapshot(snapshot.step, records, time=snapshot.time, rank=snapshot.rank)
