@@ -134,8 +134,8 @@ def _port(text: str) -> int:
 
 def _learning_rate(text: str) -> float:
     value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -144,8 +144,8 @@ _learning_rate.__name__ = "learning rate"
 
 def _seed(text: str) -> int:
     value = int(text)
-    if not 0 <= value < 2**63:  # torch.manual_seed's range
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
+    if not -(2**63) <= value < 2**64:  # torch.manual_seed's range
+        raise argparse.ArgumentTypeError(f"must be in [-2**63, 2**64), got {value}")
     return value
 
 

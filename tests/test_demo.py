@@ -49,9 +49,9 @@ def test_two_demos_on_one_log_are_two_runs(tmp_path, monkeypatch):
         ),
         (["--steps", "ten"], "--steps: invalid integer >= 1 value: 'ten'"),
         # tracebacks from torch until session 24
-        (["--lr", "-1"], "--lr: must be a finite number > 0, got -1"),
-        (["--lr", "nan"], "--lr: must be a finite number > 0, got nan"),
-        (["--seed", str(2**70)], "--seed: must be in [0, 2**63)"),
+        (["--lr", "-1"], "--lr: must be a finite number >= 0, got -1"),
+        (["--lr", "nan"], "--lr: must be a finite number >= 0, got nan"),
+        (["--seed", str(2**70)], "--seed: must be in [-2**63, 2**64)"),
         (["--device", "meta"], "--device: 'meta': the demo trains on cpu or cuda"),
         # planted nothing, silently
         (["--steps", "3", "--nan-at", "10"], "--nan-at: step 10 is past the last step (2)"),
@@ -62,6 +62,12 @@ def test_bad_demo_arguments_are_usage_errors(capsys, args, message):
         main(args)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--seed", "-1"], ["--seed", str(2**64 - 1)], ["--lr", "0"]])
+def test_the_edges_of_torchs_seed_range_and_a_zero_learning_rate_run(tmp_path, args):
+    assert main(["--steps", "1", "--batch", "1", "--no-metrics", "--jsonl",
+                 str(tmp_path / "d.jsonl"), *args]) == 0  # fmt: skip
 
 
 def test_a_log_path_that_is_a_directory_is_a_message_not_a_traceback(tmp_path, capsys):
