@@ -128,6 +128,35 @@ def test_a_checkpointed_layer_recomputes_with_the_kernel_it_is_routed_to(calls, 
     assert calls == ["paper_repro"] * 3  # forward; forward and its recompute
 
 
+def test_a_keyboard_interrupt_in_a_routed_recompute_leaves_the_next_step_working(calls):
+    """Ctrl-C inside a checkpointed layer's recompute (in backward): its exit hook never ran and
+    the autograd engine dropped the mode the entry pushed. The stale state then popped the
+    model's own mode in the next forward: 'trying to pop from empty mode stack'."""
+    torch.manual_seed(0)
+    model = Checkpointed(use_reentrant=False).to(torch.bfloat16)
+    monitor = monitor_for(model)
+    monitor.swap_attention()
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    interrupt = [False]
+
+    def ctrl_c(_module, _inputs):
+        if interrupt[0]:
+            interrupt[0] = False
+            raise KeyboardInterrupt
+
+    model.a.qkv.register_forward_pre_hook(ctrl_c)
+    loss = model(x).float().sum()
+    interrupt[0] = True
+    with pytest.raises(KeyboardInterrupt):
+        loss.backward()
+    monitor.step()
+    model(x).float().sum().backward()
+    monitor.step()
+    assert calls == ["stabilized"] * 3  # forward, interrupted step; forward, recompute
+    assert torch.overrides._get_current_function_mode_stack() == []
+    monitor.detach()
+
+
 def test_multihead_attention_cannot_be_swapped_and_says_so(calls, caplog):
     """nn.MultiheadAttention computes attention inside torch's multi_head_attention_forward,
     out of the interception's reach: the swap warns once and the metric stays 0 (it said 1 while

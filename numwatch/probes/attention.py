@@ -222,16 +222,17 @@ class AttentionProbe:
         self._route_handles.clear()
         self._route_hooked = set()
         self._route_depth = 0
-        mode, self._route_mode = self._route_mode, None
-        if mode is not None:
-            mode.__exit__(None, None, None)
+        self._pop_route_mode()
 
     @torch.compiler.disable
     def _route_enter(self, _module: nn.Module, _inputs: Any) -> None:
         # Inside the model's forward the mode is entered already; outside it (a recompute in
         # backward, a layer called alone) only routing, never sampling: a recompute is not a
         # second call.
-        if self._depth or not (self._route_depth or self.routing):
+        if self._depth:
+            return
+        self._drop_stale_route_mode()
+        if not (self._route_depth or self.routing):
             return
         self._route_depth += 1
         if self._route_depth == 1:
@@ -240,13 +241,25 @@ class AttentionProbe:
 
     @torch.compiler.disable
     def _route_exit(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
-        if self._route_depth == 0:
+        if self._depth or self._route_depth == 0:
             return
         self._route_depth -= 1
         if self._route_depth == 0:
-            mode, self._route_mode = self._route_mode, None
-            if mode is not None:
-                mode.__exit__(None, None, None)
+            self._pop_route_mode()
+
+    def _drop_stale_route_mode(self) -> None:
+        """A KeyboardInterrupt in a recompute skips the exit hook, and the autograd engine
+        unwinds the mode stack itself: the mode it held is gone, forget it."""
+        mode = self._route_mode
+        if mode is not None and mode not in torch.overrides._get_current_function_mode_stack():
+            self._route_mode, self._route_depth = None, 0
+
+    def _pop_route_mode(self) -> None:
+        """Pop the routing mode only from the top of the stack: never another mode."""
+        mode, self._route_mode = self._route_mode, None
+        stack = torch.overrides._get_current_function_mode_stack()
+        if mode is not None and stack and stack[-1] is mode:
+            mode.__exit__(None, None, None)
 
     @property
     def routing(self) -> bool:
@@ -304,6 +317,7 @@ class AttentionProbe:
                 self._measure_held()
         if self._root_open:
             self._abandon_forward()
+        self._drop_stale_route_mode()
         if self._routes:  # layers first seen in this step's forward
             self.hook_routed_layers()
 
