@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["InertHook", "UserHook", "after_first_closure_call"]
+__all__ = ["InertHook", "UserHook", "after_first_closure_call", "remove_step_pre_hook"]
 
 
 class InertHook:
@@ -61,3 +61,52 @@ def after_first_closure_call(
     if "closure" in kwargs:
         return args, {**kwargs, "closure": closure_then}
     return (args[0], closure_then, *args[2:]), kwargs
+
+
+# Optimizer step pre-hooks of numwatch's running now (torch is iterating the pre-hook dict).
+_running_pre_hooks = [0]
+
+
+def running_step_pre_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn``, an optimizer step pre-hook, as running while it runs (a detach from inside
+    it must not remove pre-hooks then: see ``remove_step_pre_hook``)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _running_pre_hooks[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _running_pre_hooks[0] -= 1
+
+    return wrapper
+
+
+def remove_step_pre_hook(optimizer: Any, handle: Any) -> None:
+    """Remove an optimizer step hook; a pre-hook also from inside one (a callback that detaches
+    during the step close it runs). torch iterates the pre-hooks as it calls them: removing one
+    there made a later pre-hook's turn raise "OrderedDict mutated during iteration", and the
+    update was lost. Inside, the hook is replaced in place by an ``InertHook`` (same key: no
+    mutation) and removed by one post-hook, the step's last, which then removes itself."""
+    hooks = handle.hooks_dict_ref()
+    if hooks is None or handle.id not in hooks:
+        return
+    pre_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    if not _running_pre_hooks[0] or hooks is not pre_hooks:
+        handle.remove()  # (a post-hook: that dict is not being iterated now)
+        return
+    hooks[handle.id] = InertHook()
+    pending = _deferred.setdefault(id(optimizer), [])
+    if not pending:
+
+        def remove_after_step(*_: Any) -> None:
+            for h in _deferred.pop(id(optimizer), ()):
+                h.remove()
+            cleanup.remove()
+
+        cleanup = optimizer.register_step_post_hook(remove_after_step)
+    pending.append(handle)
+
+
+# id(optimizer) -> its pre-hook handles waiting for the end of the running step
+_deferred: dict[int, list[Any]] = {}

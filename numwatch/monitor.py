@@ -48,7 +48,12 @@ from numwatch.errors import NumwatchConfigError, NumwatchError, NumwatchHalt
 from numwatch.events import Event, EventBus
 from numwatch.gc_pause import gc_paused
 from numwatch.guard import Guard
-from numwatch.hooks import UserHook, after_first_closure_call
+from numwatch.hooks import (
+    UserHook,
+    after_first_closure_call,
+    remove_step_pre_hook,
+    running_step_pre_hook,
+)
 from numwatch.kernels import launch
 from numwatch.kernels.flash_attention import flash_attention_fallbacks
 from numwatch.kernels.host_copy import to_device
@@ -304,7 +309,9 @@ class Monitor(Joinable):
             )
         else:
             self._optimizer_handles = [
-                optimizer.register_step_pre_hook(UserHook(self._on_optimizer_step)),
+                optimizer.register_step_pre_hook(
+                    UserHook(running_step_pre_hook(self._on_optimizer_step))
+                ),
             ]
 
     def detach(self, *, within_step: bool = False) -> None:
@@ -345,7 +352,7 @@ class Monitor(Joinable):
             self._activity_handle.remove()
             self._activity_handle = None
         for handle in self._optimizer_handles:
-            handle.remove()
+            remove_step_pre_hook(self._optimizer, handle)
         if self._control is not None:
             self._control.uninstall(keep_skip)
             self._skipped_earlier += self._control.skipped_steps  # a counter: never goes back

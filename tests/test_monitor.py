@@ -1400,6 +1400,29 @@ def test_a_callback_that_flushes_gets_the_running_flush(make_monitor, caplog):
     assert len(told) == 1
 
 
+def test_a_callback_that_detaches_in_the_optimizer_hook_keeps_the_update(make_monitor):
+    """A step closed by the optimizer's step pre-hook, whose flush runs a callback that
+    detaches: removing numwatch's pre-hooks while torch iterated them made a pre-hook added
+    after attach raise "OrderedDict mutated during iteration", and the update was lost. The
+    update runs, and every hook numwatch added is gone after the step."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rules = {"defaults": False, "add": [{"type": "threshold", "name": "any_grad",
+                                         "metric": "grad_norm", "threshold": 0.0}]}  # fmt: skip
+    monitor = make_monitor(model, flush_every=1, optimizer__every=1, rules=rules).attach(opt)
+    later = opt.register_step_pre_hook(lambda *_: None)
+    monitor.on("precursor", lambda _event: monitor.detach())
+    model(torch.ones(2, 4)).sum().backward()
+    before = model.weight.detach().clone()
+    opt.step()
+    assert not monitor.attached
+    assert not torch.equal(model.weight, before)
+    assert list(opt._optimizer_step_pre_hooks) == [later.id]
+    assert not opt._optimizer_step_post_hooks
+    opt.step()  # and the next step runs with the user's hook alone
+
+
 def test_a_callback_that_detaches_waits_for_the_end_of_the_flush(make_monitor):
     torch.manual_seed(0)
     model = Net()

@@ -23,7 +23,7 @@ from torch import nn
 from numwatch.buffers import nonfinite_counts
 from numwatch.config import OptimizerProbeConfig
 from numwatch.distributed import local_tensor
-from numwatch.hooks import UserHook, after_first_closure_call
+from numwatch.hooks import UserHook, after_first_closure_call, remove_step_pre_hook
 from numwatch.kernels import tensor_stats as ts
 from numwatch.kernels.host_copy import to_device
 from numwatch.probes.base import ProbeContext, gathering_device
@@ -93,7 +93,7 @@ class OptimizerProbe:
 
     def detach(self) -> None:
         for h in self._handles:
-            h.remove()
+            remove_step_pre_hook(self.optimizer, h)
         self._handles.clear()
 
     def _pre(self, _optimizer: Any, args: tuple, kwargs: dict) -> Any:
