@@ -36,6 +36,19 @@ def test_update_ratio_of_plain_sgd():
     assert snap.value("optimizer_lr", group="0") == 0.1
 
 
+def test_a_parameter_outside_the_model_takes_the_name_given_to_the_optimizer():
+    """A trained temperature that is no module parameter, passed to the optimizer by name: it
+    was labelled group0.2, though torch keeps the name in the group's param_names."""
+    model = nn.Linear(2, 1)
+    temperature = nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([*model.named_parameters(), ("temperature", temperature)], lr=0.1)
+    monitor = monitor_for(model, opt)
+    (model(torch.ones(1, 2)) * temperature).sum().backward()
+    opt.step()
+    params = {r.labels["param"] for r in monitor.flush().series("optimizer_update_ratio")}
+    assert params == {"weight", "bias", "temperature"}
+
+
 def test_absorbed_updates_of_bf16_weights():
     model = nn.Linear(8, 1, bias=False).to(torch.bfloat16)
     with torch.no_grad():

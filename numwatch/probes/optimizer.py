@@ -46,6 +46,11 @@ def _sum_sq(stats: torch.Tensor) -> torch.Tensor:
     return torch.where(nonfinite_counts(stats) > 0, math.inf, stats[:, ts.SUMSQ])
 
 
+def _given_name(group: dict, i: int) -> str | None:
+    given = group.get("param_names")
+    return str(given[i]) if isinstance(given, list) and i < len(given) else None
+
+
 class OptimizerProbe:
     component = "optimizer"
 
@@ -64,8 +69,9 @@ class OptimizerProbe:
         self.optimizer = optimizer
         self.scaler = scaler
         names = {id(p): n for n, p in model.named_parameters()}
+        # a parameter outside the model: the name the optimizer was given (named parameters)
         self.params = [
-            (names.get(id(p), f"group{g}.{i}"), p)
+            (names.get(id(p)) or _given_name(group, i) or f"group{g}.{i}", p)
             for g, group in enumerate(optimizer.param_groups)
             for i, p in enumerate(group["params"])
         ]
