@@ -248,6 +248,26 @@ def clipped_model(hidden_heads=False):
     return model
 
 
+def test_a_qk_clip_queued_by_the_final_flush_of_detach_is_applied():
+    """With an optimizer, a clip waits for the next update; the final flush of detach() queued
+    one (its action event logged) and detach dropped it with the optimizer's wrapper: the
+    announced rescale never happened. It runs at the detach now."""
+    model = clipped_model()
+    rules = only("threshold", "logit", "attn_max_logit", {"type": "qk_clip", "tau": 20.0},
+                 threshold=20.0)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # only a clip can move the weights
+    monitor = monitor_for(model, rules=rules, attention__every=1, flush_every=10).attach(opt)
+    x = torch.randn(2, 6, 16)
+    model(x).square().mean().backward()
+    opt.step()  # step 0: no flush yet
+    opt.zero_grad()
+    before = model.attn.qkv.weight.detach().clone()
+    monitor.detach()  # its flush fires the rule
+    assert [e.evidence["action"] for e in monitor.events if e.kind == "action"] == ["qk_clip"] * 2
+    assert not torch.equal(model.attn.qkv.weight, before)
+    assert torch.equal(model.attn.qkv.weight[64:], before[64:])  # V untouched
+
+
 def test_qk_clip_after_withheld_updates_clips_once():
     """Clips queued while updates are withheld (skip_step here; a GradScaler's overflow steps
     alike) run once after the next update that happens: queued twice, the logits fell to

@@ -36,6 +36,7 @@ class OptimizerControl:
         self._skip = False
         self._backoffs: list[tuple[float, int, Hashable]] = []  # (factor, steps left, key)
         self._after_step: dict[Hashable, Callable[[], None]] = {}
+        self._stepping = False  # inside the wrapped step (it runs _after_step after the update)
 
         def step(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             return self._step(*args, **kwargs)
@@ -81,6 +82,13 @@ class OptimizerControl:
 
     # -------------------------------------------------------------- the wrapped step
     def _step(self, *args: Any, **kwargs: Any) -> Any:
+        self._stepping = True
+        try:
+            return self._wrapped_step(*args, **kwargs)
+        finally:
+            self._stepping = False
+
+    def _wrapped_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
             if self._skip:  # the skip decided before an uninstall (a halt) holds for its step
                 return self._skip_now(kwargs.get("closure", args[0] if args else None))
@@ -145,6 +153,10 @@ class OptimizerControl:
         self.active = False
         if not (keep_skip and self._skip):
             self._remove()  # (a step() under way when called still finishes as decided)
+        if not self._stepping:  # announced, queued for an update no hook will see: run now
+            pending, self._after_step = self._after_step, {}
+            for fn in pending.values():
+                self._run_guarded(fn)
 
     def _remove(self) -> None:
         if self.optimizer.__dict__.get("step") is self._wrapper:
