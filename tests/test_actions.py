@@ -268,6 +268,29 @@ def test_a_qk_clip_queued_by_the_final_flush_of_detach_is_applied():
     assert torch.equal(model.attn.qkv.weight[64:], before[64:])  # V untouched
 
 
+def test_a_qk_clip_of_a_skipped_step_whose_callback_detaches_is_applied():
+    """skip_step and qk_clip fire in one step close, and a callback detaches then: the skipped
+    update never ran the clip, and the wrapper that would run it at the next update went."""
+    model = clipped_model()
+    rules = {"defaults": False, "add": [
+        {"type": "threshold", "name": "logit", "metric": "attn_max_logit", "threshold": 20.0,
+         "actions": [{"type": "qk_clip", "tau": 20.0}]},
+        {"type": "threshold", "name": "gn", "metric": "grad_norm", "threshold": 0.0,
+         "actions": ["skip_step"]},
+    ]}  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = monitor_for(model, rules=rules, attention__every=1, flush_every=1).attach(opt)
+    monitor.on("action", lambda _event: monitor.detach())
+    model(torch.randn(2, 6, 16)).square().mean().backward()
+    before = model.attn.qkv.weight.detach().clone()
+    opt.step()
+    assert not monitor.attached
+    assert sorted(e.evidence["action"] for e in monitor.events if e.kind == "action") == [
+        "qk_clip", "qk_clip", "skip_step"
+    ]  # fmt: skip
+    assert not torch.equal(model.attn.qkv.weight, before)
+
+
 def test_qk_clip_after_withheld_updates_clips_once():
     """Clips queued while updates are withheld (skip_step here; a GradScaler's overflow steps
     alike) run once after the next update that happens: queued twice, the logits fell to

@@ -47,6 +47,15 @@ def test_a_parameter_outside_the_model_takes_the_name_given_to_the_optimizer():
     opt.step()
     params = {r.labels["param"] for r in monitor.flush().series("optimizer_update_ratio")}
     assert params == {"weight", "bias", "temperature"}
+    monitor.detach()
+    # a trained module outside the model whose names are the model's: no label taken twice
+    aux = nn.Linear(2, 1)
+    opt = torch.optim.SGD([*model.named_parameters(), *aux.named_parameters()], lr=0.1)
+    monitor = monitor_for(model, opt)
+    (model(torch.ones(1, 2)) + aux(torch.ones(1, 2))).sum().backward()
+    opt.step()
+    params = [r.labels["param"] for r in monitor.flush().series("optimizer_update_ratio")]
+    assert sorted(params) == ["bias", "group0.2", "group0.3", "weight"]
 
 
 def test_absorbed_updates_of_bf16_weights():

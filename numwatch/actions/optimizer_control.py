@@ -125,9 +125,7 @@ class OptimizerControl:
             for group, lr in zip(self.optimizer.param_groups, saved, strict=True):
                 group["lr"] = lr
         self._tick()
-        pending, self._after_step = self._after_step, {}
-        for fn in pending.values():
-            self._run_guarded(fn)
+        self._run_pending()
         return out
 
     def _skip_now(self, closure: Callable[[], Any] | None, loss: Any = None) -> Any:
@@ -141,6 +139,7 @@ class OptimizerControl:
         self.optimizer.zero_grad(set_to_none=True)
         if not self.active:  # the pass-through this skip kept in place goes now
             self._remove()
+            self._run_pending()  # (no later update will run them: a detach during this step)
         return loss
 
     def _tick(self) -> None:
@@ -154,9 +153,12 @@ class OptimizerControl:
         if not (keep_skip and self._skip):
             self._remove()  # (a step() under way when called still finishes as decided)
         if not self._stepping:  # announced, queued for an update no hook will see: run now
-            pending, self._after_step = self._after_step, {}
-            for fn in pending.values():
-                self._run_guarded(fn)
+            self._run_pending()
+
+    def _run_pending(self) -> None:
+        pending, self._after_step = self._after_step, {}
+        for fn in pending.values():
+            self._run_guarded(fn)
 
     def _remove(self) -> None:
         if self.optimizer.__dict__.get("step") is self._wrapper:

@@ -69,12 +69,18 @@ class OptimizerProbe:
         self.optimizer = optimizer
         self.scaler = scaler
         names = {id(p): n for n, p in model.named_parameters()}
-        # a parameter outside the model: the name the optimizer was given (named parameters)
-        self.params = [
-            (names.get(id(p)) or _given_name(group, i) or f"group{g}.{i}", p)
-            for g, group in enumerate(optimizer.param_groups)
-            for i, p in enumerate(group["params"])
-        ]
+        # A parameter outside the model: the name the optimizer was given (named parameters),
+        # unless a model parameter or an earlier one has it (two series under one label).
+        taken = set(names.values())
+        self.params = []
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                name = names.get(id(p))
+                if name is None:
+                    given = _given_name(group, i)
+                    name = given if given is not None and given not in taken else f"group{g}.{i}"
+                    taken.add(name)
+                self.params.append((name, p))
         self._handles: list[Any] = []
         self._updates = 0
         self._before: list[torch.Tensor] | None = None
