@@ -13,7 +13,14 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["InertHook", "UserHook", "after_first_closure_call", "remove_step_pre_hook"]
+__all__ = [
+    "InertHook",
+    "UserHook",
+    "after_first_closure_call",
+    "remove_step_pre_hook",
+    "running_step_pre_hook",
+    "settle_step_hooks",
+]
 
 
 class InertHook:
@@ -87,7 +94,7 @@ def remove_step_pre_hook(optimizer: Any, handle: Any) -> None:
     during the step close it runs). torch iterates the pre-hooks as it calls them: removing one
     there made a later pre-hook's turn raise "OrderedDict mutated during iteration", and the
     update was lost. Inside, the hook is replaced in place by an ``InertHook`` (same key: no
-    mutation) and removed by one post-hook, the step's last, which then removes itself."""
+    mutation) and removed by a post-hook of the step (see ``settle_step_hooks``)."""
     hooks = handle.hooks_dict_ref()
     if hooks is None or handle.id not in hooks:
         return
@@ -102,11 +109,29 @@ def remove_step_pre_hook(optimizer: Any, handle: Any) -> None:
         def remove_after_step(*_: Any) -> None:
             for h in _deferred.pop(id(optimizer), ()):
                 h.remove()
-            cleanup.remove()
+            post = cleanup.hooks_dict_ref()
+            if post is not None and next(reversed(post), None) == cleanup.id:
+                cleanup.remove()  # the last post-hook: the loop ends without another turn
+                _cleanups.pop(id(optimizer), None)
+            elif post is not None:  # another post-hook comes after: removed at the next attach
+                post[cleanup.id] = InertHook()
 
         cleanup = optimizer.register_step_post_hook(remove_after_step)
+        _cleanups[id(optimizer)] = cleanup
     pending.append(handle)
 
 
-# id(optimizer) -> its pre-hook handles waiting for the end of the running step
+def settle_step_hooks(optimizer: Any) -> None:
+    """Remove what a detach inside a step left for later (outside any step: attach calls it),
+    also when that step never reached its post-hooks (an exception after the pre-hooks)."""
+    for h in _deferred.pop(id(optimizer), ()):
+        h.remove()
+    cleanup = _cleanups.pop(id(optimizer), None)
+    if cleanup is not None:
+        cleanup.remove()
+
+
+# id(optimizer) -> its pre-hook handles (inert now) waiting to be removed outside a step, and
+# the post-hook that removes them
 _deferred: dict[int, list[Any]] = {}
+_cleanups: dict[int, Any] = {}

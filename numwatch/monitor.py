@@ -53,6 +53,7 @@ from numwatch.hooks import (
     after_first_closure_call,
     remove_step_pre_hook,
     running_step_pre_hook,
+    settle_step_hooks,
 )
 from numwatch.kernels import launch
 from numwatch.kernels.flash_attention import flash_attention_fallbacks
@@ -291,6 +292,7 @@ class Monitor(Joinable):
         return out
 
     def _attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+        settle_step_hooks(optimizer)  # hooks a detach inside a step left inert
         self._optimizer = optimizer
         self._scaler = scaler
         if self.config.optimizer.enabled:

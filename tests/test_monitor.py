@@ -1423,6 +1423,43 @@ def test_a_callback_that_detaches_in_the_optimizer_hook_keeps_the_update(make_mo
     opt.step()  # and the next step runs with the user's hook alone
 
 
+def test_a_step_interrupted_after_a_detach_in_its_pre_hook_leaves_a_reattach_working(
+    make_monitor,
+):
+    """The step that deferred the removal of numwatch's pre-hooks never reached its post-hooks
+    (a Ctrl-C in a later pre-hook): its clean-up post-hook stayed, and after a re-attach it
+    removed itself while torch iterated the post-hooks, failing every later step."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rules = {"defaults": False, "add": [{"type": "threshold", "name": "any_grad",
+                                         "metric": "grad_norm", "threshold": 0.0}]}  # fmt: skip
+    monitor = make_monitor(model, flush_every=1, optimizer__every=1, rules=rules).attach(opt)
+    once = [True]
+    monitor.on("precursor", lambda _event: once[0] and monitor.detach())
+
+    def ctrl_c(*_):
+        if once[0]:
+            once[0] = False
+            raise KeyboardInterrupt
+
+    user = opt.register_step_pre_hook(ctrl_c)
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert not monitor.attached
+    monitor.attach(opt)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        before = model.weight.detach().clone()
+        opt.step()
+        assert not torch.equal(model.weight, before)
+    monitor.detach()
+    assert list(opt._optimizer_step_pre_hooks) == [user.id]
+    assert not opt._optimizer_step_post_hooks
+
+
 def test_a_callback_that_detaches_waits_for_the_end_of_the_flush(make_monitor):
     torch.manual_seed(0)
     model = Net()
