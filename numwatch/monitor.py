@@ -261,7 +261,7 @@ class Monitor(Joinable):
                         self.run_name = shared
                     launch.CUDA_GRAPHS = self.config.cuda_graphs
                     self._build_probes()
-                    self._build_sinks()
+                    self._build_sinks(scaler=scaler is not None)
                     # A step is under way once the model runs (step()/optimizer hook need it).
                     self._activity_handle = self.model.register_forward_pre_hook(
                         UserHook(self._mark_activity)
@@ -402,7 +402,8 @@ class Monitor(Joinable):
         for probe in self._probes:
             probe.attach()
 
-    def _build_sinks(self) -> None:
+    def _build_sinks(self, scaler: bool = False) -> None:
+        """``scaler``: a GradScaler comes with the optimizer (its overflows are events too)."""
         cfg = self.config.sinks
         per_rank = self.config.distributed.jsonl == "per_rank"
         shared_path = per_rank and "{rank}" not in cfg.jsonl.path and get_world_size() > 1
@@ -431,6 +432,8 @@ class Monitor(Joinable):
             known_events=[
                 *((rule.kind, rule.name) for rule in self._engine.rules),
                 *(("action", name) for name, acts in self._actions.items() if acts),
+                ("nonfinite", "nonfinite"),  # the monitor's own, where no rule adopts it
+                *([("anomaly", "scaler_overflow")] if scaler else []),
             ],
         )
         if exporter is not None:

@@ -405,6 +405,19 @@ def test_every_configured_rule_has_an_event_series_from_the_start():
     assert value(body, "numwatch_events_total", kind="nonfinite", rule="nonfinite") == 1
     assert value(body, "numwatch_events_total", kind="spike", rule="loss_spike") == 0
     monitor.detach()
+    # a nonfinite rule's configured kind is its events' kind (the adopted event kept
+    # "nonfinite": its series appeared at 1 beside a configured one that stayed at 0)
+    kind = {"rules__add": [{"type": "nonfinite", "name": "nan_seen", "kind": "anomaly"}]}
+    monitor, _ = tiny_training(kind, nan_at=1)
+    body = get(monitor.prometheus_url)[2]
+    assert value(body, "numwatch_events_total", kind="anomaly", rule="nan_seen") == 1
+    assert [e.kind for e in monitor.events if e.rule == "nan_seen"] == ["anomaly"]
+    monitor.detach()
+    # the monitor's own NaN event, which no rule adopts here, has its series from the start
+    monitor, _ = tiny_training({"rules__disable": ["nonfinite"]}, steps=2)
+    body = get(monitor.prometheus_url)[2]
+    assert value(body, "numwatch_events_total", kind="nonfinite", rule="nonfinite") == 0
+    monitor.detach()
 
 
 def test_monitor_serves_and_detach_stops():

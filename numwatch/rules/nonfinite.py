@@ -49,6 +49,5 @@ class NonfiniteRule(Rule):
         if not picked or self._flushes < self._quiet_until.get((), 0):
             return []
         self._quiet_until[()] = self._flushes + 1 + self.cooldown
-        return [
-            Event(**{**e.to_dict(), "rule": self.name, "severity": self.severity}) for e in picked
-        ]
+        mine = {"rule": self.name, "kind": self.kind, "severity": self.severity}
+        return [Event(**{**e.to_dict(), **mine}) for e in picked]
