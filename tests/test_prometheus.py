@@ -202,6 +202,14 @@ def test_a_series_a_flush_did_not_sample_keeps_its_last_value():
     assert got[("numwatch_grad_norm", (("rank", "0"),))] == 1.5
     nonfinite = {lab: v for (name, lab), v in got.items() if name == "numwatch_grad_nonfinite"}
     assert nonfinite == {(("param", "v"), ("rank", "0")): 0.0}
+    # w's update is held while its turn may come (2 series known, 1 per sample: a rotation of
+    # 2 samples), then it goes: frozen, it has no update to report (its ratio was held forever)
+    for step, held in ((6, True), (7, False)):
+        only_v = Snapshot(step, [MetricRecord("optimizer_update_ratio", {"param": "v"}, 3e-3)],
+                          time=1.7e9)  # fmt: skip
+        collector.update(only_v)
+        got = samples(collector.exposition())
+        assert (("numwatch_optimizer_update_ratio", (("param", "w"), ("rank", "0"))) in got) == held
     # a metric whose absence is its value is not held: no layer routed any more
     routed = Snapshot(6, [MetricRecord("attn_kernel_mode", {"layer": "a", "mode": "plain"}, 1.0)],
                       time=1.7e9)  # fmt: skip

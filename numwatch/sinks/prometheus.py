@@ -249,6 +249,9 @@ class SnapshotCollector(Collector):
         self.run_name = run_name
         self._known_events = dict.fromkeys(known_events, 0)
         self._events: Counter[tuple[str, str]] = Counter(self._known_events)
+        # rotated metric -> series key -> the sample of it that last measured that series
+        self._rotation: dict[str, dict[tuple[tuple[str, str], ...], int]] = {}
+        self._rotation_samples: dict[str, int] = {}
         self._state: tuple[Snapshot | None, dict[tuple[str, str], int]] = (None, {})
         self._families: tuple[object, list[_Family]] = (object(), [])
         self._text: tuple[object, bytes] = (object(), b"")
@@ -267,26 +270,48 @@ class SnapshotCollector(Collector):
         A metric the snapshot does not carry at all (a probe that samples less often than the
         monitor flushes: attention, activations, gradients, spectral norms, updates) keeps the
         series of the last snapshot that had it, and so does each parameter's update measured in
-        rotation (a share of the parameters per sample): a scrape between two samples would
-        otherwise find the series gone, Prometheus would mark them stale, and an alert with
-        ``for:`` could never hold. A metric sampled this flush is served as sampled (a parameter
-        frozen since has no gradient series)."""
+        rotation (a share of the parameters per sample) until its turn comes again: a scrape
+        between two samples would otherwise find the series gone, Prometheus would mark them
+        stale, and an alert with ``for:`` could never hold. A metric sampled this flush is
+        served as sampled (a parameter frozen since has no gradient series, and its update
+        series goes once a whole rotation passed it by)."""
         for event in events:
             self._events[(event.kind, event.rule)] += 1
         served = self._state[0]
-        if served is not None:
-            names, labels, values = snapshot.columns()
-            have = set(names)
-            # A sampled metric missing altogether keeps all its series; one measured in rotation
-            # keeps the series of parameters another sample measured.
-            held = [r for r in served if r.name not in have and _sampled(r.name)]
-            for name in _ROTATED & have:
-                fresh = {series_key(r.labels) for r in snapshot.series(name)}
-                held += [r for r in served.series(name) if series_key(r.labels) not in fresh]
-            if held:
-                records = [*zip(names, labels, values, strict=True), *held]
-                snapshot = Snapshot(snapshot.step, records, time=snapshot.time, rank=snapshot.rank)
+        names, labels, values = snapshot.columns()
+        have = set(names)
+        held = [] if served is None else [
+            r for r in served if r.name not in have and _sampled(r.name)
+        ]  # fmt: skip
+        for name in _ROTATED & have:
+            held += self._rotation_held(name, snapshot, served)
+        if held:
+            records = [*zip(names, labels, values, strict=True), *held]
+            snapshot = Snapshot(snapshot.step, records, time=snapshot.time, rank=snapshot.rank)
         self._state = (snapshot, dict(self._events))
+
+    def _rotation_held(
+        self, name: str, snapshot: Snapshot, served: Snapshot | None
+    ) -> list[MetricRecord]:
+        """The served series of rotated metric ``name`` that this sample did not measure and
+        whose turn may still come: measured within the last rotation (the series known, over
+        the series a sample measures, in samples)."""
+        seen = self._rotation.setdefault(name, {})
+        sample = self._rotation_samples[name] = self._rotation_samples.get(name, 0) + 1
+        fresh = {series_key(r.labels) for r in snapshot.series(name)}
+        for key in fresh:
+            seen[key] = sample
+        rotation = -(-len(seen) // max(len(fresh), 1))
+        held = []
+        for r in served.series(name) if served is not None else ():
+            key = series_key(r.labels)
+            if key in fresh:
+                continue
+            if sample - seen.get(key, 0) <= rotation:
+                held.append(r)
+            else:
+                seen.pop(key, None)
+        return held
 
     def describe(self) -> list[Metric]:
         """No fixed names: the registry must not call collect() when this is registered."""
