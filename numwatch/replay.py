@@ -103,9 +103,12 @@ def _origins(logged: Sequence[Event]) -> list[Event]:
     seen: dict[tuple, Event] = {}
     for e in logged:
         origin = "phase" in e.evidence or e.message.startswith("NaN/Inf first seen")
-        if e.kind == "nonfinite" and origin:
+        # (a rule's copy has the kind the rule gives it; a GradScaler overflow is no origin)
+        if origin and (e.kind != "action") and not e.evidence.get("scaler_overflow"):
             key = (e.step, e.metric, tuple(sorted(e.labels.items())), e.evidence.get("phase"))
-            seen.setdefault(key, dataclasses.replace(e, rule="nonfinite", severity="critical"))
+            seen.setdefault(
+                key, dataclasses.replace(e, kind="nonfinite", rule="nonfinite", severity="critical")
+            )
     return list(seen.values())
 
 

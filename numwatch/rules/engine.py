@@ -32,8 +32,10 @@ _log = logging.getLogger("numwatch")
 
 def unadopted(nonfinite: Sequence[Event], fired: Sequence[Event]) -> list[Event]:
     """The monitor's NaN/Inf origin events that no nonfinite rule fired on (none enabled, or
-    one selecting other origins): reported all the same, and counted in ``events_total``."""
-    return [] if any(e.kind == "nonfinite" for e in fired) else list(nonfinite)
+    one selecting other origins): reported all the same, and counted in ``events_total``. A
+    rule's copy of an origin keeps its evidence (``phase``) whatever ``kind`` the rule gives it."""
+    adopted = any(e.kind == "nonfinite" or "phase" in e.evidence for e in fired)
+    return [] if adopted else list(nonfinite)
 
 
 class RuleEngine:
