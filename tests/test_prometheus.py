@@ -220,6 +220,24 @@ def test_a_series_a_flush_did_not_sample_keeps_its_last_value():
     )
 
 
+def test_updates_in_a_rotation_of_uneven_chunks_stay_served_between_their_turns():
+    """A byte budget measures big parameters alone and small ones many at a time: a rotation
+    length taken from the latest chunk (13 series over 10) dropped a big one every rotation,
+    one sample before its turn came again."""
+    chunks = [["big1"], ["big2"], ["big3"], [f"small{i}" for i in range(10)]]
+    collector = SnapshotCollector(const_labels={"rank": "0"})
+    step = 0
+    for _ in range(3):
+        for chunk in chunks:
+            records = [MetricRecord("optimizer_update_ratio", {"param": p}, 1e-3) for p in chunk]
+            collector.update(Snapshot(step, records, time=1.7e9))
+            step += 1
+            served = {lab for (name, lab), _ in samples(collector.exposition()).items()
+                      if name == "numwatch_optimizer_update_ratio"}  # fmt: skip
+            if step > len(chunks):  # every parameter measured once: all served from now on
+                assert len(served) == 13
+
+
 def test_registry_and_fast_text_agree():
     snap = head_snapshot(PLANTED)
     snap = Snapshot(

@@ -249,8 +249,8 @@ class SnapshotCollector(Collector):
         self.run_name = run_name
         self._known_events = dict.fromkeys(known_events, 0)
         self._events: Counter[tuple[str, str]] = Counter(self._known_events)
-        # rotated metric -> series key -> the sample of it that last measured that series
-        self._rotation: dict[str, dict[tuple[tuple[str, str], ...], int]] = {}
+        # rotated metric -> series key -> (the sample that last measured it, the gap before)
+        self._rotation: dict[str, dict[tuple[tuple[str, str], ...], tuple[int, int]]] = {}
         self._rotation_samples: dict[str, int] = {}
         self._state: tuple[Snapshot | None, dict[tuple[str, str], int]] = (None, {})
         self._families: tuple[object, list[_Family]] = (object(), [])
@@ -294,20 +294,22 @@ class SnapshotCollector(Collector):
         self, name: str, snapshot: Snapshot, served: Snapshot | None
     ) -> list[MetricRecord]:
         """The served series of rotated metric ``name`` that this sample did not measure and
-        whose turn may still come: measured within the last rotation (the series known, over
-        the series a sample measures, in samples)."""
+        whose turn may still come: within its own last gap between two measurements (chunks of
+        a byte budget differ in size, so turns differ per parameter) plus one, or, before its
+        second measurement, within as many samples as series are known."""
         seen = self._rotation.setdefault(name, {})
         sample = self._rotation_samples[name] = self._rotation_samples.get(name, 0) + 1
         fresh = {series_key(r.labels) for r in snapshot.series(name)}
         for key in fresh:
-            seen[key] = sample
-        rotation = -(-len(seen) // max(len(fresh), 1))
+            last, _ = seen.get(key, (0, 0))
+            seen[key] = (sample, sample - last if last else 0)
         held = []
         for r in served.series(name) if served is not None else ():
             key = series_key(r.labels)
             if key in fresh:
                 continue
-            if sample - seen.get(key, 0) <= rotation:
+            last, gap = seen.get(key, (sample, 0))
+            if sample - last <= (gap + 1 if gap else len(seen)):
                 held.append(r)
             else:
                 seen.pop(key, None)
