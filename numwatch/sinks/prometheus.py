@@ -247,8 +247,8 @@ class SnapshotCollector(Collector):
         self.exclude = tuple(exclude)
         self.const_labels = {k: str(v) for k, v in (const_labels or {}).items()}
         self.run_name = run_name
-        self._known_events = dict.fromkeys(known_events, 0)
-        self._events: Counter[tuple[str, str]] = Counter(self._known_events)
+        self._known_events = tuple(dict.fromkeys(known_events))
+        self._events: Counter[tuple[str, str]] = Counter()
         # rotated metric -> series key -> (the sample that last measured it, the gap before)
         self._rotation: dict[str, dict[tuple[tuple[str, str], ...], tuple[int, int]]] = {}
         self._rotation_samples: dict[str, int] = {}
@@ -386,13 +386,8 @@ class SnapshotCollector(Collector):
                 records, worst = _reduce_heads(name, records, self.heads, self.top_k, self._layout)
                 worst_heads += worst
             name = _sanitize(name)
-            if name == "events_total":  # the monitor's counts: the rules yet to fire at 0
-                seen = {(r.labels.get("kind"), r.labels.get("rule")) for r in records}
-                records = records + [
-                    MetricRecord(name, {"kind": kind, "rule": rule}, 0.0)
-                    for kind, rule in self._known_events
-                    if (kind, rule) not in seen
-                ]
+            if name == "events_total":  # the monitor's counts
+                records = self._with_known_events(records)
             typ = "counter" if name.endswith("_total") else "gauge"
             text = metric_help(name, self.heads if reduced else None)
             families.append(_Family(name, typ, text, records))
@@ -404,8 +399,18 @@ class SnapshotCollector(Collector):
                 MetricRecord("events_total", {"kind": kind, "rule": rule}, float(n))
                 for (kind, rule), n in sorted(events.items())
             ]
+            counts = self._with_known_events(counts)
             families.append(_Family("events_total", "counter", metric_help("events_total"), counts))
         return families
+
+    def _with_known_events(self, records: list[MetricRecord]) -> list[MetricRecord]:
+        """events_total ``records`` plus, at 0, the known (kind, rule) pairs yet to fire."""
+        seen = {(r.labels.get("kind"), r.labels.get("rule")) for r in records}
+        return records + [
+            MetricRecord("events_total", {"kind": kind, "rule": rule}, 0.0)
+            for kind, rule in self._known_events
+            if (kind, rule) not in seen
+        ]
 
     def _group_by_name(self, records: list[MetricRecord]) -> tuple[dict[str, list], set[str]]:
         """Records of the exported metrics by name, in order, and every name present. Each
