@@ -317,9 +317,6 @@ class AttentionProbe:
                 self._measure_held()
         if self._root_open:
             self._abandon_forward()
-        self._drop_stale_route_mode()
-        if self._routes:  # layers first seen in this step's forward
-            self.hook_routed_layers()
 
     def _abandon_forward(self) -> None:
         # A forward that never reached its exit (a KeyboardInterrupt, or an exception in a
