@@ -1400,17 +1400,24 @@ def test_a_callback_that_flushes_gets_the_running_flush(make_monitor, caplog):
     assert len(told) == 1
 
 
-def test_a_callback_that_detaches_in_the_optimizer_hook_keeps_the_update(make_monitor):
-    """A step closed by the optimizer's step pre-hook, whose flush runs a callback that
-    detaches: removing numwatch's pre-hooks while torch iterated them made a pre-hook added
-    after attach raise "OrderedDict mutated during iteration", and the update was lost. The
-    update runs, and every hook numwatch added is gone after the step."""
+def precursor_every_step(make_monitor):
+    """A linear model, its SGD, and a monitor attached to it whose rule fires at every flush
+    (every step), in the optimizer's step pre-hook."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rules = {"defaults": False, "add": [{"type": "threshold", "name": "any_grad",
                                          "metric": "grad_norm", "threshold": 0.0}]}  # fmt: skip
-    monitor = make_monitor(model, flush_every=1, optimizer__every=1, rules=rules).attach(opt)
+    monitor = make_monitor(model, flush_every=1, optimizer__every=1, rules=rules)
+    return model, opt, monitor.attach(opt)
+
+
+def test_a_callback_that_detaches_in_the_optimizer_hook_keeps_the_update(make_monitor):
+    """A step closed by the optimizer's step pre-hook, whose flush runs a callback that
+    detaches: removing numwatch's pre-hooks while torch iterated them made a pre-hook added
+    after attach raise "OrderedDict mutated during iteration", and the update was lost. The
+    update runs, and every hook numwatch added is gone after the step."""
+    model, opt, monitor = precursor_every_step(make_monitor)
     later = opt.register_step_pre_hook(lambda *_: None)
     monitor.on("precursor", lambda _event: monitor.detach())
     model(torch.ones(2, 4)).sum().backward()
@@ -1429,12 +1436,7 @@ def test_a_step_interrupted_after_a_detach_in_its_pre_hook_leaves_a_reattach_wor
     """The step that deferred the removal of numwatch's pre-hooks never reached its post-hooks
     (a Ctrl-C in a later pre-hook): its clean-up post-hook stayed, and after a re-attach it
     removed itself while torch iterated the post-hooks, failing every later step."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rules = {"defaults": False, "add": [{"type": "threshold", "name": "any_grad",
-                                         "metric": "grad_norm", "threshold": 0.0}]}  # fmt: skip
-    monitor = make_monitor(model, flush_every=1, optimizer__every=1, rules=rules).attach(opt)
+    model, opt, monitor = precursor_every_step(make_monitor)
     once = [True]
     monitor.on("precursor", lambda _event: once[0] and monitor.detach())
 
