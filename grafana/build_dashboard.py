@@ -541,10 +541,23 @@ SECTIONS: list[tuple[str, list[tuple[dict[str, Any], int, int]]]] = [
             ),
             (
                 timeseries(
-                    "Stabilized attention kernel",
-                    "1 while the layer's attention runs numwatch's stabilized kernel (swapped "
-                    "in by a rule or by Monitor.swap_attention).",
-                    [target(by_layer("max", "attn_kernel_stabilized"), LEGEND_LAYER)],
+                    "numwatch attention kernel",
+                    "stabilized: 1 while the layer's attention runs numwatch's stabilized kernel "
+                    "(swapped in by a rule or by Monitor.swap_attention). The mode series is 1 "
+                    "for the mode a routed layer's kernel runs (plain, stabilized, paper_repro "
+                    "for reproductions, _split with split_sum); a layer on native attention has "
+                    "none.",
+                    [
+                        target(
+                            by_layer("max", "attn_kernel_stabilized"),
+                            "stabilized " + LEGEND_LAYER,
+                        ),
+                        target(
+                            f"max by ({BY}, layer, mode) (numwatch_attn_kernel_mode{{{LAYER}}})",
+                            "{{mode}} {{layer}} r{{rank}} {{job}}",
+                            "B",
+                        ),
+                    ],
                 ),
                 8,
                 8,
