@@ -564,6 +564,23 @@ SECTIONS: list[tuple[str, list[tuple[dict[str, Any], int, int]]]] = [
             ),
             (
                 timeseries(
+                    "Attention kernel fallbacks",
+                    "Calls routed to numwatch's kernel that it handed to native SDPA, by reason "
+                    "(dtype: not bf16/fp16; dropout; mask; head_dim; ...), counted since the "
+                    "process imported numwatch.",
+                    [
+                        target(
+                            f"sum by ({BY}, reason) "
+                            f"(numwatch_attn_kernel_fallbacks_total{{{SEL}}})",
+                            "{{reason}} r{{rank}} {{job}}",
+                        )
+                    ],
+                ),
+                8,
+                8,
+            ),
+            (
+                timeseries(
                     "Skipped optimizer steps",
                     "Steps the skip_step action skipped since the monitor was made.",
                     [
