@@ -58,6 +58,30 @@ def test_a_parameter_outside_the_model_takes_the_name_given_to_the_optimizer():
     assert sorted(params) == ["bias", "group0.2", "group0.3", "weight"]
 
 
+def test_a_param_group_added_after_attach_is_measured_from_its_first_sampled_update():
+    """add_param_group after attach (a head trained from a later stage): its parameters were
+    never measured, silently, while optimizer_lr reported the group."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    extra = nn.Parameter(torch.ones(()))  # outside the model
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    monitor = monitor_for(model, opt)
+
+    def update():
+        opt.zero_grad()
+        (model(torch.ones(2, 4)).sum() * extra).backward()
+        opt.step()
+        return {r.labels["param"] for r in monitor.flush().series("optimizer_update_ratio")}
+
+    assert update() == {"0.weight", "0.bias"}
+    opt.add_param_group({"params": list(model[1].parameters()), "lr": 0.01})
+    opt.add_param_group({"params": [extra], "lr": 0.01})
+    assert update() == {"0.weight", "0.bias", "1.weight", "1.bias", "group2.0"}
+    # a group the optimizer no longer holds: its parameters go, the others are measured on
+    del opt.param_groups[1]
+    assert update() == {"0.weight", "0.bias", "group1.0"}
+    monitor.detach()
+
+
 def test_absorbed_updates_of_bf16_weights():
     model = nn.Linear(8, 1, bias=False).to(torch.bfloat16)
     with torch.no_grad():

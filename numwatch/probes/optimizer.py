@@ -68,19 +68,8 @@ class OptimizerProbe:
         self.ctx = ctx
         self.optimizer = optimizer
         self.scaler = scaler
-        names = {id(p): n for n, p in model.named_parameters()}
-        # A parameter outside the model: the name the optimizer was given (named parameters),
-        # unless a model parameter or an earlier one has it (two series under one label).
-        taken = set(names.values())
-        self.params = []
-        for g, group in enumerate(optimizer.param_groups):
-            for i, p in enumerate(group["params"]):
-                name = names.get(id(p))
-                if name is None:
-                    given = _given_name(group, i)
-                    name = given if given is not None and given not in taken else f"group{g}.{i}"
-                    taken.add(name)
-                self.params.append((name, p))
+        self._model_names = {id(p): n for n, p in model.named_parameters()}
+        self.params: list[tuple[str, torch.Tensor]] = []
         self._handles: list[Any] = []
         self._updates = 0
         self._before: list[torch.Tensor] | None = None
@@ -96,6 +85,47 @@ class OptimizerProbe:
         # parameters measured since the last flush: only they are reported (a model larger
         # than max_bytes is measured in rotation)
         self._fresh: set[int] = set()
+        self._add_params()
+
+    def _add_params(self) -> None:
+        """Label the optimizer's parameters not labelled yet, after those that are (their rows
+        of ``_sums`` stay theirs). A parameter outside the model takes the name the optimizer
+        was given (named parameters), unless a model parameter or an earlier one has it (two
+        series under one label)."""
+        known = {id(p) for _, p in self.params}
+        taken = set(self._model_names.values()) | {name for name, _ in self.params}
+        for g, group in enumerate(self.optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if id(p) in known:
+                    continue
+                name = self._model_names.get(id(p))
+                if name is None:
+                    given = _given_name(group, i)
+                    name = given if given is not None and given not in taken else f"group{g}.{i}"
+                    taken.add(name)
+                known.add(id(p))
+                self.params.append((name, p))
+        if self._sums is not None and len(self.params) > len(self._sums):
+            grown = self._sums.new_full((len(self.params), 4), float("nan"))
+            grown[: len(self._sums)] = self._sums
+            self._sums = grown
+
+    def _sync_params(self) -> None:
+        """Parameter groups added since attach (``add_param_group``: a head unfrozen later) are
+        measured from their first sampled update on; a parameter the optimizer no longer holds
+        is no longer measured."""
+        held = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if len(held) == len(self.params) and all(
+            p is q for p, (_, q) in zip(held, self.params, strict=True)
+        ):
+            return
+        ids = {id(p) for p in held}
+        if any(id(p) not in ids for _, p in self.params):  # removed: labels and rows anew
+            self.params, self._sums = [], None
+            self._fresh.clear()
+            self._index_cache.clear()
+            self._cursor = 0
+        self._add_params()
 
     def attach(self) -> None:
         self._handles = [
@@ -128,6 +158,7 @@ class OptimizerProbe:
         self._before, self._grads = None, []
         if self._updates % self.cfg.every:
             return
+        self._sync_params()
         # Copy at most max_bytes of parameters, continuing where the last sample stopped, so a
         # large model is covered over several samples without a model-sized memory spike.
         n = len(self.params)
