@@ -23,11 +23,11 @@ loses most of log(row sum). bf16 and fp16 inputs, fp32 accumulators, head dims m
 256 (64 and 128 are the fast ones), any Tq and Tk.
 
 Fallback: a call the kernel does not run (``dropout_p > 0``, fp32/fp64 inputs, other head dims,
-V head dim != QK head dim, a mask that needs a gradient, a
-non-positive scale, a GPU older than Hopper, ...) goes to ``F.scaled_dot_product_attention``
-unchanged and increments ``flash_attention_fallbacks()[reason]``. The decision reads arguments,
-shapes, dtypes and devices only, never tensor data (no host sync). The paper_repro modes never
-fall back: they raise, since SDPA would not reproduce anything.
+V head dim != QK head dim, a mask that needs a gradient, a non-positive scale, nested tensors,
+the tensors of a torch.func transform (vmap, grad), a GPU older than Hopper, ...) goes to
+``F.scaled_dot_product_attention`` unchanged and increments ``flash_attention_fallbacks()[reason]``.
+The decision reads arguments, shapes, dtypes and devices only, never tensor data (no host sync).
+The paper_repro modes never fall back: they raise, since SDPA would not reproduce anything.
 
 Stabilization (``mode="stabilized"``, ``stabilize=True``). Per query row and key block, with m the
 running row maximum in fp32:
@@ -111,11 +111,11 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function
 
 from .flash_attention_torch import (
@@ -187,6 +187,8 @@ def _fallback_reason(
     """Why this call cannot run in our kernel (None if it can). Arguments and metadata only."""
     if not all(isinstance(t, Tensor) and t.layout == torch.strided for t in (q, k, v)):
         return "layout"
+    if any(_is_functorch(t) for t in (q, k, v)):  # vmap / grad: the transform's own tensors
+        return "functorch"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "ndim"
     if not (q.device == k.device == v.device) or q.device.type not in ("cuda", "cpu"):
@@ -231,6 +233,9 @@ def _fallback_reason(
         if _tri.capability_major(q.device) < 9:
             return "gpu_arch"  # tensor descriptors (TMA) are only tested on Hopper
     return None
+
+
+_is_functorch = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def autocast_like_sdpa(
@@ -284,16 +289,28 @@ class _FlashFn(torch.autograd.Function):
         return o
 
     @staticmethod
-    @once_differentiable  # the kernels' backward is not differentiable: say so, never be wrong
     def backward(ctx, do):  # type: ignore[override]
         q, k, v, o, lse, mask = ctx.saved_tensors
         args = (do, q, k, v, o, lse, mask, ctx.causal, ctx.sm_scale, ctx.mode)
-        with _no_autocast(q.device.type):
-            if ctx.use_triton:
-                dq, dk, dv = _tri.triton_backward(*args)
-            else:
-                dq, dk, dv = reference_backward(*args)
-        return dq, dk, dv, None, None, None, None, None, None
+        create_graph = torch.is_grad_enabled()
+        with _no_autocast(q.device.type), torch.no_grad():
+            grads = (_tri.triton_backward if ctx.use_triton else reference_backward)(*args)
+        if create_graph:  # the kernels' backward is not differentiable: say so, never be wrong
+            grads = _no_second_derivative(*grads)
+        return *grads, None, None, None, None, None, None
+
+
+def _no_second_derivative(*grads: Tensor) -> tuple[Tensor, ...]:
+    """The gradients, as outputs of a node that raises when differentiated. ``once_differentiable``
+    adds that node only when the incoming gradient requires grad: a gradient penalty's
+    ``grad(out.sum(), x, create_graph=True)`` has a constant one, and got dq, dk and dv as
+    constants, so its second derivative through them was silently left out."""
+    err = torch._C._functions.DelayedError(
+        "numwatch's flash_attention has no second derivative (its backward is not "
+        "differentiable): a gradient penalty or double backward through it needs native SDPA",
+        len(grads),
+    )
+    return err(*(g.detach().requires_grad_() for g in grads))
 
 
 def _no_autocast(device_type: str) -> contextlib.AbstractContextManager:
@@ -366,8 +383,17 @@ def flash_attention(
     ``mode`` and ``split_sum`` are described in the module docstring; the rest are SDPA's
     arguments. Runs the Triton kernel on CUDA and on CPU under ``TRITON_INTERPRET=1``, the torch
     reference on plain CPU. It dispatches like a torch function, so TorchFunctionModes
-    (numwatch's attention probe) see it.
+    (numwatch's attention probe) see it. Under ``torch.compile`` it is a graph break: the call
+    runs eagerly (inductor would drop the paper_repro modes' roundings, and the kernels read
+    tensor addresses), so ``fullgraph=True`` refuses it.
     """
+    args = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa, stabilize=stabilize, beta=beta, mode=mode,
+                split_sum=split_sum)  # fmt: skip
+    if torch.compiler.is_compiling():
+        return _flash_attention_eager(q, k, v, **args)
+    if any(isinstance(t, Tensor) and t.is_nested for t in (q, k, v)):
+        return _nested_fallback(q, k, v, **args)
     if has_torch_function((q, k, v)):
         return handle_torch_function(
             flash_attention, (q, k, v), q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -379,6 +405,24 @@ def flash_attention(
     return _run(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernel_mode, beta, use_triton
     )
+
+
+_flash_attention_eager = torch.compiler.disable(flash_attention)
+
+
+def _nested_fallback(
+    q: Tensor, k: Tensor, v: Tensor, *, stabilize: bool, beta: float, mode: str,
+    split_sum: bool, **sdpa: Any,
+) -> Tensor:  # fmt: skip
+    """Nested tensors go to SDPA as they came, before any torch-function dispatch: the nested
+    tensor's own dispatch would hand them back with subclass dispatch off, where SDPA refuses
+    them ('must be contiguous')."""
+    if _kernel_mode(mode, stabilize, beta, split_sum) in PAPER_MODES:
+        raise ValueError("the paper_repro modes cannot run nested tensors; they have no fallback")
+    _FALLBACKS["nested"] += 1
+    if not sdpa["enable_gqa"]:
+        del sdpa["enable_gqa"]
+    return F.scaled_dot_product_attention(q, k, v, **sdpa)
 
 
 def flash_attention_reference(

@@ -803,6 +803,38 @@ def test_transformers_numwatch_implementation_keeps_padding_masks():
     assert torch.allclose(a, c, atol=1e-5)
 
 
+def test_numwatch_implementation_refuses_attention_sdpa_cannot_compute():
+    """GPT-OSS's learned sinks: transformers refuses "sdpa" for it, but took "numwatch", whose
+    SDPA path dropped the sinks silently (logits 0.18 off eager's); Gemma 2's soft-capping
+    raised an error that named sdpa."""
+    try:
+        from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM
+    except ImportError:
+        pytest.skip("this transformers has no GPT-OSS or Gemma 2")
+    from numwatch.integrations.transformers import register_attention
+
+    register_attention()
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    gpt_oss = GptOssForCausalLM(
+        GptOssConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+            num_experts_per_tok=1, _attn_implementation="numwatch",
+        )
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="attention sinks of GptOssAttention"):
+        gpt_oss(input_ids=ids)
+    gemma2 = Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            _attn_implementation="numwatch",
+        )
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r'soft-capping .*attn_implementation="eager"'):
+        gemma2(input_ids=ids)
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "numwatch"])
 def test_generate_with_a_padding_mask_measures_every_forward_by_query_head(make_monitor, impl):
     """Decoding with a mask, Hugging Face's SDPA attention packs a GQA query (B, heads, 1, D) as

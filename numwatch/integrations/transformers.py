@@ -26,8 +26,22 @@ def numwatch_attention_forward(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention; the SDPA call inside is what numwatch intercepts."""
+    """transformers' SDPA attention; the SDPA call inside is what numwatch intercepts.
+
+    A model whose attention SDPA cannot compute is refused, never computed differently:
+    learned attention sinks (``s_aux``: GPT-OSS, MiMo-V2-Flash), which the SDPA path would drop
+    silently, and logit soft-capping (Gemma 2), which it refuses in its own words. transformers
+    refuses ``attn_implementation="sdpa"`` for those models; it cannot know that this name runs
+    the same path."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    for arg, what in (("s_aux", "learned attention sinks"), ("softcap", "logit soft-capping")):
+        if kwargs.get(arg) is not None:
+            raise ValueError(
+                f'attn_implementation="{ATTN_IMPLEMENTATION}" runs transformers\' SDPA path, '
+                f"which cannot compute the {what} of {type(module).__name__} ({arg}=): use "
+                'attn_implementation="eager", whose softmax input numwatch measures'
+            )
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 

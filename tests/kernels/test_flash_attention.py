@@ -743,18 +743,77 @@ def test_inputs_whose_base_is_not_16_byte_aligned(which):
     assert torch.equal(flash_attention(*qkv), expected)
 
 
-def test_second_derivatives_raise_instead_of_being_wrong(monkeypatch):
-    """The reference backward's ops were recorded under create_graph, but its saved LSE carries
-    no gradient: second derivatives came out wrong (1.63 max error against float64). Now the
-    backward is once-differentiable: taking one through it raises."""
-    if fa._tri is not None:
-        monkeypatch.setattr(fa._tri, "INTERPRET", False)  # the torch reference's backward
-    q, k, v, do = _inputs(1, 1, 1, 8, 8, 32, torch.bfloat16, "cpu")
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_second_derivatives_raise_instead_of_being_wrong(monkeypatch, path):
+    """The backward is not differentiable: taking a second derivative through it raises. It
+    did only when the incoming gradient required grad (once_differentiable): a gradient
+    penalty, grad(out.sum(), x, create_graph=True) with x upstream of q, got dq as a constant
+    and its penalty's gradient silently lost 98 % of its norm."""
+    if path == "reference" and fa._tri is not None:
+        monkeypatch.setattr(fa._tri, "INTERPRET", False)
+    elif path == "kernel" and not kernel_devices():
+        pytest.skip("needs the Triton kernel (a GPU or the interpreter)")
+    device = "cpu" if path == "reference" else _device()
+    q, k, v, do = _inputs(1, 1, 1, 8, 8, 32, torch.bfloat16, device)
     for grad_out in (do, do.clone().requires_grad_()):
         o = flash_attention(q, k, v)
         (dq,) = torch.autograd.grad(o, q, grad_out, create_graph=True)
-        with pytest.raises(RuntimeError, match=r"not have been used|does not require grad"):
-            torch.autograd.grad(dq.square().sum(), k)
+        with pytest.raises(RuntimeError, match="no second derivative"):
+            dq.float().square().sum().backward()
+    x = torch.randn(1, 1, 8, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+    w = torch.randn(32, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+    (gx,) = torch.autograd.grad(flash_attention(x @ w, k, v).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        gx.float().square().sum().backward()
+    flash_attention(x @ w, k, v).sum().backward()  # first derivatives as before
+    assert w.grad is not None and w.grad.abs().sum() > 0
+
+
+def test_torch_func_transforms_run_native_sdpa_and_are_counted():
+    """vmap / grad tensors have no storage the kernels could read (and _FlashFn has no
+    setup_context): under a transform the call falls back, counted, where it raised."""
+    q, k, v, _ = _inputs(2, 2, 2, 8, 8, 32, torch.bfloat16, "cpu")
+    q, k, v = (t.detach() for t in (q, k, v))
+
+    def per_example(q1, k1, v1):
+        return flash_attention(q1[None], k1[None], v1[None], is_causal=True)[0]
+
+    out = {}
+    counts = _counts_after(lambda: out.update(o=torch.vmap(per_example)(q, k, v)))
+    assert counts == {"functorch": 1}
+    assert torch.equal(out["o"], F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    g = torch.func.grad(lambda q1: flash_attention(q1, k, v).float().sum())(q)
+    q.requires_grad_()
+    F.scaled_dot_product_attention(q, k, v).float().sum().backward()
+    assert torch.equal(g, q.grad)
+
+
+def test_under_torch_compile_the_call_runs_eagerly():
+    """Inductor dropped paper_repro's roundings (bias ratio -0.99 eager, -0.04 compiled) and the
+    Triton path raised inside the trace: the call is a graph break, and fullgraph refuses it."""
+    q, k, v = planted_tie_attention(2)
+
+    def fn(q, k, v):
+        return flash_attention(q, k, v, is_causal=True, mode="paper_repro") * 1
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fn)(q, k, v), fn(q, k, v))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"disable\(\)"):
+        torch.compile(fn, fullgraph=True)(q, k, v)
+
+
+def test_nested_tensors_go_to_sdpa_as_they_came():
+    """SDPA takes jagged nested tensors; our dispatch handed them back to it with subclass
+    dispatch off, where SDPA refused them ('must be contiguous')."""
+    seqs = [torch.randn(5, 2, 16), torch.randn(7, 2, 16)]
+    nt = torch.nested.nested_tensor(seqs, layout=torch.jagged).transpose(1, 2)
+    out = {}
+    assert _counts_after(lambda: out.update(o=flash_attention(nt, nt, nt))) == {"nested": 1}
+    ref = F.scaled_dot_product_attention(nt, nt, nt)
+    assert all(torch.equal(a, b) for a, b in zip(out["o"].unbind(), ref.unbind(), strict=True))
+    with pytest.raises(ValueError, match="nested"):
+        flash_attention(nt, nt, nt, mode="paper_repro")
 
 
 def test_paper_repro_and_bad_arguments_raise():
