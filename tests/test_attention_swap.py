@@ -11,6 +11,7 @@ from torch import nn
 import numwatch
 from numwatch.actions import swap_kernel
 from numwatch.actions.library import SwapAttentionKernel
+from numwatch.kernels.flash_attention import flash_attention_fallbacks
 from numwatch.testing import planted_sink_attention
 
 
@@ -155,6 +156,132 @@ def test_a_keyboard_interrupt_in_a_routed_recompute_leaves_the_next_step_working
     assert calls == ["stabilized"] * 3  # forward, interrupted step; forward, recompute
     assert torch.overrides._get_current_function_mode_stack() == []
     monitor.detach()
+
+
+def test_a_keyboard_interrupt_in_a_routed_layer_called_alone_leaves_no_mode_behind(calls):
+    """Ctrl-C inside a routed layer called outside the model (nothing unwinds the mode stack
+    there): its mode stayed entered, and every later sampled step counted attention twice."""
+    torch.manual_seed(0)
+    model = Two().to(torch.bfloat16)
+    monitor = monitor_for(model, attention__every=1)
+    monitor.swap_attention("a")
+    x = torch.randn(2, 8, 32, dtype=torch.bfloat16)
+
+    def train_step():
+        model(x).float().sum().backward()
+        monitor.step()
+        snap = monitor.snapshot()
+        return [snap.value("attn_rows", layer=layer, head="0") for layer in ("a", "b")]
+
+    assert train_step() == [8, 8]  # the first batch element's rows
+    ctrl_c = model.a.qkv.register_forward_pre_hook(
+        lambda *_: (_ for _ in ()).throw(KeyboardInterrupt)
+    )
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        model.a(x)
+    ctrl_c.remove()
+    assert train_step() == [8, 8]  # the first batch element's rows
+    assert torch.overrides._get_current_function_mode_stack() == []
+    monitor.detach()
+
+
+def test_a_layer_first_seen_inside_a_routed_call_leaves_no_mode_after_detach(calls):
+    """A routed layer called alone whose child calls SDPA for the first time: hooking the
+    child unhooked every routed layer, the running one's exit hook too, and its mode stayed on
+    the stack after detach(): the model ran numwatch's kernel from then on."""
+
+    class Cross(nn.Module):
+        def forward(self, x):
+            return _self_attention(x)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.cross = Cross()
+
+        def forward(self, x, cross=False):
+            x = _self_attention(self.lin(x))
+            return self.cross(x) if cross else x
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = Outer()
+
+        def forward(self, x, cross=False):
+            return self.p(x, cross)
+
+    model = Model().to(torch.bfloat16)
+    monitor = monitor_for(model)
+    monitor.swap_attention()
+    x = torch.randn(2, 8, 16, dtype=torch.bfloat16)
+    model(x).float().sum().backward()
+    monitor.step()
+    with torch.no_grad():
+        model.p(x, cross=True)  # the layer alone, its child seen first here
+    assert torch.overrides._get_current_function_mode_stack() == []
+    assert len(calls) == 3  # p in the forward; p and p.cross alone
+    monitor.detach()
+    with torch.no_grad():
+        model(x)
+        model.p(x)
+    assert len(calls) == 3
+
+
+def _self_attention(x):
+    B, T, C = x.shape
+    q = x.view(B, T, 2, C // 2).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(x.shape)
+
+
+def test_routed_models_under_torch_func_transforms(calls):
+    """torch.func through a routed model (per-sample gradients): the kernel cannot run the
+    transform's tensors and raised; it falls back to SDPA now. A vmap call on a sampled step
+    held batched tensors for the flush, which failed and lost the step's attention statistics."""
+    torch.manual_seed(0)
+    model = Attn()
+    monitor = monitor_for(model, attention__every=1, strict=True)
+    x = torch.randn(4, 8, 32)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, xi):
+        return torch.func.functional_call(model, p, (xi[None],)).sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))
+    for routed in (False, True):
+        if routed:
+            monitor.swap_attention()
+        before = flash_attention_fallbacks().get("functorch", 0)
+        grads = per_sample(params, x)
+        model(x).sum().backward()
+        monitor.step()
+        assert grads["qkv.weight"].shape == (4, 96, 32)
+        assert monitor.snapshot().value("attn_rows", layer="", head="0") == 8
+        assert flash_attention_fallbacks().get("functorch", 0) - before == routed
+    assert calls == ["stabilized"] * 2  # the routed step's vmap call (fell back) and forward
+    monitor.detach()
+
+
+def test_routes_that_take_no_sdpa_layer_leave_forwards_alone():
+    """Routes that take only nn.MultiheadAttention (which cannot be swapped) kept the mode
+    entered in every forward, which turns nn.TransformerEncoder's nested-tensor fast path off:
+    a validation forward's outputs at padded positions changed."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(3, 6, 16)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    with torch.no_grad():
+        ref = enc(x, src_key_padding_mask=pad)  # the fast path: zeros at padded positions
+    monitor = monitor_for(enc)
+    monitor.swap_attention()
+    with torch.no_grad():
+        enc(x, src_key_padding_mask=pad)  # the first forward finds out what the routes take
+        out = enc(x, src_key_padding_mask=pad)
+    monitor.detach()
+    assert torch.equal(out, ref)
 
 
 def test_multihead_attention_cannot_be_swapped_and_says_so(calls, caplog):

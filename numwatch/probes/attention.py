@@ -179,48 +179,64 @@ class AttentionProbe:
         self._route_cache: dict[str, Callable[[SdpaCall], torch.Tensor] | None] = {}
         # Routed layers' own entry hooks: a forward of theirs outside the model's (activation
         # checkpointing recomputes it in backward) must run the same kernel as the forward did.
-        self._route_handles: list[Any] = []
+        self._route_handles: dict[str, list[Any]] = {}
         self._route_hooked: set[str] = set()
         self._route_depth = 0
         self._route_mode: _Interceptor | None = None
+        # Routes changed and no forward has run in the mode since: the layers they take are
+        # not known yet (until then routing enters the mode; after, only for a routed layer)
+        self._routes_unchecked = False
 
     # ------------------------------------------------------------------ kernel routing
     def set_route(self, pattern: str, kernel: Callable[[SdpaCall], torch.Tensor] | None) -> None:
         """Send SDPA calls of layers matching ``pattern`` to ``kernel`` (None = native SDPA)."""
         self._routes.pop(pattern, None)
         self._routes[pattern] = kernel
-        self._route_cache.clear()
-        self.hook_routed_layers()
+        self._routes_changed()
 
     def clear_routes(self) -> None:
         self._routes.clear()
+        self._routes_changed()
+
+    def _routes_changed(self) -> None:
         self._route_cache.clear()
+        self._routes_unchecked = True
         self.hook_routed_layers()
 
     def hook_routed_layers(self) -> None:
-        """Hook the layers that a route takes now (those seen calling SDPA), and no others."""
+        """Hook the layers that a route takes now (those seen calling SDPA), and no others.
+        Only the difference changes: this runs inside a routed call too (a layer seen first
+        there), where unhooking every layer dropped the running one's exit hook and left its
+        mode on the stack for good."""
         want = {
             layer
             for layer in self.sdpa_layers
             if layer not in self.unroutable and self.route_for(layer) is not None
         }
-        if want == self._route_hooked:
-            return
-        self._unhook_routed_layers()
-        for layer in sorted(want):
+        for layer in self._route_hooked - want:
+            for h in self._route_handles.pop(layer, ()):
+                h.remove()
+        for layer in sorted(want - self._route_hooked):
             module = self._modules.get(layer) or self.model.get_submodule(layer)
             self._modules[layer] = module
-            self._route_handles += [
+            self._route_handles[layer] = [
                 module.register_forward_pre_hook(UserHook(self._route_enter)),
                 module.register_forward_hook(UserHook(self._route_exit), always_call=True),
             ]
         self._route_hooked = want
 
     def _unhook_routed_layers(self) -> None:
-        for h in self._route_handles:
-            h.remove()
+        for handles in self._route_handles.values():
+            for h in handles:
+                h.remove()
         self._route_handles.clear()
         self._route_hooked = set()
+        self._drop_route_mode()
+
+    def _drop_route_mode(self) -> None:
+        """No routed call is open (detach, a model forward starting): a routing mode left
+        entered (a KeyboardInterrupt in a layer called alone skips its exit hook, and nothing
+        unwinds the stack there) would intercept, and sample, every later call twice."""
         self._route_depth = 0
         self._pop_route_mode()
 
@@ -263,6 +279,12 @@ class AttentionProbe:
 
     @property
     def routing(self) -> bool:
+        """Whether forwards need the mode to route: a layer seen calling SDPA is routed, or
+        routes changed since the last forward in the mode. Routes that take only layers whose
+        attention cannot be swapped (nn.MultiheadAttention) leave forwards alone: the mode
+        turns torch's nested-tensor fast path of nn.TransformerEncoder off."""
+        if not (self._route_hooked or self._routes_unchecked):
+            return False
         return any(k is not None for k in self._routes.values())
 
     def route_for(self, layer: str) -> Callable[[SdpaCall], torch.Tensor] | None:
@@ -343,6 +365,8 @@ class AttentionProbe:
         self._depth += 1
         if self._depth > 1:
             return
+        if self._route_depth:  # no layer call is open outside a model forward that starts
+            self._drop_route_mode()
         self.sampling = (
             self.cfg.enabled
             and self.ctx.step % self.cfg.every == 0
@@ -360,6 +384,8 @@ class AttentionProbe:
             return
         self._depth -= 1
         if self._depth == 0:
+            if self._mode is not None:  # every layer this forward calls is known now
+                self._routes_unchecked = False
             self._leave()
             if self._held:
                 self._measure_held()
@@ -409,7 +435,7 @@ class AttentionProbe:
             self.hook_routed_layers()
         call = SdpaCall.from_args(args, kwargs) if route is not None else None
         out = route(call) if call is not None and not call.extra else func(*args, **kwargs)
-        if self.sampling and self.cfg.sdpa and self._wanted(layer):
+        if self.sampling and self.cfg.sdpa and self._wanted(layer) and not _transformed(out):
             self.ctx.guard.run(self.component, self._observe_sdpa, layer, args, kwargs, out)
         return out
 
@@ -419,7 +445,7 @@ class AttentionProbe:
             return
         x = args[0] if args else kwargs.get("input")
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or _transformed(x):
             return
         if dim not in (-1, x.dim() - 1):
             return
@@ -448,7 +474,8 @@ class AttentionProbe:
                 "torch's multi_head_attention_forward: its kernel cannot be swapped",
                 layer,
             )
-        if self.sampling and self._wanted(layer):
+        query = args[0] if args else kwargs.get("query")
+        if self.sampling and self._wanted(layer) and not _transformed(query):
             self.ctx.guard.run(self.component, self._observe_mha, layer, args, kwargs)
 
     # ------------------------------------------------------------------ statistics
@@ -761,6 +788,13 @@ def _broadcast_like_sdpa(
     if v.shape[1] == 1 < Hk:
         v = v.expand(B, Hk, *v.shape[2:])
     return tuple(t.expand(B, *t.shape[1:]) for t in (q, k, v))  # type: ignore[return-value]
+
+
+def _transformed(t: Any) -> bool:
+    """A tensor of a torch.func transform (vmap, grad: per-sample gradients through the model):
+    the transform's own. Its batched values escape the transform if held for the flush (vmap
+    asserts there), and its call is not the step's training forward: left out."""
+    return isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def _measured(x: torch.Tensor) -> bool:
