@@ -29,7 +29,7 @@ from numwatch.cli import count
 from numwatch.config import MonitorConfig, RulesConfig
 from numwatch.errors import NumwatchError
 from numwatch.events import Event
-from numwatch.rules import Rule, RuleEngine, configured_rules, unadopted
+from numwatch.rules import Rule, RuleEngine, configured_rules, is_origin, unadopted
 from numwatch.sinks.jsonl import RunBoundaries, is_flush, iter_jsonl, json_safe
 from numwatch.sinks.tail import record_to_snapshot
 from numwatch.snapshot import MetricRecord
@@ -102,9 +102,8 @@ def _origins(logged: Sequence[Event]) -> list[Event]:
     step-level rule's event ("NaN/Inf in the step's gradients") is no origin."""
     seen: dict[tuple, Event] = {}
     for e in logged:
-        origin = "phase" in e.evidence or e.message.startswith("NaN/Inf first seen")
         # (a rule's copy has the kind the rule gives it; a GradScaler overflow is no origin)
-        if origin and (e.kind != "action") and not e.evidence.get("scaler_overflow"):
+        if is_origin(e) and (e.kind != "action") and not e.evidence.get("scaler_overflow"):
             key = (e.step, e.metric, tuple(sorted(e.labels.items())), e.evidence.get("phase"))
             seen.setdefault(
                 key, dataclasses.replace(e, kind="nonfinite", rule="nonfinite", severity="critical")

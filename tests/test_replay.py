@@ -122,6 +122,60 @@ def test_a_nonfinite_rule_of_another_kind_reports_each_origin_once_live_and_on_r
     ]  # fmt: skip
 
 
+def _nan_in_forward_run(log, rules, steps=3):
+    """A run whose forward input holds a NaN at step 1 (module '0' first sees it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = numwatch.Monitor(model, flush_every=1, activations__every=1, rules=rules,
+                               sinks__jsonl__path=str(log),
+                               sinks__console__enabled=False).attach(opt)  # fmt: skip
+    for step in range(steps):
+        x = torch.randn(2, 4)
+        x[0, 0] = float("nan") if step == 1 else x[0, 0]
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.detach()
+    return monitor
+
+
+def test_a_threshold_rule_of_kind_nonfinite_leaves_the_origin_reported(tmp_path):
+    """A user's threshold rule on grad_nonfinite with kind 'nonfinite' counted as adopting the
+    monitor's origin event, which was then reported nowhere (log, callbacks, events_total),
+    live and on replay."""
+    rules = {"disable": ["nonfinite"], "add": [
+        {"type": "threshold", "name": "grad_nan", "metric": "grad_nonfinite", "threshold": 0.5,
+         "kind": "nonfinite"},
+    ]}  # fmt: skip
+    log = tmp_path / "run.jsonl"
+    monitor = _nan_in_forward_run(log, rules, steps=2)
+    origins = [e for e in monitor.events if e.message.startswith("NaN/Inf first seen")]
+    assert [(e.rule, e.kind, e.step, e.labels) for e in origins] == [
+        ("nonfinite", "nonfinite", 1, {"module": "0"})
+    ]
+    assert monitor.snapshot().value("events_total", kind="nonfinite", rule="nonfinite") == 1
+    replayed = replay(read_jsonl(log), RulesConfig(**rules))
+    assert [(e.rule, e.step) for e in replayed if e.rule == "nonfinite"] == [("nonfinite", 1)]
+
+
+def test_a_step_level_nonfinite_rule_gives_the_origins_its_kind(tmp_path):
+    """A skip_step nonfinite rule of kind 'anomaly' (not to stop the run on stop_on
+    ['nonfinite']): it fired every step, but at flush the origin went unadopted and was
+    reported as a critical 'nonfinite' event, unlike on replay."""
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "kind": "anomaly",
+                      "severity": "warning", "actions": ["skip_step"]}]}  # fmt: skip
+    log = tmp_path / "run.jsonl"
+    monitor = _nan_in_forward_run(log, rules)
+    kinds = {(e.kind, e.severity) for e in monitor.events if e.kind != "action"}
+    assert kinds == {("anomaly", "warning")}
+    origins = [e for e in monitor.events if e.message.startswith("NaN/Inf first seen")]
+    assert [(e.rule, e.step) for e in origins] == [("nonfinite", 1)]
+    assert [e.kind for e in monitor.events if e.kind == "action"] == ["action"]  # one skip
+    replayed = replay(read_jsonl(log), RulesConfig(**rules))
+    assert {(e.kind, e.severity) for e in replayed} == {("anomaly", "warning")}
+
+
 def test_cli_json_with_a_config_file(tmp_path, capsys):
     log = tmp_path / "run.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in planted_log()))

@@ -30,11 +30,18 @@ UNSEEN_METRIC_FLUSHES = 3
 _log = logging.getLogger("numwatch")
 
 
+def is_origin(event: Event) -> bool:
+    """Whether ``event`` is a NaN/Inf origin of the monitor's, or a nonfinite rule's copy of
+    one: the copy keeps its evidence (``phase``) whatever ``kind`` the rule gives it (logs
+    before the phase was logged: its message). A threshold rule of kind ``nonfinite`` on a
+    NaN count is none: it took over the origins and they went unreported."""
+    return "phase" in event.evidence or event.message.startswith("NaN/Inf first seen")
+
+
 def unadopted(nonfinite: Sequence[Event], fired: Sequence[Event]) -> list[Event]:
     """The monitor's NaN/Inf origin events that no nonfinite rule fired on (none enabled, or
-    one selecting other origins): reported all the same, and counted in ``events_total``. A
-    rule's copy of an origin keeps its evidence (``phase``) whatever ``kind`` the rule gives it."""
-    adopted = any(e.kind == "nonfinite" or "phase" in e.evidence for e in fired)
+    one selecting other origins): reported all the same, and counted in ``events_total``."""
+    adopted = any(is_origin(e) and e.kind != "action" for e in fired)
     return [] if adopted else list(nonfinite)
 
 
@@ -86,6 +93,7 @@ class RuleEngine:
         self.flush_rules.sort(key=lambda r: r.metric in LATE_METRICS)
         self._names_seen: set[str] | None = set()  # None once the metric names were checked
         self._flushes = 0
+        self._step_fired: set[str] = set()  # nonfinite step rules that fired since the flush
 
     def evaluate(
         self,
@@ -93,12 +101,20 @@ class RuleEngine:
         records: Sequence[MetricRecord],
         nonfinite: Sequence[Event] = (),
         late: Callable[[Sequence[Event]], Sequence[MetricRecord]] | None = None,
-    ) -> list[tuple[Event, Rule]]:
-        """Events of one flush, each with the rule that fired. ``late(events so far)`` gives
-        the ``LATE_METRICS`` records once the other rules ran (default: those in ``records``)."""
+    ) -> list[tuple[Event, Rule | None]]:
+        """Events of one flush, each with the rule that fired (None: no action to run).
+        ``late(events so far)`` gives the ``LATE_METRICS`` records once the other rules ran
+        (default: those in ``records``)."""
         if self._names_seen is not None:
             self._check_metric_names(records)
-        fired: list[tuple[Event, Rule]] = []
+        fired: list[tuple[Event, Rule | None]] = []
+        # A nonfinite rule deciding every step (skip_step) that fired on this window's NaN
+        # owns its origins: they take its kind and severity (a kind 'anomaly' chosen not to stop
+        # the run on stop_on ['nonfinite'] still did), without running its actions again.
+        for rule in self.step_rules:
+            if isinstance(rule, NonfiniteRule) and rule.name in self._step_fired:
+                fired += [(e, None) for e in self._run(rule.own, nonfinite) or []]
+        self._step_fired.clear()
         wanted = {rule.metric for rule in self.flush_rules}
         by_name: dict[str, list[MetricRecord]] = {name: [] for name in wanted}
         for r in records:  # thousands per flush; few of them are read by a rule
@@ -150,6 +166,7 @@ class RuleEngine:
                 event = self._run(self._observe, rule, step, {}, values[rule.metric])
                 if event is not None:
                     fired.append((event, rule))
+                    self._step_fired.add(rule.name)
             rule.end_flush()
         return fired
 

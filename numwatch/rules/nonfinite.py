@@ -40,14 +40,19 @@ class NonfiniteRule(Rule):
         labels (``param`` or ``module``) its ``labels`` select and, unless its ``metric`` is
         ``nonfinite`` (any origin), whose metric is its own (``activation_nonfinite``,
         ``grad_nonfinite`` or ``loss``: where the NaN/Inf began); none during its cooldown."""
-        picked = [
-            e
+        picked = self.own(events)
+        if not picked or self._flushes < self._quiet_until.get((), 0):
+            return []
+        self._quiet_until[()] = self._flushes + 1 + self.cooldown
+        return picked
+
+    def own(self, events: Sequence[Event]) -> list[Event]:
+        """``adopt``'s events, whatever the cooldown, which it leaves as it was: for a rule
+        deciding every step, whose cooldown is its step-level one."""
+        mine = {"rule": self.name, "kind": self.kind, "severity": self.severity}
+        return [
+            Event(**{**e.to_dict(), **mine})
             for e in events
             if (self.metric == "nonfinite" or e.metric == self.metric)
             and all(matches(str(e.labels.get(k, "")), [glob]) for k, glob in self.labels.items())
         ]
-        if not picked or self._flushes < self._quiet_until.get((), 0):
-            return []
-        self._quiet_until[()] = self._flushes + 1 + self.cooldown
-        mine = {"rule": self.name, "kind": self.kind, "severity": self.severity}
-        return [Event(**{**e.to_dict(), **mine}) for e in picked]
