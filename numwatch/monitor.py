@@ -1108,6 +1108,20 @@ class Monitor(Joinable):
         """The most recent flushes (``config.history`` of them), oldest first."""
         return list(self._history)
 
+    def parameter(self, label: str) -> torch.Tensor | None:
+        """The parameter a ``param`` label names: the model's, or one the optimizer trains
+        outside the model under the label the optimizer probe gave it (None if neither)."""
+        try:
+            return self.model.get_parameter(label)
+        except AttributeError:
+            pass
+        for probe in self._probes:
+            if isinstance(probe, OptimizerProbe):
+                for name, p in probe.params:
+                    if name == label:
+                        return p
+        return None
+
     # ----------------------------------------------------------------------------- queries
     def snapshot(self) -> Snapshot | None:
         """The latest flushed metrics (None before the first flush)."""

@@ -132,6 +132,35 @@ def test_snapshot_writes_one_pair_per_series_fired_in_one_flush(tmp_path):
     monitor.detach()
 
 
+def test_snapshot_of_an_update_of_a_parameter_outside_the_model(tmp_path):
+    """A learned temperature trained outside the model: the event's param label is the name
+    given to the optimizer, which model.get_parameter raised on (the snapshot was lost, counted
+    as an action error)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    temperature = nn.Parameter(torch.ones(()))
+    opt = torch.optim.AdamW([*model.named_parameters(), ("temperature", temperature)], lr=0.1)
+    snap = {"type": "snapshot", "directory": str(tmp_path)}
+    rule = {"type": "threshold", "name": "r", "metric": "optimizer_update_ratio",
+            "threshold": 0.0, "cooldown": 10, "actions": [snap]}  # fmt: skip
+    monitor = numwatch.Monitor(
+        model, flush_every=1, optimizer__every=1, rules={"defaults": False, "add": [rule]},
+        sinks__console__enabled=False, sinks__jsonl__enabled=False,
+    ).attach(opt)  # fmt: skip
+    for _ in range(2):
+        opt.zero_grad()
+        (model(torch.ones(2, 4)).sum() * temperature).backward()
+        opt.step()
+    monitor.detach()
+    assert monitor.errors.get("actions", 0) == 0
+    saved = {p.name.split("param=")[1].removesuffix(".pt"): set(torch.load(p))
+             for p in tmp_path.glob("*.pt")}  # fmt: skip
+    assert saved == {
+        "weight": {"weight", "weight.grad"}, "bias": {"bias", "bias.grad"},
+        "temperature": {"temperature", "temperature.grad"},
+    }  # fmt: skip
+
+
 def test_snapshot_never_overwrites_and_keeps_names_filesystem_safe(tmp_path):
     model = nn.Sequential(nn.Linear(2, 2))
     ctx = SimpleNamespace(model=model, history=[])

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from torch import nn
 
@@ -43,6 +44,8 @@ class ActionContext(Protocol):
     def attention_kernel(self, layer: str) -> Any: ...
 
     def attention_routable(self, layer: str) -> bool: ...
+
+    def parameter(self, label: str) -> torch.Tensor | None: ...
 
 
 class Action(BaseModel):

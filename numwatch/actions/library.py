@@ -249,8 +249,8 @@ _MAX_NAME = 150  # the name's share of a file name (at most 255 bytes on most fi
 
 def _offending_tensors(ctx: ActionContext, event: Event):
     labels = event.labels
-    if "param" in labels:
-        p = ctx.model.get_parameter(labels["param"])
+    p = ctx.parameter(labels["param"]) if "param" in labels else None
+    if p is not None:
         yield labels["param"], p
         if p.grad is not None:
             yield labels["param"] + ".grad", p.grad
