@@ -238,6 +238,43 @@ def test_updates_in_a_rotation_of_uneven_chunks_stay_served_between_their_turns(
                 assert len(served) == 13
 
 
+def _served_updates(collector):
+    return {dict(lab)["param"] for (name, lab), _ in samples(collector.exposition()).items()
+            if name == "numwatch_optimizer_update_ratio"}  # fmt: skip
+
+
+def test_an_update_stays_served_while_the_rotation_grows_and_turns_move():
+    """A series was held for its own last gap between measurements, plus one: after an
+    unfreezing the head, measured every sample until then, vanished for six flushes before its
+    turn came round again; a parameter trained on some steps only moved the turns of the
+    others and made them vanish now and then."""
+    collector = SnapshotCollector(const_labels={"rank": "0"})
+
+    def sample(step, params):
+        records = [MetricRecord("optimizer_update_ratio", {"param": p}, 1e-3) for p in params]
+        collector.update(Snapshot(step, records, time=1.7e9))
+        return _served_updates(collector)
+
+    step = 0
+    for step in range(5):  # the backbone frozen: the head alone, every sample
+        assert sample(step, ["head"]) == {"head"}
+    backbone = [[f"b{i}", f"b{i + 1}"] for i in range(0, 16, 2)]  # unfrozen: 9 samples a turn
+    last = {}
+    for _ in range(3):
+        for chunk in [*backbone, ["head"]]:
+            step += 1
+            assert "head" in sample(step, chunk)
+            last.update(dict.fromkeys(chunk, step))
+    assert len(last) == 17
+    # frozen again: a backbone parameter goes once the longest turn (9 samples) and one more
+    # passed it by
+    for _ in range(12):
+        step += 1
+        last["head"] = step
+        assert sample(step, ["head"]) == {p for p, at in last.items() if step - at <= 10}
+    assert sample(step + 1, ["head"]) == {"head"}
+
+
 def test_registry_and_fast_text_agree():
     snap = head_snapshot(PLANTED)
     snap = Snapshot(

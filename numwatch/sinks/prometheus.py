@@ -215,6 +215,37 @@ _SAMPLED_PREFIXES = ("attn_", "activation_", "grad_", "weight_spectral_norm",
 _ROTATED = frozenset({"optimizer_update_ratio", "optimizer_absorbed_fraction"})
 
 
+class _Rotation:
+    """When a rotated series' turn may still come. A parameter is measured once per rotation,
+    but turns move: chunks of a byte budget differ in size, a parameter without a gradient on
+    a step is passed over, and a rotation grows when parameters start to train. So a series is
+    held for the longest gap seen between two measurements of any series, plus one sample;
+    and every series is held while the rotation is still growing (a series appeared less than
+    as many samples ago as series are known). Its own last gap was no bound: a parameter
+    trained every step vanished for six flushes after an unfreezing, and now and then when
+    another one trained on some steps only."""
+
+    def __init__(self) -> None:
+        self.sample = 0
+        self.last: dict[tuple[tuple[str, str], ...], int] = {}  # series -> its last sample
+        self.longest = 0  # the longest gap between two measurements of one series
+        self.new_at = 0  # the sample a series was first measured at, latest
+
+    def sampled(self, fresh: set[tuple[tuple[str, str], ...]]) -> None:
+        self.sample += 1
+        for key in fresh:
+            last = self.last.get(key)
+            if last is None:
+                self.new_at = self.sample
+            else:
+                self.longest = max(self.longest, self.sample - last)
+            self.last[key] = self.sample
+
+    def holds(self, key: tuple[tuple[str, str], ...]) -> bool:
+        since = self.sample - self.last.get(key, self.sample)
+        return since <= self.longest + 1 or self.sample - self.new_at < len(self.last)
+
+
 class SnapshotCollector(Collector):
     """A Collector for a private ``CollectorRegistry``: the latest snapshot as metric families.
 
@@ -249,9 +280,8 @@ class SnapshotCollector(Collector):
         self.run_name = run_name
         self._known_events = tuple(dict.fromkeys(known_events))
         self._events: Counter[tuple[str, str]] = Counter()
-        # rotated metric -> series key -> (the sample that last measured it, the gap before)
-        self._rotation: dict[str, dict[tuple[tuple[str, str], ...], tuple[int, int]]] = {}
-        self._rotation_samples: dict[str, int] = {}
+        # rotated metric -> when its series are measured
+        self._rotation: dict[str, _Rotation] = {}
         self._state: tuple[Snapshot | None, dict[tuple[str, str], int]] = (None, {})
         self._families: tuple[object, list[_Family]] = (object(), [])
         self._text: tuple[object, bytes] = (object(), b"")
@@ -294,25 +324,19 @@ class SnapshotCollector(Collector):
         self, name: str, snapshot: Snapshot, served: Snapshot | None
     ) -> list[MetricRecord]:
         """The served series of rotated metric ``name`` that this sample did not measure and
-        whose turn may still come: within its own last gap between two measurements (chunks of
-        a byte budget differ in size, so turns differ per parameter) plus one, or, before its
-        second measurement, within as many samples as series are known."""
-        seen = self._rotation.setdefault(name, {})
-        sample = self._rotation_samples[name] = self._rotation_samples.get(name, 0) + 1
+        whose turn may still come (``_Rotation.holds``)."""
+        rotation = self._rotation.setdefault(name, _Rotation())
         fresh = {series_key(r.labels) for r in snapshot.series(name)}
-        for key in fresh:
-            last, _ = seen.get(key, (0, 0))
-            seen[key] = (sample, sample - last if last else 0)
+        rotation.sampled(fresh)
         held = []
         for r in served.series(name) if served is not None else ():
             key = series_key(r.labels)
             if key in fresh:
                 continue
-            last, gap = seen.get(key, (sample, 0))
-            if sample - last <= (gap + 1 if gap else len(seen)):
+            if rotation.holds(key):
                 held.append(r)
             else:
-                seen.pop(key, None)
+                rotation.last.pop(key, None)
         return held
 
     def describe(self) -> list[Metric]:
