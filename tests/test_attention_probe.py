@@ -139,6 +139,43 @@ def test_eager_softmax_attention_4d(make_monitor):
     assert snap.get("attn_output_bias", layer="block.attn", head="0") is None  # SDPA only
 
 
+def test_eager_softmax_shifted_by_its_row_max_reports_no_logits(make_monitor, caplog):
+    """Eager attention that subtracts the row maximum before the softmax (GPT-OSS, for its
+    sinks): attn_max_logit read 0 for every head whatever the logits did, so the logit rules
+    could never fire. The logits are left out, said once; the counts are those of S."""
+    q, k, v = planted_sink_attention(B=1, H=2, T=6, D=16, dtype=torch.float32)
+    q = q * 40.0  # logits far from 0
+
+    def eager(shift):
+        def attend(q, k, v):
+            att = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+            att = att.masked_fill(torch.ones(6, 6).tril() == 0, float("-inf"))
+            if shift:
+                att = att - att.amax(-1, keepdim=True)
+            return F.softmax(att, dim=-1) @ v
+
+        return attend
+
+    model = wrap(plain=Fixed(q, k, v, eager(False)), shifted=Fixed(q, k, v, eager(True)))
+    monitor = make_monitor(model)
+    with caplog.at_level("WARNING", logger="numwatch"):
+        for _ in range(2):
+            model()
+            monitor.step()
+    snap = monitor.snapshot()
+    scores = (q @ k.transpose(-2, -1)).double() * 0.25
+    top = scores.masked_fill(torch.ones(6, 6).tril() == 0, float("-inf")).amax((0, 2, 3))
+    assert head_values(snap, "attn_max_logit", "plain", 2) == pytest.approx(top.tolist())
+    assert snap.get("attn_max_logit", layer="shifted", head="0") is None
+    assert snap.get("attn_min_logit", layer="shifted", head="1") is None
+    rep, _, _ = oracle(q, k)
+    assert head_values(snap, "attn_repeated_max_rows", "shifted", 2) == rep.tolist()
+    warned = [
+        r.getMessage() for r in caplog.records if "maximum is 0 in every row" in r.getMessage()
+    ]
+    assert len(warned) == 1 and "'shifted'" in warned[0]
+
+
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_multihead_attention_both_paths(make_monitor, need_weights):
     torch.manual_seed(0)

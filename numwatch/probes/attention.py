@@ -161,6 +161,10 @@ class AttentionProbe:
         self._modules: dict[str, nn.Module] = {}  # layer name -> module, looked up once
         self._selected: dict[str, bool] = {}
         self._stats: dict[str, _LayerStats] = {}
+        # layers measured from a softmax input (eager attention), and those of them found
+        # shifted by their row maximum (see records)
+        self._score_layers: set[str] = set()
+        self._shifted_layers: set[str] = set()
         self._handles: list[Any] = []
         self._mode: _Interceptor | None = None
         self._held: list[_Sampled] = []
@@ -724,6 +728,7 @@ class AttentionProbe:
             saturation_dtype=self._saturation_dtype(scores),
             entropy=self.cfg.entropy,
         )
+        self._score_layers.add(layer)
         self._accumulate(layer, heads, None)
 
     def _accumulate(self, layer: str, heads: torch.Tensor, errors: torch.Tensor | None) -> None:
@@ -762,11 +767,32 @@ class AttentionProbe:
             heads = host[key].tolist()
             errors = host.get(f"attn/{layer}/errors")
             errors = errors.tolist() if errors is not None else None
+            logits = not (layer in self._score_layers and self._shifted(layer, heads))
             for h, row in enumerate(heads):
                 out += _head_records(
-                    layer, h, row, errors[h] if errors else None, entropy=self.cfg.entropy
-                )
+                    layer, h, row, errors[h] if errors else None, entropy=self.cfg.entropy,
+                    logits=logits,
+                )  # fmt: skip
         return out
+
+    def _shifted(self, layer: str, heads: list[list[float]]) -> bool:
+        """Whether a layer's softmax input has its maximum at exactly 0 in every sampled row:
+        eager attention that subtracts the row maximum before the softmax (GPT-OSS, for its
+        sinks). Its "logits" are then S - max(S): attn_max_logit read 0 whatever the logits
+        did, and the logit rules could never fire. They are left out, said once per layer (a
+        layer whose logits all are 0, a zero-initialized W_q, reads the same)."""
+        rows = sum(row[ats.ROWS] for row in heads)
+        if not rows or any(row[ats.ROWS] and row[ats.MAX_LOGIT] != 0.0 for row in heads):
+            return False
+        if layer not in self._shifted_layers:
+            self._shifted_layers.add(layer)
+            log.warning(
+                "numwatch: layer %r: the softmax input's maximum is 0 in every row, as where a "
+                "model subtracts the row maximum before the softmax (eager GPT-OSS): its "
+                "attn_max_logit and attn_min_logit would not be logits, and are left out",
+                layer,
+            )
+        return True
 
     def reset(self) -> None:
         self._stats.clear()
@@ -811,7 +837,13 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _head_records(
-    layer: str, head: int, row: list[float], err: list[float] | None, *, entropy: bool
+    layer: str,
+    head: int,
+    row: list[float],
+    err: list[float] | None,
+    *,
+    entropy: bool,
+    logits: bool = True,
 ) -> list[MetricRecord]:
     labels = {"layer": layer, "head": str(head)}
     n = row[ats.ROWS]
@@ -823,9 +855,10 @@ def _head_records(
         "attn_saturated_entries": row[ats.SATURATED_ENTRIES],
         "attn_repeated_max_fraction": row[ats.REPEATED_MAX_ROWS] / n if n else 0.0,
         "attn_saturated_fraction": row[ats.SATURATED_ROWS] / n if n else 0.0,
-        "attn_max_logit": row[ats.MAX_LOGIT],
-        "attn_min_logit": row[ats.MIN_LOGIT],
     }
+    if logits:
+        values["attn_max_logit"] = row[ats.MAX_LOGIT]
+        values["attn_min_logit"] = row[ats.MIN_LOGIT]
     if entropy:
         values["attn_entropy_mean"] = row[ats.ENTROPY_SUM] / n if n else math.nan
         values["attn_entropy_min"] = row[ats.ENTROPY_MIN]
