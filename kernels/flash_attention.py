@@ -187,8 +187,8 @@ def _fallback_reason(
     """Why this call cannot run in our kernel (None if it can). Arguments and metadata only."""
     if not all(isinstance(t, Tensor) and t.layout == torch.strided for t in (q, k, v)):
         return "layout"
-    if any(_is_functorch(t) for t in (q, k, v)):  # vmap / grad: the transform's own tensors
-        return "functorch"
+    if any(_is_functorch(t) for t in (q, k, v, attn_mask) if t is not None):
+        return "functorch"  # vmap / grad: the transform's own tensors
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "ndim"
     if not (q.device == k.device == v.device) or q.device.type not in ("cuda", "cpu"):

@@ -263,10 +263,11 @@ def test_routed_models_under_torch_func_transforms(calls):
     monitor.detach()
 
 
-def test_routes_that_take_no_sdpa_layer_leave_forwards_alone():
-    """Routes that take only nn.MultiheadAttention (which cannot be swapped) kept the mode
-    entered in every forward, which turns nn.TransformerEncoder's nested-tensor fast path off:
-    a validation forward's outputs at padded positions changed."""
+def test_routes_that_name_only_multihead_attention_leave_forwards_alone(calls):
+    """Routes naming nn.MultiheadAttention layers (which cannot be swapped; the default rules'
+    swaps name layers) kept the mode entered in every forward, which turns
+    nn.TransformerEncoder's nested-tensor fast path off: a validation forward's outputs at
+    padded positions changed."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
     enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
@@ -276,12 +277,39 @@ def test_routes_that_take_no_sdpa_layer_leave_forwards_alone():
     with torch.no_grad():
         ref = enc(x, src_key_padding_mask=pad)  # the fast path: zeros at padded positions
     monitor = monitor_for(enc)
-    monitor.swap_attention()
+    monitor.swap_attention(["layers.0.self_attn", "layers.1.self_attn"])
     with torch.no_grad():
-        enc(x, src_key_padding_mask=pad)  # the first forward finds out what the routes take
+        enc(x, src_key_padding_mask=pad)  # the first forward finds the layers unroutable
         out = enc(x, src_key_padding_mask=pad)
     monitor.detach()
     assert torch.equal(out, ref)
+
+
+def test_a_layer_routed_before_it_ever_ran_is_routed_on_every_step(calls):
+    """A route set before its layer first called SDPA (a branch taken on later steps only)
+    must take it on unsampled steps too."""
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Attn(), Attn()
+
+        def forward(self, x, use_b=False):
+            x = self.a(x)
+            return self.b(x) if use_b else x
+
+    torch.manual_seed(0)
+    model = Branchy().to(torch.bfloat16)
+    monitor = monitor_for(model, attention__every=50)
+    x = torch.randn(2, 7, 32, dtype=torch.bfloat16)
+    model(x)
+    monitor.step()
+    monitor.swap_attention("b")
+    for step in range(1, 5):
+        model(x, use_b=step >= 2)
+        monitor.step()
+    assert calls == ["stabilized"] * 3
+    monitor.detach()
 
 
 def test_multihead_attention_cannot_be_swapped_and_says_so(calls, caplog):

@@ -79,6 +79,10 @@ def test_a_param_group_added_after_attach_is_measured_from_its_first_sampled_upd
     # a group the optimizer no longer holds: its parameters go, the others are measured on
     del opt.param_groups[1]
     assert update() == {"0.weight", "0.bias", "group1.0"}
+    # a module added to the model after attach, then to the optimizer: its model path
+    model.append(nn.Linear(1, 1))
+    opt.add_param_group({"params": list(model[2].parameters())})
+    assert update() >= {"2.weight", "2.bias"}
     monitor.detach()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import LONG_LOG_FLUSHES, LONG_LOG_PARAMS, peak_memory
@@ -174,6 +175,22 @@ def test_a_step_level_nonfinite_rule_gives_the_origins_its_kind(tmp_path):
     assert [e.kind for e in monitor.events if e.kind == "action"] == ["action"]  # one skip
     replayed = replay(read_jsonl(log), RulesConfig(**rules))
     assert {(e.kind, e.severity) for e in replayed} == {("anomaly", "warning")}
+
+
+@pytest.mark.parametrize("metric", ["grad_norm"])
+def test_a_step_level_nonfinite_rule_on_a_step_metric_owns_every_origin(tmp_path, metric):
+    """A skip_step rule on grad_norm fires on a NaN that began in a forward
+    activation: its origin (metric activation_nonfinite) was no 'grad_norm' origin, stayed a
+    critical nonfinite event, and replay refused the rule (no origin metric)."""
+    rule = {"type": "nonfinite", "name": "nonfinite", "metric": metric, "kind": "anomaly",
+            "severity": "warning", "actions": ["skip_step"]}  # fmt: skip
+    rules = {"add": [rule]}
+    log = tmp_path / "run.jsonl"
+    monitor = _nan_in_forward_run(log, rules)
+    kinds = {(e.kind, e.severity) for e in monitor.events if e.kind != "action"}
+    assert kinds == {("anomaly", "warning")}
+    replayed = replay(read_jsonl(log), RulesConfig(**rules))
+    assert [(e.kind, e.rule, e.step) for e in replayed] == [("anomaly", "nonfinite", 1)]
 
 
 def test_cli_json_with_a_config_file(tmp_path, capsys):

@@ -187,24 +187,18 @@ class AttentionProbe:
         self._route_hooked: set[str] = set()
         self._route_depth = 0
         self._route_mode: _Interceptor | None = None
-        # Routes changed and no forward has run in the mode since: the layers they take are
-        # not known yet (until then routing enters the mode; after, only for a routed layer)
-        self._routes_unchecked = False
 
     # ------------------------------------------------------------------ kernel routing
     def set_route(self, pattern: str, kernel: Callable[[SdpaCall], torch.Tensor] | None) -> None:
         """Send SDPA calls of layers matching ``pattern`` to ``kernel`` (None = native SDPA)."""
         self._routes.pop(pattern, None)
         self._routes[pattern] = kernel
-        self._routes_changed()
+        self._route_cache.clear()
+        self.hook_routed_layers()
 
     def clear_routes(self) -> None:
         self._routes.clear()
-        self._routes_changed()
-
-    def _routes_changed(self) -> None:
         self._route_cache.clear()
-        self._routes_unchecked = True
         self.hook_routed_layers()
 
     def hook_routed_layers(self) -> None:
@@ -283,13 +277,15 @@ class AttentionProbe:
 
     @property
     def routing(self) -> bool:
-        """Whether forwards need the mode to route: a layer seen calling SDPA is routed, or
-        routes changed since the last forward in the mode. Routes that take only layers whose
-        attention cannot be swapped (nn.MultiheadAttention) leave forwards alone: the mode
-        turns torch's nested-tensor fast path of nn.TransformerEncoder off."""
-        if not (self._route_hooked or self._routes_unchecked):
-            return False
-        return any(k is not None for k in self._routes.values())
+        """Whether forwards need the mode to route: a route is set. A route that names a
+        layer whose attention cannot be swapped (nn.MultiheadAttention, by its path: the
+        default rules' swaps do) needs none, once that layer was seen: the mode turns torch's
+        nested-tensor fast path of nn.TransformerEncoder off. A glob may take layers not seen
+        yet (one that runs on some steps only, a decoder in generate()), so it keeps it."""
+        return any(
+            kernel is not None and (pattern not in self.unroutable or _is_glob(pattern))
+            for pattern, kernel in self._routes.items()
+        )
 
     def route_for(self, layer: str) -> Callable[[SdpaCall], torch.Tensor] | None:
         if layer not in self._route_cache:
@@ -388,8 +384,6 @@ class AttentionProbe:
             return
         self._depth -= 1
         if self._depth == 0:
-            if self._mode is not None:  # every layer this forward calls is known now
-                self._routes_unchecked = False
             self._leave()
             if self._held:
                 self._measure_held()
@@ -814,6 +808,10 @@ def _broadcast_like_sdpa(
     if v.shape[1] == 1 < Hk:
         v = v.expand(B, Hk, *v.shape[2:])
     return tuple(t.expand(B, *t.shape[1:]) for t in (q, k, v))  # type: ignore[return-value]
+
+
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
 
 
 def _transformed(t: Any) -> bool:

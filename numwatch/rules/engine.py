@@ -113,7 +113,7 @@ class RuleEngine:
         # the run on stop_on ['nonfinite'] still did), without running its actions again.
         for rule in self.step_rules:
             if isinstance(rule, NonfiniteRule) and rule.name in self._step_fired:
-                fired += [(e, None) for e in self._run(rule.own, nonfinite) or []]
+                fired += [(e, None) for e in self._run(rule.own, nonfinite, True) or []]
         self._step_fired.clear()
         wanted = {rule.metric for rule in self.flush_rules}
         by_name: dict[str, list[MetricRecord]] = {name: [] for name in wanted}

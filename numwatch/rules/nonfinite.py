@@ -46,13 +46,14 @@ class NonfiniteRule(Rule):
         self._quiet_until[()] = self._flushes + 1 + self.cooldown
         return picked
 
-    def own(self, events: Sequence[Event]) -> list[Event]:
-        """``adopt``'s events, whatever the cooldown, which it leaves as it was: for a rule
-        deciding every step, whose cooldown is its step-level one."""
+    def own(self, events: Sequence[Event], every_origin: bool = False) -> list[Event]:
+        """``adopt``'s events, whatever the cooldown, which it leaves as it was. A rule deciding
+        every step (``every_origin``) owns every origin of the window it fired in: its metric
+        (grad_norm, loss, nonfinite) is the step's, which a NaN reaches from any origin."""
         mine = {"rule": self.name, "kind": self.kind, "severity": self.severity}
         return [
             Event(**{**e.to_dict(), **mine})
             for e in events
-            if (self.metric == "nonfinite" or e.metric == self.metric)
+            if (every_origin or self.metric == "nonfinite" or e.metric == self.metric)
             and all(matches(str(e.labels.get(k, "")), [glob]) for k, glob in self.labels.items())
         ]

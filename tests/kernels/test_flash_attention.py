@@ -782,6 +782,14 @@ def test_torch_func_transforms_run_native_sdpa_and_are_counted():
     counts = _counts_after(lambda: out.update(o=torch.vmap(per_example)(q, k, v)))
     assert counts == {"functorch": 1}
     assert torch.equal(out["o"], F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    masks = torch.zeros(3, 1, 1, 8, 8, dtype=torch.bfloat16)
+    masks[1, ..., 4:] = float("-inf")
+    counts = _counts_after(
+        lambda: out.update(o=torch.vmap(lambda m: flash_attention(q, k, v, attn_mask=m))(masks))
+    )
+    assert counts == {"functorch": 1}  # only the mask batched
+    want = torch.vmap(lambda m: F.scaled_dot_product_attention(q, k, v, attn_mask=m))(masks)
+    assert torch.equal(out["o"], want)
     g = torch.func.grad(lambda q1: flash_attention(q1, k, v).float().sum())(q)
     q.requires_grad_()
     F.scaled_dot_product_attention(q, k, v).float().sum().backward()
