@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import numwatch
 from numwatch.config import PrometheusSinkConfig
 from numwatch.demo import GPTConfig, TinyGPT, bigram_batches
+from numwatch.errors import NumwatchHalt
 from numwatch.events import Event
 from numwatch.sinks.prometheus import PrometheusSink, SnapshotCollector
 from numwatch.snapshot import MetricRecord, Snapshot
@@ -496,6 +497,45 @@ def test_monitor_serves_and_detach_stops():
     assert monitor.prometheus_url is None
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url, timeout=2)
+
+
+def test_a_halted_run_dropped_without_detach_frees_its_port():
+    """A halt leaves the monitor attached; a sweep in one process then drops the run's model,
+    optimizer and monitor. The server thread served the dead run for the rest of the process
+    and kept the port: every later run's attach() failed."""
+    import gc
+    import threading
+
+    def run(port):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        monitor = numwatch.Monitor(
+            model, flush_every=1, sinks__jsonl__enabled=False, sinks__console__enabled=False,
+            sinks__prometheus__enabled=True, sinks__prometheus__port=port,
+            rules__add=[{"type": "nonfinite", "name": "nonfinite", "actions": ["halt"]}],
+        ).attach(opt)  # fmt: skip
+        port = monitor.prometheus_url.rsplit(":", 1)[1].split("/")[0]
+        with pytest.raises(NumwatchHalt):
+            for step in range(5):
+                x = torch.randn(4, 8)
+                x[0, 0] = float("nan") if step == 2 else x[0, 0]
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        assert monitor.attached
+        return int(port)
+
+    def serving():
+        return sum(t.name == "numwatch-prometheus" for t in threading.enumerate())
+
+    before = serving()
+    port = run(0)
+    gc.collect()
+    assert serving() == before
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+    assert run(port) == port  # the next run of the sweep binds the same port
+    gc.collect()
 
 
 def test_monitor_attach_on_taken_port_fails_cleanly():

@@ -26,6 +26,7 @@ import math
 import re
 import socket
 import threading
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain, groupby, repeat
@@ -696,9 +697,13 @@ class PrometheusSink:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
+        self._stop: weakref.finalize | None = None
         if serve:
-            self._server, self._thread = _serve(self.collector, host, port)
+            self._server, thread = _serve(self.collector, host, port)
+            # Stopped at close(), or once the sink is dropped unclosed (a monitor left attached
+            # after a halt, then dropped): it served the dead run's metrics and held the port
+            # for the rest of the process, so the next run's attach() failed.
+            self._stop = weakref.finalize(self, _stop_serving, self._server, thread)
 
     @classmethod
     def from_config(
@@ -757,13 +762,9 @@ class PrometheusSink:
 
     def close(self) -> None:
         """Stop serving and release the port (idempotent)."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-            self._thread = None
+        self._server = None
+        if self._stop is not None:
+            self._stop()
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -794,6 +795,12 @@ def _app(collector: SnapshotCollector) -> Callable[..., list[bytes]]:
         return [body]
 
     return app
+
+
+def _stop_serving(server: _Server, thread: threading.Thread) -> None:
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5.0)
 
 
 def _serve(collector: SnapshotCollector, host: str, port: int) -> tuple[_Server, threading.Thread]:
