@@ -180,9 +180,11 @@ class NonfiniteTracker:
 
     def __init__(self) -> None:
         self._first: dict[torch.device, torch.Tensor] = {}  # device -> 0-d float64 min order
-        # One entry per reserved batch: (first order, phase, label, names, step); a step's
-        # gradients are one batch, so the host does O(1) work per observation batch.
-        self._batches: list[tuple[int, str, str, tuple[str, ...], int]] = []
+        # One entry per reserved batch: (first order, phase, label, names, step, repeats); a
+        # step's gradients are one batch, so the host does O(1) work per observation batch. A
+        # batch reserved again right after itself (the same modules' activations, forward after
+        # forward: validation, generate()) repeats the entry: no entry per forward until flush.
+        self._batches: list[tuple[int, str, str, tuple[str, ...], int, int]] = []
         self._next = 0  # the next order number (never reused: device minima stay comparable)
 
     def next_order(self, origin: NonfiniteOrigin) -> int:
@@ -191,8 +193,13 @@ class NonfiniteTracker:
     def reserve(self, phase: str, label: str, names: tuple[str, ...], step: int) -> int:
         """Order numbers for ``names`` observed in this order; returns the first one."""
         first = self._next
-        self._batches.append((first, phase, label, names, step))
         self._next += len(names)
+        if self._batches:
+            start, *same, repeats = self._batches[-1]
+            if same == [phase, label, names, step] and start + len(names) * repeats == first:
+                self._batches[-1] = (start, phase, label, names, step, repeats + 1)
+                return first
+        self._batches.append((first, phase, label, names, step, 1))
         return first
 
     def observe_many(self, orders: torch.Tensor, nonfinite: torch.Tensor) -> None:
@@ -219,9 +226,10 @@ class NonfiniteTracker:
             return None
         order = int(best)
         i = bisect.bisect_right(self._batches, order, key=lambda b: b[0]) - 1
-        first, phase, label, names, step = self._batches[i]
+        first, phase, label, names, step, _ = self._batches[i]
         start = min(b[0] for b in self._batches if b[4] == step)
-        return NonfiniteOrigin(phase, label, names[order - first], step), order - start
+        name = names[(order - first) % len(names)]
+        return NonfiniteOrigin(phase, label, name, step), order - start
 
     def reset(self) -> None:
         self._batches.clear()

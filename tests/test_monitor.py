@@ -161,6 +161,30 @@ def test_activation_sampling_every_and_training_only(make_monitor):
     assert monitor.snapshot().get("activation_numel", module="0") is None
 
 
+def test_forwards_that_close_no_step_hold_bounded_memory_and_name_a_late_nan(make_monitor):
+    """With training_only off, forwards that close no step (validation, generate(), an
+    inference loop) held one stats row and one origin entry per forward until the next flush:
+    +155 MB over 40k forwards of 25 modules. A NaN in the last of many still names its module."""
+    from numwatch.probes.tensors import ActivationProbe
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    monitor = make_monitor(model, activations__training_only=False).attach()
+    probe = next(p for p in monitor._probes if isinstance(p, ActivationProbe))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(300):
+            model(x)
+        assert sum(map(len, probe._measured.values())) < 64
+        assert len(monitor._ctx.tracker._batches) == 1
+        model[1].weight[0, 0] = float("nan")
+        model(x)
+    snap = monitor.flush()
+    assert snap.value("activation_numel", module="0") == 301 * 8
+    (event,) = [e for e in monitor.events if e.kind == "nonfinite"]
+    assert event.labels == {"module": "1"}
+    monitor.detach()
+
+
 @pytest.mark.parametrize("flush_every", [1, 5])
 def test_nan_gradient_named_at_its_step(make_monitor, flush_every):
     torch.manual_seed(0)

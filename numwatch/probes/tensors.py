@@ -146,6 +146,9 @@ def _norm_sq(stats: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
 
 
 _GRAD = attrgetter("grad")
+# Measured forwards a device holds before they are merged into the table (forwards that close no
+# step, as validation, generate() or an inference loop run, merged one per forward otherwise)
+_FOLD_AT = 64
 
 
 def _usable(g: torch.Tensor | None) -> torch.device | None:
@@ -576,7 +579,10 @@ class ActivationProbe:
             names = tuple(self.modules[i][0] for i in indices)
             first = self.ctx.tracker.reserve("forward", "module", names, self.ctx.step)
             dtypes = tuple(t.dtype for _, t in items)
-            self._measured.setdefault(device, []).append((first, indices, stats, dtypes))
+            measured = self._measured.setdefault(device, [])
+            measured.append((first, indices, stats, dtypes))
+            if len(measured) >= _FOLD_AT:  # forwards with no step closing (validation,
+                self._settle()  # generate(), inference): merged, not held one per forward
 
     def _note_headroom(
         self, device: torch.device, indices: list[int], stats: torch.Tensor, dtypes: tuple
