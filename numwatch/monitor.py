@@ -63,7 +63,7 @@ from numwatch.probes.base import ProbeContext
 from numwatch.probes.optimizer import OptimizerProbe
 from numwatch.probes.tensors import ActivationProbe, GradientProbe
 from numwatch.probes.weights import WeightProbe
-from numwatch.rules import Rule, RuleEngine, configured_rules, unadopted
+from numwatch.rules import Rule, RuleEngine, at_flush, configured_rules, unadopted
 from numwatch.selection import matches_any, select_parameters
 from numwatch.sinks.base import Sink
 from numwatch.sinks.console import ConsoleSink
@@ -1070,6 +1070,8 @@ class Monitor(Joinable):
         step_level = [
             n for n, acts in actions.items() if any(isinstance(a, SkipStep) for a in acts)
         ]
+        if not cfg.act:  # a dry run decides nothing per step: skip_step rules judge at flush
+            rules = {name: at_flush(rule) for name, rule in rules.items()}
         engine = RuleEngine(rules.values(), step_level, partial(self._guard.run, "rules"))
         return engine, actions
 

@@ -30,9 +30,9 @@ from numwatch.config import MonitorConfig, RulesConfig
 from numwatch.errors import NumwatchError
 from numwatch.events import Event
 from numwatch.rules import (
-    NonfiniteRule,
     Rule,
     RuleEngine,
+    at_flush,
     configured_rules,
     is_origin,
     unadopted,
@@ -55,7 +55,7 @@ def replay(
     Each event carries the time of the flush that raised it."""
     if isinstance(rules, (list, tuple)):
         rules = RulesConfig(defaults=False, add=list(rules))
-    engine = RuleEngine(map(_at_flush, configured_rules(rules or RulesConfig()).values()))
+    engine = RuleEngine(map(at_flush, configured_rules(rules or RulesConfig()).values()))
     out: list[Event] = []
     counts: Counter[tuple[str, str]] = Counter()  # events_total as the replayed rules make it
     judged = None  # as live: a second flush of one step (a flush() call) adds no observation
@@ -78,16 +78,6 @@ def replay(
         counts.update((e.kind, e.rule) for e in fired)
         out += [dataclasses.replace(e, time=record["time"]) for e in fired]
     return out
-
-
-def _at_flush(rule: Rule) -> Rule:
-    """A rule as replay evaluates it, at flush granularity: a nonfinite rule with skip_step
-    decided every step live, from the step's metric, and owned every origin of the window it
-    fired in; replayed, it adopts every origin (its step metric, grad_norm, is no origin's)."""
-    skips = any((a if isinstance(a, str) else a.get("type")) == "skip_step" for a in rule.actions)
-    if isinstance(rule, NonfiniteRule) and skips and rule.metric != "nonfinite":
-        return rule.model_copy(update={"metric": "nonfinite"})
-    return rule
 
 
 def _with_monitors(

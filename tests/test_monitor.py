@@ -185,6 +185,20 @@ def test_forwards_that_close_no_step_hold_bounded_memory_and_name_a_late_nan(mak
     monitor.detach()
 
 
+def test_forwards_under_inference_mode_before_any_step_leave_the_monitor_working(make_monitor):
+    """The activation probe merges every 64 forwards inside the forward hook: under the
+    user's inference_mode() that made the first tables inference tensors, and every flush of
+    the run failed ('Inplace update to inference tensor outside InferenceMode')."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    monitor = make_monitor(model, activations__training_only=False, strict=True).attach()
+    for _ in range(2):
+        with torch.inference_mode():
+            for _ in range(100):
+                model(torch.randn(3, 4))
+        assert monitor.flush().value("activation_numel", module="0") == 100 * 3 * 8
+    monitor.detach()
+
+
 @pytest.mark.parametrize("flush_every", [1, 5])
 def test_nan_gradient_named_at_its_step(make_monitor, flush_every):
     torch.manual_seed(0)

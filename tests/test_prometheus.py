@@ -7,6 +7,7 @@ import math
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -530,12 +531,40 @@ def test_a_halted_run_dropped_without_detach_frees_its_port():
 
     before = serving()
     port = run(0)
+    assert run(port) == port  # the next run of the sweep binds the same port, collected or not
     gc.collect()
     assert serving() == before
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
-    assert run(port) == port  # the next run of the sweep binds the same port
-    gc.collect()
+
+
+def test_stopping_the_server_never_waits_for_a_loop_that_cannot_end():
+    """The sink's finalizer ran shutdown(), which waits for the serving loop: in a forked
+    child (no serving thread) the child hung at exit, and a garbage collection on the serving
+    thread itself deadlocked it (the port held for good)."""
+    import threading
+
+    from numwatch.sinks.prometheus import _stop_serving
+
+    sink = PrometheusSink(serve=True, host="127.0.0.1", port=0, run_name="r")
+    server = sink._server
+    thread = next(t for t in threading.enumerate() if t.name == "numwatch-prometheus")
+    _stop_serving(server, threading.current_thread())  # as if run on the serving thread
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    script = (
+        "import os, sys, torch, numwatch\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "m = numwatch.Monitor(model, sinks__prometheus__enabled=True, sinks__prometheus__port=0,"
+        " sinks__console__enabled=False, sinks__jsonl__enabled=False).attach()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n    sys.exit(0)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "m.detach()\n"
+        "print('child status', status)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "child status 0" in run.stdout, run.stderr[-2000:]
 
 
 def test_monitor_attach_on_taken_port_fails_cleanly():

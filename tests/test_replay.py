@@ -332,3 +332,22 @@ def test_replay_refuses_a_config_the_monitor_would_refuse(tmp_path, capsys):
         assert cli(["replay", str(log), "--config", str(config)]) == 2
         err = capsys.readouterr().err
         assert says in err and f"(from config file {str(config)!r})" in err, err
+
+
+def test_a_dry_run_accepts_a_skip_step_nonfinite_rule_on_the_gradient_norm():
+    """rules.act false (events only): the skip_step rule on grad_norm, valid live, was
+    refused ('a nonfinite rule at flush selects origins by metric')."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rule = {"type": "nonfinite", "name": "nan_skip", "metric": "grad_norm",
+            "actions": ["skip_step"]}  # fmt: skip
+    monitor = numwatch.Monitor(
+        model, rules__add=[rule], rules__act=False, flush_every=1,
+        sinks__console__enabled=False, sinks__jsonl__enabled=False,
+    )  # fmt: skip
+    monitor.attach(opt)
+    model(torch.full((2, 4), float("nan"))).sum().backward()
+    opt.step()
+    assert {e.rule for e in monitor.events} == {"nan_skip", "nonfinite"}  # the default's too
+    assert not monitor.errors
+    monitor.detach()

@@ -604,8 +604,12 @@ class ActivationProbe:
         table.scatter_reduce_(0, index, stats[:, ts.ABSMAX].double() / ranges, "amax")
 
     @torch.no_grad()
+    @torch.inference_mode(False)
     def _settle(self) -> None:
-        """Merge the measured rows into the tables and the non-finite tracker, per device."""
+        """Merge the measured rows into the tables and the non-finite tracker, per device.
+        Also called from a forward hook (every _FOLD_AT forwards), maybe inside the user's
+        inference_mode(): tables and tracker slots it makes there must be normal tensors, or
+        every later in-place update of them fails."""
         measured, self._measured = self._measured, {}
         for device, parts in measured.items():
             stats = torch.cat([st for _, _, st, _ in parts])

@@ -7,7 +7,7 @@ from pydantic import Field
 
 from numwatch.rules.base import Finding, Rule
 from numwatch.rules.defaults import configured_rules, default_rules
-from numwatch.rules.engine import STEP_METRICS, RuleEngine, is_origin, unadopted
+from numwatch.rules.engine import STEP_METRICS, RuleEngine, at_flush, is_origin, unadopted
 from numwatch.rules.growth import GrowthRule
 from numwatch.rules.nonfinite import NonfiniteRule
 from numwatch.rules.persistence import PersistenceRule
@@ -32,6 +32,7 @@ __all__ = [
     "ThresholdRule",
     "TrendRule",
     "ZScoreRule",
+    "at_flush",
     "configured_rules",
     "default_rules",
     "is_origin",

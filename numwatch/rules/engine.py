@@ -30,6 +30,17 @@ UNSEEN_METRIC_FLUSHES = 3
 _log = logging.getLogger("numwatch")
 
 
+def at_flush(rule: Rule) -> Rule:
+    """``rule`` as evaluated at flush granularity (replay; a dry run, ``rules.act`` false, that
+    runs no skip_step): a nonfinite rule with skip_step decides every step live, from the step's
+    metric, and owns every origin of the window it fired in; at flush it adopts every origin
+    (its step metric, grad_norm, is no origin's)."""
+    skips = any((a if isinstance(a, str) else a.get("type")) == "skip_step" for a in rule.actions)
+    if isinstance(rule, NonfiniteRule) and skips and rule.metric != "nonfinite":
+        return rule.model_copy(update={"metric": "nonfinite"})
+    return rule
+
+
 def is_origin(event: Event) -> bool:
     """Whether ``event`` is a NaN/Inf origin of the monitor's, or a nonfinite rule's copy of
     one: the copy keeps its evidence (``phase``) whatever ``kind`` the rule gives it (logs

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import gc
 import heapq
 import logging
 import math
@@ -798,16 +799,35 @@ def _app(collector: SnapshotCollector) -> Callable[..., list[bytes]]:
 
 
 def _stop_serving(server: _Server, thread: threading.Thread) -> None:
-    server.shutdown()
+    """shutdown() waits for the serving loop to end: a forked child has no serving thread, and
+    the finalizer may run on the serving thread itself (a garbage collection there): both would
+    wait for ever. There the loop is only told to end."""
+    if thread.is_alive() and thread is not threading.current_thread():
+        server.shutdown()
+        thread.join(timeout=5.0)
+    else:
+        server._BaseServer__shutdown_request = True  # type: ignore[attr-defined]
     server.server_close()
-    thread.join(timeout=5.0)
+
+
+def _bind(host: str, port: int, app: Callable[..., list[bytes]], server_class: type) -> _Server:
+    """The server, bound. A port held by a sink of this process that was dropped unclosed (a
+    halted run's monitor, in a sweep) is freed by the garbage collection of its cycle, which may
+    not have run yet: collect once, and bind again."""
+    try:
+        return make_server(host, port, app, server_class, handler_class=_QuietHandler)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE or not port:
+            raise
+        gc.collect()
+        return make_server(host, port, app, server_class, handler_class=_QuietHandler)
 
 
 def _serve(collector: SnapshotCollector, host: str, port: int) -> tuple[_Server, threading.Thread]:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     server_class = type("_Server", (_Server,), {"address_family": family})
     try:
-        server = make_server(host, port, _app(collector), server_class, handler_class=_QuietHandler)
+        server = _bind(host, port, _app(collector), server_class)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise NumwatchError(
