@@ -26,6 +26,7 @@ class Guard:
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
         self.errors: Counter[str] = Counter()
+        self.last_error: dict[str, str] = {}  # component -> its latest failure, one line
         self.overhead_seconds = 0.0
         self._reported: set[str] = set()
         self._depth = 0  # nested runs are timed once, by the outermost
@@ -38,10 +39,11 @@ class Guard:
             return fn(*args, **kwargs)
         except NumwatchHalt:
             raise
-        except Exception:
+        except Exception as exc:
             if self.strict:
                 raise
             self.errors[component] += 1
+            self.last_error[component] = f"{type(exc).__name__}: {exc}"[:300]
             if component not in self._reported:
                 self._reported.add(component)
                 log.exception(

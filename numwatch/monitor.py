@@ -1080,19 +1080,29 @@ class Monitor(Joinable):
         try:
             for event, rule in fired:
                 for action in self._actions.get(rule.name, []) if rule is not None else []:
+                    failures = self._guard.errors["actions"]
                     what = self._guard.run("actions", action.maybe_run, self, event)
-                    if what:
+                    # A failed action is on record as one: the error count of the last flush
+                    # before detach reaches no flush record (a snapshot to a full disk at the
+                    # NaN that ended a run read as no error in the log and the report).
+                    failed = self._guard.errors["actions"] > failures
+                    if what or failed:
+                        error = self._guard.last_error.get("actions", "") if failed else ""
                         done.append(
                             Event(
                                 kind="action",
                                 step=event.step,
-                                message=f"{action.type}: {what} (rule {event.rule})",
-                                severity="info",
+                                message=f"{action.type}: "
+                                + (f"failed ({error})" if failed else what)
+                                + f" (rule {event.rule})",
+                                severity="warning" if failed else "info",
                                 rule=event.rule,
                                 metric=event.metric,
                                 labels=event.labels,
                                 value=event.value,
-                                evidence={"action": action.type},
+                                evidence={"action": action.type, "failed": True, "error": error}
+                                if failed
+                                else {"action": action.type},
                             )
                         )
         finally:  # a halt among the actions: those that ran before it are on record too

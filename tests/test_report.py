@@ -343,3 +343,34 @@ def test_the_summary_names_each_routed_layers_kernel_mode(tmp_path):
     sink.close()
     rows = dict(summary_rows(load_run(path)))
     assert rows["numwatch kernel modes at the end"] == "a: plain_split, b: stabilized_split"
+
+
+def test_an_action_that_failed_at_the_last_flush_is_on_record(tmp_path):
+    """The error count of the last flush before detach reached no flush record: a snapshot
+    that failed at the NaN that ended a run read as 'monitor errors none' in the report."""
+    import torch
+
+    import numwatch
+    from numwatch.sinks.jsonl import read_jsonl
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the snapshot directory should be
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    snapshot = {"type": "snapshot", "directory": str(blocked / "snaps")}
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": [snapshot]}]}
+    log = tmp_path / "run.jsonl"
+    monitor = numwatch.Monitor(model, flush_every=1, rules=rules, sinks__jsonl__path=str(log),
+                               sinks__console__enabled=False).attach(opt)  # fmt: skip
+    for step in range(3):
+        loss = model(torch.randn(2, 4)).sum() * (float("nan") if step == 2 else 1.0)
+        loss.backward()
+        monitor.step(loss)
+        opt.step()
+        opt.zero_grad()
+    monitor.detach()
+    assert monitor.errors == {"actions": 1}
+    failed = [e for r in read_jsonl(log) for e in r["events"] if e["evidence"].get("failed")]
+    assert len(failed) == 1 and failed[0]["message"].startswith("snapshot: failed (")
+    assert ("monitor errors", "actions: 1") in summary_rows(load_run(log))

@@ -495,6 +495,10 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     errors = run.series.get("monitor_errors_total", {})
     if errors:
         bad = {dict(k)["component"]: pts[-1][1] for k, pts in errors.items() if pts[-1][1] > 0}
+        # the counter of the last flush's failures reaches no flush: their action events do
+        failed = sum(1 for e in run.events if (e.get("evidence") or {}).get("failed") is True)
+        if failed > bad.get("actions", 0):
+            bad["actions"] = failed
         rows.append(
             ("monitor errors", ", ".join(f"{c}: {_fmt(n)}" for c, n in bad.items()) or "none")
         )
