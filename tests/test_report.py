@@ -374,3 +374,28 @@ def test_an_action_that_failed_at_the_last_flush_is_on_record(tmp_path):
     failed = [e for r in read_jsonl(log) for e in r["events"] if e["evidence"].get("failed")]
     assert len(failed) == 1 and failed[0]["message"].startswith("snapshot: failed (")
     assert ("monitor errors", "actions: 1") in summary_rows(load_run(log))
+
+
+def test_a_failed_skip_step_is_no_skipped_step(tmp_path):
+    """A skip_step that failed (no optimizer attached) is an action event too, which the report
+    counted as a withheld update while the weights went NaN and the counter stayed 0."""
+    import torch
+
+    import numwatch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
+    log = tmp_path / "run.jsonl"
+    monitor = numwatch.Monitor(model, flush_every=2, rules=rules, sinks__jsonl__path=str(log),
+                               sinks__console__enabled=False).attach()  # fmt: skip
+    for step in range(4):
+        loss = model(torch.randn(2, 4)).sum() * (float("nan") if step == 1 else 1.0)
+        loss.backward()
+        monitor.step(loss)
+        opt.step()
+        opt.zero_grad()
+    monitor.detach()
+    rows = dict(summary_rows(load_run(log)))
+    assert rows["skipped optimizer steps"] == "0" and rows["monitor errors"].startswith("actions:")

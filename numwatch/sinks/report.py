@@ -227,7 +227,9 @@ def _skipped_steps(run: Any) -> list[int]:
     counter shows a skip one flush late, and not at all in the first window or the last); a
     log without them (its events left out): the flushes where the counter rose from 0 on."""
     events = {
-        e["step"] for e in run.events if (e.get("evidence") or {}).get("action") == "skip_step"
+        e["step"]
+        for e in run.events
+        if (ev := e.get("evidence") or {}).get("action") == "skip_step" and not ev.get("failed")
     }
     if events:
         return sorted(events)
