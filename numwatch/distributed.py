@@ -464,7 +464,7 @@ class Aggregator:
             own_norms = {k: tensors.pop(k) for k in ("grad_norm_sq_last", "grad_norm_sq_max")}
         if gradients is not None and "grad_table" not in self._roles:
             self._roles["grad_table"] = tuple(shard_role(p) for _, p in gradients.params)
-        if optimizer is not None and "opt" not in self._roles:
+        if optimizer is not None:  # every flush: a param group added or removed since
             self._roles["opt"] = tuple(shard_role(p) for _, p in optimizer.params)
         out = self._reduce(tensors)
         steps = out.pop("grad_norm_steps", None)

@@ -179,6 +179,7 @@ class Monitor(Joinable):
         self._jsonl_path: str | None = None
         self._optimizer_handles: list[Any] = []
         self._activity_handle: Any = None
+        self._forwards_since_flush = False  # a forward of the model ran since the last flush
         self._pending_losses: list[tuple[int, torch.Tensor]] = []  # (order, loss) since a flush
         self._loss_window = LossWindow()
         self._attached = False
@@ -337,7 +338,12 @@ class Monitor(Joinable):
             return
         self._detaching = True
         try:
-            if self._window_steps and self.config.enabled:
+            # forwards after the last closed step (a final validation, an inference loop) hold
+            # statistics where a probe measures outside training (training_only false)
+            evaluated = self._forwards_since_flush and not (
+                self.config.activations.training_only and self.config.attention.training_only
+            )
+            if (self._window_steps or evaluated) and self.config.enabled:
                 self.flush()
         finally:
             self._guard.run("sinks", self._emit_late_events)
@@ -721,6 +727,7 @@ class Monitor(Joinable):
         # begins a step.)
         grad = torch.is_grad_enabled()
         self._ctx.eval_forward = not grad or not self.model.training
+        self._forwards_since_flush = True
         if grad:
             self._run_waiting_flush()
             self._ctx.activity = True
@@ -730,9 +737,12 @@ class Monitor(Joinable):
     def begin_forward(self) -> None:
         """Open one forward of the model by hand (attention interception and kernel routing
         follow model.forward otherwise); Lightning's training_step needs it. Pair each call
-        with ``end_forward()``; nested real forwards inside are fine."""
-        self._run_waiting_flush()
-        self._ctx.activity = True  # no Join flag: the model's own forward may follow inside
+        with ``end_forward()``; nested real forwards inside are fine. Under no_grad (a
+        validation batch) it opens no training step, as the model's own forward would not."""
+        self._forwards_since_flush = True
+        if torch.is_grad_enabled():
+            self._run_waiting_flush()
+            self._ctx.activity = True  # no Join flag: the model's own forward may follow
         if self._attention is not None:
             self._attention.begin_forward()
 
@@ -806,6 +816,7 @@ class Monitor(Joinable):
 
     def _flush(self) -> Snapshot | None:
         self._flush_after_loss = False  # any flush covers the closed steps (detach's too)
+        self._forwards_since_flush = False
         start = time.perf_counter()
         self._guard.run("flush", self._dist.settle, self._ctx.step)
         self._guard.run("flush", self._warn_new_trainable)

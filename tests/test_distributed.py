@@ -398,6 +398,38 @@ def scenario_ddp_nan(rank: int, out: Path) -> dict:
     return res
 
 
+def scenario_ddp_add_group(rank: int, out: Path) -> dict:
+    """DDP: the head's group added to the optimizer at step 2 (an unfreezing), a NaN in rank
+    1's input at step 4. The update sums' per-row roles were taken at the first flush only, and
+    every flush after the new group failed on every rank: the NaN went unreported."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net)
+    body = [p for n, p in net.named_parameters() if not n.startswith("head.")]
+    opt = torch.optim.SGD(body, lr=1e-2)
+    monitor = _monitor(net, out, "ddp_add_group", optimizer__every=1).attach(opt)
+    flushed = []
+    for step in range(6):
+        if step == 2:
+            opt.add_param_group({"params": list(net.head.parameters())})
+        x = batch(rank, step)
+        if step == 4 and rank == 1:
+            x[0, 3, 5] = float("nan")
+        loss = ddp(x).square().mean()
+        loss.backward()
+        monitor.step(loss)
+        opt.step()
+        opt.zero_grad()
+        flushed.append(monitor.snapshot().step)
+    res = {"errors": dict(monitor.errors), "flushed": flushed, "events": _events(monitor)}
+    res["params"] = sorted(r.labels["param"] for r in monitor.snapshot().series(
+        "optimizer_update_ratio"))  # fmt: skip
+    monitor.detach()
+    return res
+
+
 def scenario_join_disabled(rank: int, out: Path) -> dict:
     """A disabled monitor in Join([ddp, monitor]) with uneven inputs: nothing of the monitor's
     runs, and nothing waits for it (its join hook used to wait for flags no rank sent)."""
@@ -690,6 +722,7 @@ def scenario_default_name(rank: int, out: Path) -> dict:
 SCENARIOS = {
     "ddp_stats": scenario_ddp_stats,
     "ddp_nan": scenario_ddp_nan,
+    "ddp_add_group": scenario_ddp_add_group,
     "probe_fails": scenario_probe_fails,
     "config_mismatch": scenario_config_mismatch,
     "attach_alone": scenario_attach_alone,
@@ -958,6 +991,15 @@ def test_ddp_global_values_equal_float64_oracle_on_concatenated_data(runs):
         assert _value(res[r]["snapshot"], "loss_max") == pytest.approx(top, rel=1e-12)
     # planted ties on rank 1 only: half of the global rows of layer b repeat their maximum
     assert _value(snap, "attn_repeated_max_fraction", layer="b", head="0") >= 0.4
+
+
+def test_ddp_a_param_group_added_after_attach_keeps_the_flushes_aggregating(runs):
+    for res in _ok(runs["ddp_add_group"]):
+        assert res["errors"] == {}
+        assert res["flushed"] == list(range(6))
+        nan = [e for e in res["events"] if e["kind"] == "nonfinite"]
+        assert (nan[0]["step"], nan[0]["evidence"]["rank"]) == (4, 1)  # then NaN weights
+        assert "head.weight" in res["params"]
 
 
 def test_ddp_per_rank_jsonl_holds_each_ranks_own_values(runs):

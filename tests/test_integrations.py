@@ -176,6 +176,38 @@ def test_lightning_loss_attention_and_optimizer_metrics(pl):
     assert last.series("optimizer_lr")  # the optimizer was attached (optimizer probe)
 
 
+def test_lightning_validation_attention_is_measured_outside_training(pl, tmp_path):
+    """attention.training_only false: a validation_step calling submodules (not the
+    LightningModule's forward) ran outside any forward the probe follows, and its attention
+    went unmeasured; the validation after the last step never reached the log at all."""
+    from numwatch.integrations.lightning import NumwatchCallback
+    from numwatch.sinks.jsonl import read_jsonl
+
+    module = lightning_module(pl)
+
+    def validation_step(batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(module.model(x).flatten(0, 1), y.flatten())
+
+    module.validation_step = validation_step
+    log = tmp_path / "run.jsonl"
+    callback = NumwatchCallback(**monitor_options(
+        flush_every=3, attention__training_only=False, sinks__jsonl__enabled=True,
+        sinks__jsonl__path=str(log),
+    ))  # fmt: skip
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[callback],
+    )  # fmt: skip
+    trainer.fit(module, loader(3), loader(2))  # 3 training batches, then 2 validation batches
+    calls = [
+        m["value"] for r in read_jsonl(log) for m in r["metrics"]
+        if m["name"] == "attn_calls" and m["labels"]["layer"] == "model.blocks.0.attn"
+    ]  # fmt: skip
+    assert calls == [3.0, 2.0]  # the training steps' flush, then detach's: the validation
+
+
 def test_lightning_loss_under_accumulation_is_the_mean_of_the_micro_batches(pl):
     """With accumulate_grad_batches=k the loss was the last micro-batch's divided by k."""
     from numwatch.integrations.lightning import NumwatchCallback

@@ -185,6 +185,28 @@ def test_forwards_that_close_no_step_hold_bounded_memory_and_name_a_late_nan(mak
     monitor.detach()
 
 
+def test_a_validation_after_the_last_step_reaches_the_log_at_detach(make_monitor):
+    """With activations.training_only false, detach flushed only when a step had closed since
+    the last flush: the final validation's statistics, and a NaN in it, were lost."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = make_monitor(
+        model, flush_every=2, activations__every=1, activations__training_only=False
+    ).attach(opt)
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        x = torch.randn(4, 8)
+        x[0, 0] = float("nan")
+        model(x)
+    monitor.detach()
+    assert monitor.snapshot().value("activation_nan", module="0") == 8
+    assert [e.labels for e in monitor.events if e.kind == "nonfinite"] == [{"module": "0"}]
+
+
 def test_forwards_under_inference_mode_before_any_step_leave_the_monitor_working(make_monitor):
     """The activation probe merges every 64 forwards inside the forward hook: under the
     user's inference_mode() that made the first tables inference tensors, and every flush of

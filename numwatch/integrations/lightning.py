@@ -205,6 +205,20 @@ class NumwatchCallback(Callback):
                     optimizer.step = inner  # the monitor's wrapper: its uninstall removes it
         self._wrapped = []
 
+    def on_validation_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        # validation_step calls submodules too: with attention.training_only false its
+        # attention is measured inside the forward opened here (no training step: no_grad)
+        monitor = self._driver.active
+        if monitor is not None and not self._forward_open:
+            monitor.begin_forward()
+            self._forward_open = True
+
+    def on_validation_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        self._end_forward()
+
+    on_test_batch_start = on_predict_batch_start = on_validation_batch_start
+    on_test_batch_end = on_predict_batch_end = on_validation_batch_end
+
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         self._end_forward()  # a training_step that returned None never reached backward
         if self._driver.stop_reason is not None:
