@@ -789,9 +789,20 @@ def _worker(rank: int, out: str) -> None:
 def runs(tmp_path_factory):
     """Both ranks' results of every scenario: runs[name][rank]."""
     out = tmp_path_factory.mktemp("distributed")
-    ctx = mp.start_processes(
-        _worker, args=(str(out),), nprocs=WORLD, join=False, start_method="spawn"
-    )
+    # The workers are CPU (gloo) by design: hidden from CUDA before their first import (a spawned
+    # worker imports this module, torch and numwatch, before _worker runs), or on a GPU host
+    # Triton picked a device the worker could not see ("Invalid device id") and it crashed.
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        ctx = mp.start_processes(
+            _worker, args=(str(out),), nprocs=WORLD, join=False, start_method="spawn"
+        )
+    finally:
+        if hidden is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden
     deadline = time.monotonic() + 240
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
