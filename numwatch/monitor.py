@@ -339,9 +339,15 @@ class Monitor(Joinable):
         self._detaching = True
         try:
             # forwards after the last closed step (a final validation, an inference loop) hold
-            # statistics where a probe measures outside training (training_only false)
-            evaluated = self._forwards_since_flush and not (
-                self.config.activations.training_only and self.config.attention.training_only
+            # statistics where a probe measures outside training (training_only false). Not
+            # in a distributed run: its flush is collective, and one rank's evaluation (rank 0's
+            # alone, often) would leave the others' detach without it.
+            evaluated = (
+                self._forwards_since_flush
+                and not self._dist.active
+                and not (
+                    self.config.activations.training_only and self.config.attention.training_only
+                )
             )
             if (self._window_steps or evaluated) and self.config.enabled:
                 self.flush()

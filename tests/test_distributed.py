@@ -430,6 +430,31 @@ def scenario_ddp_add_group(rank: int, out: Path) -> dict:
     return res
 
 
+def scenario_eval_on_rank0_before_detach(rank: int, out: Path) -> dict:
+    """An evaluation on rank 0 alone after the last step, then detach on every rank: detach's
+    flush of evaluation forwards is collective, and rank 0 alone ran it (rank 1 met its
+    all-reduce in a later barrier: a timeout, then both ranks died)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+    monitor = _monitor(net, out, "eval_rank0", flush_every=2,
+                       activations__training_only=False).attach(opt)  # fmt: skip
+    for step in range(4):
+        ddp(batch(rank, step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if rank == 0:
+        net.eval()
+        with torch.no_grad():
+            net(batch(rank, 9))
+    monitor.detach()
+    dist.barrier()
+    return {"errors": dict(monitor.errors)}
+
+
 def scenario_join_disabled(rank: int, out: Path) -> dict:
     """A disabled monitor in Join([ddp, monitor]) with uneven inputs: nothing of the monitor's
     runs, and nothing waits for it (its join hook used to wait for flags no rank sent)."""
@@ -723,6 +748,7 @@ SCENARIOS = {
     "ddp_stats": scenario_ddp_stats,
     "ddp_nan": scenario_ddp_nan,
     "ddp_add_group": scenario_ddp_add_group,
+    "eval_rank0": scenario_eval_on_rank0_before_detach,
     "probe_fails": scenario_probe_fails,
     "config_mismatch": scenario_config_mismatch,
     "attach_alone": scenario_attach_alone,
@@ -1011,6 +1037,10 @@ def test_ddp_a_param_group_added_after_attach_keeps_the_flushes_aggregating(runs
         nan = [e for e in res["events"] if e["kind"] == "nonfinite"]
         assert (nan[0]["step"], nan[0]["evidence"]["rank"]) == (4, 1)  # then NaN weights
         assert "head.weight" in res["params"]
+
+
+def test_an_evaluation_on_one_rank_before_detach_issues_no_collective(runs):
+    assert [res["errors"] for res in _ok(runs["eval_rank0"])] == [{}, {}]
 
 
 def test_ddp_per_rank_jsonl_holds_each_ranks_own_values(runs):

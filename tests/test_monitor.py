@@ -207,6 +207,34 @@ def test_a_validation_after_the_last_step_reaches_the_log_at_detach(make_monitor
     assert [e.labels for e in monitor.events if e.kind == "nonfinite"] == [{"module": "0"}]
 
 
+def test_a_final_evaluation_keeps_the_last_training_record_of_a_thinned_log(tmp_path):
+    """sinks.jsonl.every 2: the last training flush was held for the close, and detach's
+    flush of the final evaluation (the same step) replaced it: the log ended without the last
+    step's gradient and step-time statistics."""
+    from numwatch.sinks.jsonl import read_jsonl
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tmp_path / "run.jsonl"
+    monitor = numwatch.Monitor(
+        model, flush_every=1, activations__every=1, activations__training_only=False,
+        sinks__console__enabled=False, sinks__jsonl__path=str(log), sinks__jsonl__every=2,
+    ).attach(opt)  # fmt: skip
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        monitor.step(loss)
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(4, 8))
+    monitor.detach()
+    records = read_jsonl(log)
+    assert [r["step"] for r in records] == [1, 2, 2]
+    assert any(m["name"] == "grad_norm" for m in records[1]["metrics"])
+
+
 def test_forwards_under_inference_mode_before_any_step_leave_the_monitor_working(make_monitor):
     """The activation probe merges every 64 forwards inside the forward hook: under the
     user's inference_mode() that made the first tables inference tensors, and every flush of

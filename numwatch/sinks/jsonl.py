@@ -151,10 +151,14 @@ class JsonlSink:
         close) the last one, so the log always ends with the run's final state."""
         self._flushes += 1
         self._rank = snapshot.rank
+        held, self._held = self._held, None
+        if held is not None and held.step == snapshot.step:
+            # a second flush of one step (detach's, after a final evaluation) does not
+            # supersede that step's training record: it is written too
+            self._write(held, [])
         if self._flushes % self.every and not events:
             self._held = snapshot
             return
-        self._held = None
         self._write(snapshot, events)
 
     def _write(self, snapshot: Snapshot, events: Sequence[Event]) -> None:
