@@ -111,7 +111,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -320,6 +319,31 @@ def _no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def _sdpa_fallback(
+    reason: str,
+    mode: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> Tensor:
+    """A call the kernel does not run, handed to SDPA unchanged and counted by ``reason``."""
+    if mode in PAPER_MODES:
+        raise ValueError(
+            f"the paper_repro modes cannot run this call ({reason}); they have no SDPA fallback"
+        )
+    _FALLBACKS[reason] += 1
+    extra = {"enable_gqa": True} if enable_gqa else {}
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        **extra,
+    )  # fmt: skip
+
+
 def _run(
     q: Tensor,
     k: Tensor,
@@ -343,16 +367,9 @@ def _run(
             out = out + sum(t.flatten()[:0].sum() for t in (q, k, v))
         return out
     if reason is not None:
-        if mode in PAPER_MODES:
-            raise ValueError(
-                f"the paper_repro modes cannot run this call ({reason}); they have no SDPA fallback"
-            )
-        _FALLBACKS[reason] += 1
-        extra = {"enable_gqa": True} if enable_gqa else {}
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            **extra,
-        )  # fmt: skip
+        return _sdpa_fallback(
+            reason, mode, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        )
     b, h, tq, d = q.shape
     sm_scale = scale if scale is not None else 1.0 / math.sqrt(d)
     mask = None if attn_mask is None else attn_mask.expand(b, h, tq, k.shape[2])
@@ -387,20 +404,27 @@ def flash_attention(
     runs eagerly (inductor would drop the paper_repro modes' roundings, and the kernels read
     tensor addresses), so ``fullgraph=True`` refuses it.
     """
-    args = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                enable_gqa=enable_gqa, stabilize=stabilize, beta=beta, mode=mode,
-                split_sum=split_sum)  # fmt: skip
     if torch.compiler.is_compiling():
-        return _flash_attention_eager(q, k, v, **args)
-    if any(isinstance(t, Tensor) and t.is_nested for t in (q, k, v)):
-        return _nested_fallback(q, k, v, **args)
-    if has_torch_function((q, k, v)):
+        return _flash_attention_eager(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa, stabilize=stabilize, beta=beta, mode=mode,
+            split_sum=split_sum,
+        )  # fmt: skip
+    # Nested tensors go to SDPA as they came, before any torch-function dispatch: the nested
+    # tensor's own dispatch would hand them back with subclass dispatch off, where SDPA refuses
+    # them ('must be contiguous').
+    nested = any(isinstance(t, Tensor) and t.is_nested for t in (q, k, v))
+    if not nested and has_torch_function((q, k, v)):
         return handle_torch_function(
             flash_attention, (q, k, v), q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, stabilize=stabilize,
             beta=beta, mode=mode, split_sum=split_sum,
         )  # fmt: skip
     kernel_mode = _kernel_mode(mode, stabilize, beta, split_sum)
+    if nested:
+        return _sdpa_fallback(
+            "nested", kernel_mode, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        )
     use_triton = _use_triton(q)
     return _run(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernel_mode, beta, use_triton
@@ -408,21 +432,6 @@ def flash_attention(
 
 
 _flash_attention_eager = torch.compiler.disable(flash_attention)
-
-
-def _nested_fallback(
-    q: Tensor, k: Tensor, v: Tensor, *, stabilize: bool, beta: float, mode: str,
-    split_sum: bool, **sdpa: Any,
-) -> Tensor:  # fmt: skip
-    """Nested tensors go to SDPA as they came, before any torch-function dispatch: the nested
-    tensor's own dispatch would hand them back with subclass dispatch off, where SDPA refuses
-    them ('must be contiguous')."""
-    if _kernel_mode(mode, stabilize, beta, split_sum) in PAPER_MODES:
-        raise ValueError("the paper_repro modes cannot run nested tensors; they have no fallback")
-    _FALLBACKS["nested"] += 1
-    if not sdpa["enable_gqa"]:
-        del sdpa["enable_gqa"]
-    return F.scaled_dot_product_attention(q, k, v, **sdpa)
 
 
 def flash_attention_reference(

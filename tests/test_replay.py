@@ -96,33 +96,6 @@ def test_logged_nonfinite_events_are_reported():
     assert [(e.kind, e.step) for e in without] == [("nonfinite", 19)]
 
 
-def test_a_nonfinite_rule_of_another_kind_reports_each_origin_once_live_and_on_replay(tmp_path):
-    """A nonfinite rule configured with kind 'anomaly' (not to stop a run on stop_on
-    ['nonfinite']): its events had kind 'nonfinite' whatever the config said; once they took
-    the configured kind, the monitor saw no adoption and reported every origin a second time,
-    as a critical 'nonfinite' event. Replay reads its logged origins as origins."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rules = [{"type": "nonfinite", "name": "nonfinite", "kind": "anomaly", "severity": "warning"}]
-    log = tmp_path / "run.jsonl"
-    monitor = numwatch.Monitor(model, flush_every=1, rules__add=rules, sinks__jsonl__path=str(log),
-                               sinks__console__enabled=False).attach(opt)  # fmt: skip
-    for step in range(3):
-        x = torch.randn(2, 4)
-        x[0, 0] = float("nan") if step == 1 else x[0, 0]
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    monitor.detach()
-    live = [(e.kind, e.rule, e.severity, e.step) for e in monitor.events]
-    assert live == [("anomaly", "nonfinite", "warning", 1), ("anomaly", "nonfinite", "warning", 2)]
-    replayed = replay(read_jsonl(log))  # the default rules: one critical nonfinite per origin
-    assert [(e.kind, e.rule, e.step) for e in replayed] == [
-        ("nonfinite", "nonfinite", 1), ("nonfinite", "nonfinite", 2)
-    ]  # fmt: skip
-
-
 def _nan_in_forward_run(log, rules, steps=3):
     """A run whose forward input holds a NaN at step 1 (module '0' first sees it)."""
     torch.manual_seed(0)
@@ -139,6 +112,23 @@ def _nan_in_forward_run(log, rules, steps=3):
         opt.zero_grad()
     monitor.detach()
     return monitor
+
+
+def test_a_nonfinite_rule_of_another_kind_reports_each_origin_once_live_and_on_replay(tmp_path):
+    """A nonfinite rule configured with kind 'anomaly' (not to stop a run on stop_on
+    ['nonfinite']): its events had kind 'nonfinite' whatever the config said; once they took
+    the configured kind, the monitor saw no adoption and reported every origin a second time,
+    as a critical 'nonfinite' event. Replay reads its logged origins as origins."""
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "kind": "anomaly",
+                      "severity": "warning"}]}  # fmt: skip
+    log = tmp_path / "run.jsonl"
+    monitor = _nan_in_forward_run(log, rules)
+    live = [(e.kind, e.rule, e.severity, e.step) for e in monitor.events]
+    assert live == [("anomaly", "nonfinite", "warning", 1), ("anomaly", "nonfinite", "warning", 2)]
+    replayed = replay(read_jsonl(log))  # the default rules: one critical nonfinite per origin
+    assert [(e.kind, e.rule, e.step) for e in replayed] == [
+        ("nonfinite", "nonfinite", 1), ("nonfinite", "nonfinite", 2)
+    ]  # fmt: skip
 
 
 def test_a_threshold_rule_of_kind_nonfinite_leaves_the_origin_reported(tmp_path):

@@ -345,31 +345,41 @@ def test_the_summary_names_each_routed_layers_kernel_mode(tmp_path):
     assert rows["numwatch kernel modes at the end"] == "a: plain_split, b: stabilized_split"
 
 
-def test_an_action_that_failed_at_the_last_flush_is_on_record(tmp_path):
-    """The error count of the last flush before detach reached no flush record: a snapshot
-    that failed at the NaN that ended a run read as 'monitor errors none' in the report."""
+def _nan_loss_run(log, rules, *, steps, nan_at, flush_every=1, attach_optimizer=True):
+    """A linear model whose loss is NaN at step ``nan_at``; the monitor's log at ``log``."""
     import torch
 
     import numwatch
-    from numwatch.sinks.jsonl import read_jsonl
 
-    blocked = tmp_path / "file"
-    blocked.write_text("")  # a file where the snapshot directory should be
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    snapshot = {"type": "snapshot", "directory": str(blocked / "snaps")}
-    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": [snapshot]}]}
-    log = tmp_path / "run.jsonl"
-    monitor = numwatch.Monitor(model, flush_every=1, rules=rules, sinks__jsonl__path=str(log),
-                               sinks__console__enabled=False).attach(opt)  # fmt: skip
-    for step in range(3):
-        loss = model(torch.randn(2, 4)).sum() * (float("nan") if step == 2 else 1.0)
+    monitor = numwatch.Monitor(
+        model, flush_every=flush_every, rules=rules, sinks__jsonl__path=str(log),
+        sinks__console__enabled=False,
+    )  # fmt: skip
+    monitor.attach(opt if attach_optimizer else None)
+    for step in range(steps):
+        loss = model(torch.randn(2, 4)).sum() * (float("nan") if step == nan_at else 1.0)
         loss.backward()
         monitor.step(loss)
         opt.step()
         opt.zero_grad()
     monitor.detach()
+    return monitor
+
+
+def test_an_action_that_failed_at_the_last_flush_is_on_record(tmp_path):
+    """The error count of the last flush before detach reached no flush record: a snapshot
+    that failed at the NaN that ended a run read as 'monitor errors none' in the report."""
+    from numwatch.sinks.jsonl import read_jsonl
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the snapshot directory should be
+    snapshot = {"type": "snapshot", "directory": str(blocked / "snaps")}
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": [snapshot]}]}
+    log = tmp_path / "run.jsonl"
+    monitor = _nan_loss_run(log, rules, steps=3, nan_at=2)
     assert monitor.errors == {"actions": 1}
     failed = [e for r in read_jsonl(log) for e in r["events"] if e["evidence"].get("failed")]
     assert len(failed) == 1 and failed[0]["message"].startswith("snapshot: failed (")
@@ -379,23 +389,8 @@ def test_an_action_that_failed_at_the_last_flush_is_on_record(tmp_path):
 def test_a_failed_skip_step_is_no_skipped_step(tmp_path):
     """A skip_step that failed (no optimizer attached) is an action event too, which the report
     counted as a withheld update while the weights went NaN and the counter stayed 0."""
-    import torch
-
-    import numwatch
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
     log = tmp_path / "run.jsonl"
-    monitor = numwatch.Monitor(model, flush_every=2, rules=rules, sinks__jsonl__path=str(log),
-                               sinks__console__enabled=False).attach()  # fmt: skip
-    for step in range(4):
-        loss = model(torch.randn(2, 4)).sum() * (float("nan") if step == 1 else 1.0)
-        loss.backward()
-        monitor.step(loss)
-        opt.step()
-        opt.zero_grad()
-    monitor.detach()
+    _nan_loss_run(log, rules, steps=4, nan_at=1, flush_every=2, attach_optimizer=False)
     rows = dict(summary_rows(load_run(log)))
     assert rows["skipped optimizer steps"] == "0" and rows["monitor errors"].startswith("actions:")

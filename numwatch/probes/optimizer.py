@@ -94,10 +94,6 @@ class OptimizerProbe:
         was given (named parameters), unless a model parameter or an earlier one has it (two
         series under one label)."""
         known = {id(p) for _, p in self.params}
-        held = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if any(id(p) not in known and id(p) not in self._model_names for p in held):
-            # a module added to the model since (a new head) has its path for a name
-            self._model_names = {id(p): n for n, p in self.model.named_parameters()}
         taken = set(self._model_names.values()) | {name for name, _ in self.params}
         for g, group in enumerate(self.optimizer.param_groups):
             for i, p in enumerate(group["params"]):
@@ -130,6 +126,8 @@ class OptimizerProbe:
             self._fresh.clear()
             self._index_cache.clear()
             self._cursor = 0
+        # a module added to the model since (a new head) has its path for a name
+        self._model_names = {id(p): n for n, p in self.model.named_parameters()}
         self._add_params()
 
     def attach(self) -> None:
