@@ -116,6 +116,69 @@ def test_nested_module_output_is_left_out_alone(make_monitor):
     assert snap.get("activation_numel", module="nest") is None
 
 
+class OddOutputs(nn.Module):
+    """Beside a Linear, modules that hand on what the kernels cannot read: packed fp4 bytes, a
+    complex spectrum, and a MaskedTensor (a __torch_dispatch__ subclass)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.lin = nn.Linear(2, 2, bias=False)
+        self.odd = OddOutput(kind)
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.odd(h)
+        return h.sum()
+
+
+class OddOutput(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, h):
+        h = h.detach()
+        if self.kind == "fp4":
+            return h.to(torch.uint8).view(torch.float4_e2m1fn_x2)
+        if self.kind == "complex":
+            return torch.fft.rfft(h)
+        from torch.masked import masked_tensor
+
+        return (masked_tensor(h, h > 0), h)  # a measurable tensor beside it
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", ["fp4", "complex", "masked"])
+def test_an_unreadable_output_is_left_out_alone_and_said_once(make_monitor, kind, caplog):
+    if kind == "fp4" and not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip("no float4_e2m1fn_x2 in this torch")
+    model = OddOutputs(kind)
+    with torch.no_grad():
+        model.lin.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, -2.0]]))
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    for _ in range(3):
+        model(torch.tensor([[1.0, 3.0]])).backward()  # lin: [1, -6]
+        monitor.step()
+    snap = monitor.snapshot()
+    assert no_errors(monitor)
+    assert min_max(snap, "activation", module="lin") == (-6.0, 1.0)
+    warned = [r for r in caplog.records if "module 'odd' is not measured" in r.getMessage()]
+    assert len(warned) == 1
+    if kind == "masked":  # the plain tensor beside it is still measured
+        assert min_max(snap, "activation", module="odd") == (-6.0, 1.0)
+    else:
+        assert snap.get("activation_numel", module="odd") is None
+    monitor.detach()
+
+
+def test_an_unreadable_output_raises_in_strict_mode(make_monitor):
+    model = OddOutputs("masked")
+    monitor = make_monitor(model, flush_every=1, activations__every=1, strict=True).attach()
+    with pytest.raises(TypeError), pytest.warns(UserWarning):
+        model(torch.tensor([[1.0, 3.0]]))
+    monitor.detach()
+
+
 def test_per_sample_gradients_through_the_model_are_left_out_alone(make_monitor):
     """torch.func's vmap(grad(...)) over the monitored model (per-sample gradients): its
     batched tensors failed the activation statistics (vmap refuses a value read), an error

@@ -156,18 +156,33 @@ def _usable(g: torch.Tensor | None) -> torch.device | None:
     return g.device if g is not None and _floating(g) else None
 
 
+# Dtypes the statistics kernels read: packed sub-byte floats (float4_e2m1fn_x2) and complex
+# numbers are not among them.
+_MEASURABLE_DTYPES = frozenset(
+    d
+    for d in (
+        torch.float16, torch.bfloat16, torch.float32, torch.float64,
+        *(getattr(torch, n, None) for n in (
+            "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"
+        )),
+    )
+    if d is not None
+)  # fmt: skip
+
+
 def _floating(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(t,)`` if the statistics kernels can read ``t`` (floating, with values, strided), else
-    ``()``. Sparse tensors are left out: an uncoalesced one (nn.Embedding(sparse=True)'s
-    gradient) repeats indices, so its values' extremes and sum of squares are not the tensor's,
-    and coalescing it reads its size back to the host. Nested tensors (nn.TransformerEncoder's
-    fast path) report a strided layout but cannot be flattened. Tensors of a torch.func
+    """``(t,)`` if the statistics kernels can read ``t`` (a measurable floating dtype, with
+    values, strided), else ``()``. Sparse tensors are left out: an uncoalesced one
+    (nn.Embedding(sparse=True)'s gradient) repeats indices, so its values' extremes and sum of
+    squares are not the tensor's, and coalescing it reads its size back to the host. Nested
+    tensors (nn.TransformerEncoder's fast path) report a strided layout but cannot be
+    flattened. Tensors of a torch.func
     transform (vmap, grad: per-sample gradients through the model) are the transform's own: a
     statistic would read batched values as one tensor, and vmap refuses the kernels' reads."""
     ok = (
         t.layout is torch.strided
         and not t.is_nested
-        and t.is_floating_point()
+        and t.dtype in _MEASURABLE_DTYPES
         and t.numel() > 0
         and not t.is_meta
         and not torch._C._functorch.is_functorch_wrapped_tensor(t)
@@ -176,9 +191,9 @@ def _floating(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def _floating_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Floating tensors with data inside a (nested) module output; others are not statistics."""
+    """Tensors inside a (nested) module output; ``_floating`` says which are statistics."""
     if isinstance(obj, torch.Tensor):
-        yield from _floating(obj)
+        yield obj
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             yield from _floating_tensors(item)
@@ -188,6 +203,17 @@ def _floating_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
             yield from _floating_tensors(getattr(obj, field.name, None))
+
+
+def _unmeasured_kind(t: torch.Tensor) -> str | None:
+    """Why a tensor with values that ``_floating`` refuses is left out, when a user would
+    expect it measured (complex, or a floating dtype the kernels do not read); None for the
+    tensors that are not statistics anyway (integer, boolean, empty, meta, nested, sparse)."""
+    if t.dtype in _MEASURABLE_DTYPES or not (t.is_complex() or t.is_floating_point()):
+        return None
+    if t.layout is not torch.strided or t.is_nested or t.is_meta or not t.numel():
+        return None
+    return f"{type(t).__name__} of {t.dtype}"
 
 
 class GradientProbe:
@@ -447,6 +473,10 @@ class ActivationProbe:
         self._pending: list[tuple[int, torch.Tensor, int | None]] = []
         self._pending_bytes = 0
         self._unbatched: set[int] = set()  # modules whose outputs changed in place
+        # (tensor type, dtype) the statistics failed on (a __torch_dispatch__ subclass such as
+        # MaskedTensor): left out from then on, so that they cannot sink other modules' rows
+        self._unreadable: set[tuple[type, torch.dtype]] = set()
+        self._told: set[int] = set()  # modules warned about an output left out
         # device -> (first order number, module indices, stat rows, dtypes) per measurement
         self._measured: dict[torch.device, list[tuple[int, list[int], torch.Tensor, tuple]]] = {}
         self._plans: dict[tuple[torch.device, tuple[int, ...]], tuple[Any, Any, int]] = {}
@@ -504,7 +534,11 @@ class ActivationProbe:
         # a plain tensor (most modules) skips the structure walk: 136 hooks per GPT-2 forward
         plain = type(output) is torch.Tensor
         now = index in self._unbatched
-        for t in _floating(output) if plain else _floating_tensors(output):
+        for t in (output,) if plain else _floating_tensors(output):
+            if not _floating(t) or (self._unreadable and (type(t), t.dtype) in self._unreadable):
+                if index not in self._told:
+                    self._tell_unmeasured(index, t)
+                continue
             t = t.detach()
             try:
                 version = t._version
@@ -571,11 +605,11 @@ class ActivationProbe:
                 continue
             groups.setdefault(t.device, []).append((index, t))
             self._dtypes[index] = t.dtype
-        for device, items in groups.items():
+        for device, group in groups.items():
+            items, stats = self._stats(group)
+            if not items:
+                continue
             indices = [i for i, _ in items]
-            stats = ts.tensor_stats(
-                [t for _, t in items], self.ctx.underflow_dtype, self.ctx.backend
-            )
             names = tuple(self.modules[i][0] for i in indices)
             first = self.ctx.tracker.reserve("forward", "module", names, self.ctx.step)
             dtypes = tuple(t.dtype for _, t in items)
@@ -583,6 +617,46 @@ class ActivationProbe:
             measured.append((first, indices, stats, dtypes))
             if len(measured) >= _FOLD_AT:  # forwards with no step closing (validation,
                 self._settle()  # generate(), inference): merged, not held one per forward
+
+    def _stats(
+        self, items: list[tuple[int, torch.Tensor]]
+    ) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor | None]:
+        """One fused statistics call; where it fails (a tensor subclass the kernels cannot
+        read), tensor by tensor, leaving out and warning about the ones that fail, so that one
+        module's odd output does not lose every module's row. Strict mode raises."""
+        tensors = [t for _, t in items]
+        try:
+            return items, ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend)
+        except Exception:
+            if self.ctx.guard.strict:
+                raise
+        kept, rows = [], []
+        for index, t in items:
+            try:
+                rows.append(ts.tensor_stats([t], self.ctx.underflow_dtype, self.ctx.backend))
+            except Exception as exc:
+                self._unreadable.add((type(t), t.dtype))
+                self._tell_unmeasured(index, t, exc)
+                continue
+            kept.append((index, t))
+        return kept, torch.cat(rows) if rows else None
+
+    def _tell_unmeasured(
+        self, index: int, t: torch.Tensor, exc: BaseException | None = None
+    ) -> None:
+        """Warn once per module about an output left out (complex, an unreadable dtype or
+        tensor type): its activation_* series lack it."""
+        kind = _unmeasured_kind(t) if exc is None else f"{type(t).__name__} of {t.dtype}"
+        if kind is None or index in self._told:
+            return
+        self._told.add(index)
+        log.warning(
+            "numwatch: an output of module %r is not measured (%s%s); its activation_* "
+            "statistics leave it out",
+            self.modules[index][0],
+            kind,
+            "" if exc is None else f": {type(exc).__name__}: {str(exc)[:200]}",
+        )
 
     def _note_headroom(
         self, device: torch.device, indices: list[int], stats: torch.Tensor, dtypes: tuple
