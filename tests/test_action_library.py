@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
 from pathlib import Path
@@ -13,8 +14,9 @@ import torch
 from torch import nn
 
 import numwatch
-from numwatch.actions.library import ForensicSnapshot, LrBackoff, qk_clip
+from numwatch.actions.library import ForensicSnapshot, LrBackoff, QKClip, qk_clip
 from numwatch.actions.optimizer_control import OptimizerControl
+from numwatch.errors import NumwatchError
 from numwatch.events import Event
 
 
@@ -110,6 +112,23 @@ def test_qk_clip_scales_tied_projections_exactly_once(shift):
         )
     ratio = qk_clip(model, "0", 1, 400.0, 100.0)
     torch.testing.assert_close(model[0].logits(x, head=1), before * ratio)
+
+
+@pytest.mark.parametrize("logit", [math.inf, math.nan])
+def test_qk_clip_refuses_a_logit_that_overflowed(logit):
+    """tau / inf is 0: it zeroed the head's W_q and W_k for good (NaN made them NaN)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(TiedAttn(shift=2))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NumwatchError, match="overflowed"):
+        qk_clip(model, "0", 1, logit, 100.0)
+    action = QKClip(tau=100.0)
+    ctx = SimpleNamespace(model=model, optimizer_control=None)
+    event = Event(kind="precursor", step=0, message="", rule="r", value=logit,
+                  labels={"layer": "0", "head": "1"})  # fmt: skip
+    with pytest.raises(NumwatchError, match="overflowed"):
+        action.run(ctx, event)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 # ------------------------------------------------------------------------------ snapshot

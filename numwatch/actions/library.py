@@ -129,6 +129,12 @@ class LrBackoff(Action):
 def qk_clip(model: torch.nn.Module, layer: str, head: int, max_logit: float, tau: float) -> float:
     """Scale head ``head``'s W_q and W_k rows (and biases) of ``layer`` by sqrt(tau / max_logit)
     each, so that its logits shrink by tau / max_logit (Kimi K2's QK-clip). Returns the factor."""
+    if not (math.isfinite(max_logit) and max_logit > 0):
+        raise NumwatchError(
+            f"qk_clip: the max logit of {layer!r} head {head} is {max_logit}: a logit that "
+            "overflowed (or is not a logit) gives no size to rescale against, and tau / inf "
+            "would zero the head's W_q and W_k for good; the head is left as it is"
+        )
     layout = _qk_layout(model, layer)
     ratio = tau / max_logit
     q, k = layout.q[head], layout.k_for(head)
@@ -180,6 +186,8 @@ class QKClip(Action):
         layer, head, value = event.labels.get("layer"), event.labels.get("head"), event.value
         if layer is None or head is None or value is None or value <= self.tau:
             return None
+        if not math.isfinite(value):  # refused where it is decided, not after the update
+            qk_clip(ctx.model, layer, int(head), value, self.tau)
         clip = lambda: qk_clip(ctx.model, layer, int(head), value, self.tau)
         control = ctx.optimizer_control
         if control is not None:
