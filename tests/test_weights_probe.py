@@ -514,3 +514,41 @@ def test_qk_norm_is_a_norm_that_is_there():
     assert find_qk_layout(Attn(q_norm=nn.RMSNorm(4), k_norm=nn.RMSNorm(4))).qk_norm
     assert not find_qk_layout(Attn(q_norm=nn.Identity(), k_norm=nn.Identity())).qk_norm
     assert not find_qk_layout(Attn(q_norm=None)).qk_norm
+
+
+class SplitAttn(nn.Module):
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.num_heads = heads
+        self.q_proj, self.k_proj = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.q_proj(x) * self.k_proj(x)
+
+
+@pytest.mark.parametrize("how", ["parametrize", "hooks"])
+def test_parametrized_projections_are_neither_measured_from_a_copy_nor_clipped(how, caplog):
+    """weight_norm's q_proj.weight is computed at each access: the layout held the copy of
+    attach time (norms frozen however training moved g), and qk_clip scaled a temporary while
+    reporting that the logits shrank."""
+    from numwatch.actions.library import qk_clip
+    from numwatch.errors import NumwatchError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(SplitAttn())
+    if how == "parametrize":
+        nn.utils.parametrizations.weight_norm(model[0].q_proj)
+    else:
+        with pytest.warns(FutureWarning):
+            nn.utils.weight_norm(model[0].q_proj)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NumwatchError, match="parametrizations"):
+        qk_clip(model, "0", 0, 400.0, tau=100.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    monitor = monitor_for(model)
+    model(torch.randn(3, 16)).sum().backward()
+    monitor.step()
+    snap = monitor.snapshot()
+    monitor.detach()
+    assert not snap.series("attn_q_spectral_norm")
+    assert any("'0' are computed from parametrizations" in r.getMessage() for r in caplog.records)

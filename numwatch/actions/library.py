@@ -27,7 +27,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 from numwatch.actions.base import Action, ActionContext
 from numwatch.errors import NumwatchConfigError, NumwatchError, NumwatchHalt
 from numwatch.events import Event
-from numwatch.probes.qk_layout import QKLayout, find_qk_layout
+from numwatch.probes.qk_layout import QKLayout, find_qk_layout, reads_parameters
 
 _log = logging.getLogger("numwatch")
 
@@ -153,6 +153,12 @@ def _qk_layout(model: torch.nn.Module, layer: str) -> QKLayout:
             f"qk_clip: no known Q/K projection layout in {layer!r} ({type(module).__name__}); "
             "supported: q_proj/k_proj, query/key, q/k, fused qkv/c_attn/Wqkv, "
             "nn.MultiheadAttention"
+        )
+    if not reads_parameters(module, layout):
+        raise NumwatchError(
+            f"qk_clip: the Q/K weights of {layer!r} ({type(module).__name__}) are computed "
+            "from parametrizations (weight_norm, spectral_norm, orthogonal...): rescaling the "
+            "computed weight would not change the parameters the optimizer updates"
         )
     if layout.qk_norm:
         raise NumwatchError(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["HeadSlice", "QKLayout", "find_qk_layout"]
+__all__ = ["HeadSlice", "QKLayout", "find_qk_layout", "reads_parameters"]
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,16 @@ def find_qk_layout(module: nn.Module, n_heads: int | None = None) -> QKLayout | 
     if layout is not None and any(_normalizes(getattr(module, n, None)) for n in _QK_NORM_NAMES):
         return QKLayout(layout.q, layout.k, qk_norm=True)
     return layout
+
+
+def reads_parameters(module: nn.Module, layout: QKLayout) -> bool:
+    """Whether the layout's Q and K weights are the module's own parameters. A parametrized
+    projection (torch.nn.utils.parametrize: weight_norm, spectral_norm, orthogonal; or the
+    older hook-based weight_norm) computes ``.weight`` from other tensors: a layout of that
+    tensor would read a copy frozen when it was found, and a rescale of it would move
+    nothing."""
+    params = {id(p) for p in module.parameters()}
+    return all(id(h.weight) in params for h in (layout.q[0], layout.k[0]))
 
 
 def _normalizes(child: object) -> bool:

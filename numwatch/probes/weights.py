@@ -20,7 +20,7 @@ from numwatch.distributed import ShardedPowerIteration, is_dtensor, weight_block
 from numwatch.kernels.host_copy import to_device
 from numwatch.kernels.power_iteration import PowerIteration, qk_logit_bound
 from numwatch.probes.base import ProbeContext, gathering_device
-from numwatch.probes.qk_layout import QKLayout, find_qk_layout
+from numwatch.probes.qk_layout import QKLayout, find_qk_layout, reads_parameters
 from numwatch.selection import _warn_unmatched, matches, select_parameters
 from numwatch.snapshot import MetricRecord
 
@@ -64,7 +64,13 @@ class WeightProbe:
             for name, module in model.named_modules():
                 if name and matches(name, cfg.layers):
                     layout = find_qk_layout(module)
-                    if layout is not None and all(
+                    if layout is not None and not reads_parameters(module, layout):
+                        log.warning(
+                            "numwatch: the Q/K weights of %r are computed from "
+                            "parametrizations: its per-head spectral norms are not measured",
+                            name,
+                        )
+                    elif layout is not None and all(
                         _measurable(h.weight) for h in (layout.q[0], layout.k[0])
                     ):
                         self.layers.append((name, layout))
