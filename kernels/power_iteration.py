@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -538,6 +539,10 @@ def _start_vectors(view: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tens
     return torch.where(ok, t / norm.clamp_min(_TINY), rnd), c
 
 
+def _gone(state: _State) -> bool:
+    return any((t := ref()) is None or t.data_ptr() != ptr for ref, ptr in state.sources)
+
+
 class _State(NamedTuple):
     """What a step over one list layout needs, valid while the vectors keep ``signature``."""
 
@@ -552,6 +557,10 @@ class _State(NamedTuple):
     # (graph, sigma) (None: capture failed)
     runs: Counter[Hashable]
     graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None]
+    # the caller's matrices (weakly) and where their data was: once one is gone or its data
+    # moved (model.half(), .to(device): same Parameters, new storage) the layout is not met
+    # again, and its views would keep the old weights' memory alive
+    sources: tuple[tuple[weakref.ref, int], ...] = ()
 
 
 # Iterations of a call whose vectors are new (the first, or an entry whose shape changed): at one
@@ -617,7 +626,11 @@ class PowerIteration:
             state = self._prepare(matrices)
             fresh = fresh or self._restarted > restarted
             if state.cacheable:
-                self._states[key] = state
+                for old in [k for k, st in self._states.items() if _gone(st)]:
+                    del self._states[old]
+                self._states[key] = state._replace(
+                    sources=tuple((weakref.ref(t), t.data_ptr()) for t in matrices)
+                )
                 if len(self._states) > 8:
                     self._states.popitem(last=False)
         if fresh:  # new vectors: converge once, or the first estimates read ~20 % low and

@@ -158,6 +158,8 @@ class WeightProbe:
             self._sigma = self._sharded.step(self._blocks)
             return
         groups = self._matrix_groups()
+        if len(self._pi) > len(groups):  # a device the model left: its iteration holds old views
+            self._pi = {d: pi for d, pi in self._pi.items() if any(d == g for g, _ in groups)}
         sigmas = []
         for device, matrices in groups:
             pi = self._pi.get(device)

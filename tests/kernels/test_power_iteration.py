@@ -86,6 +86,24 @@ def test_shape_change_reinitializes_only_that_entry(backend: str, device: str) -
 
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_weights_moved_to_new_storage_are_not_kept_alive(backend: str, device: str) -> None:
+    """model.half() / .double() gives the same Parameters new storage: the layout of the old one
+    is never met again, and its cached views held a full copy of every old weight."""
+    ws = [
+        torch.nn.Parameter(_planted(16, 12, [2.0, 1.0], seed=s).float().to(device)) for s in (1, 2)
+    ]
+    est = PowerIteration(backend=backend)
+    est.step(ws, iters=2)
+    old = {w.untyped_storage().data_ptr() for w in ws}
+    for w in ws:
+        w.data = w.data.half() if backend == "triton" else w.data.double()
+    out = est.step(ws, iters=30).cpu()
+    held = [v for st in est._states.values() for v in st.views]
+    assert not any(v.untyped_storage().data_ptr() in old for v in held)
+    torch.testing.assert_close(out, torch.tensor([2.0, 2.0]), rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
 def test_per_head_norms_of_fused_qkv_and_linear(backend: str, device: str) -> None:
     d, n_head = 32, 4
     dh = d // n_head
