@@ -552,3 +552,33 @@ def test_parametrized_projections_are_neither_measured_from_a_copy_nor_clipped(h
     monitor.detach()
     assert not snap.series("attn_q_spectral_norm")
     assert any("'0' are computed from parametrizations" in r.getMessage() for r in caplog.records)
+
+
+def test_a_module_replaced_after_attach_is_measured_at_the_next_flush():
+    """The probe kept the Parameters of attach time: a new lm_head went on being reported as
+    the old one's norm, under its name, for the rest of the run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = monitor_for(model, gradients__enabled=False)
+    monitor.attach(opt)
+    x = torch.randn(3, 8)
+
+    def train_step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    train_step()
+    old = monitor.snapshot().value("weight_spectral_norm", param="1.weight")
+    assert old == pytest.approx(sigma(model[1].weight), rel=1e-3)
+    model[1] = nn.Linear(8, 4)
+    with torch.no_grad():
+        model[1].weight.mul_(100)
+    opt.add_param_group({"params": model[1].parameters()})
+    train_step()  # measured the old one: the selection is made again at its flush
+    train_step()
+    new = monitor.snapshot().value("weight_spectral_norm", param="1.weight")
+    monitor.detach()
+    assert new == pytest.approx(sigma(model[1].weight), rel=1e-3)
+    assert new > 10 * old

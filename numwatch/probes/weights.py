@@ -52,6 +52,19 @@ class WeightProbe:
         sharded (FSDP2) weights, whose norms take an all-reduce per iteration, are left out."""
         self.cfg = cfg
         self.ctx = ctx
+        self.model = model
+        self._aggregate = aggregate
+        self._pi: dict[torch.device, PowerIteration] = {}
+        self._sigma: torch.Tensor | None = None  # (N,) float32, latest estimates
+        self._fresh = False  # estimated since the last flush: only then are they reported
+        self._select()
+
+    def _select(self) -> None:
+        """Choose the weights and attention layers, and what reads them. Again at a flush
+        after the model's parameters changed (a module replaced after attach): a Parameter
+        kept from before would go on being reported under the name of its replacement."""
+        model, cfg = self.model, self.cfg
+        self._param_ids = tuple(map(id, model.parameters()))
         tables = set() if cfg.embeddings else _embedding_tables(model)
         self.params = [
             (name, p)
@@ -74,7 +87,7 @@ class WeightProbe:
                         _measurable(h.weight) for h in (layout.q[0], layout.k[0])
                     ):
                         self.layers.append((name, layout))
-        if not aggregate:
+        if not self._aggregate:
             self._drop_sharded()
         # a layout whose heads interleave with other rows has no sharded block (MatrixBlock
         # splits a contiguous row range into heads)
@@ -82,9 +95,6 @@ class WeightProbe:
             (name, lay) for name, lay in self.layers
             if not (_interleaved(lay) and is_dtensor(lay.q[0].weight))
         ]  # fmt: skip
-        self._pi: dict[torch.device, PowerIteration] = {}
-        self._sigma: torch.Tensor | None = None  # (N,) float32, latest estimates
-        self._fresh = False  # estimated since the last flush: only then are they reported
         # FSDP2 (DTensor) weights: norms from the local shards, never gathered (distributed.py)
         self._blocks = weight_blocks(self.params, self.layers)
         self._sharded = ShardedPowerIteration(cfg.iters) if self._blocks else None
@@ -205,8 +215,14 @@ class WeightProbe:
         return out
 
     def reset(self) -> None:
-        """Estimates are kept: they are the state the next step warm-starts from."""
+        """Estimates are kept: they are the state the next step warm-starts from, unless the
+        model's parameters changed (then the selection is made again and the iterations
+        start over)."""
         self._fresh = False
+        if tuple(map(id, self.model.parameters())) != self._param_ids:
+            self._select()
+            self._pi.clear()
+            self._sigma = None
 
 
 def _interleaved(layout: QKLayout) -> bool:
