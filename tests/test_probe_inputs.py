@@ -395,3 +395,32 @@ def test_activation_checkpointing_counts_each_output_once(make_monitor, reentran
         assert snap.value("activation_numel", module=name) == 32
     relu = model.body[1](model.body[0](x))
     assert snap.value("activation_zeros", module="body.1") == (relu == 0).sum().item()
+
+
+def test_a_failure_of_the_statistics_on_plain_tensors_leaves_nothing_out_for_good(
+    make_monitor, monkeypatch
+):
+    """A transient failure (an OOM) of the fused call is counted; it must not mark plain fp32
+    outputs unreadable, which would end the activation statistics of every module."""
+    model = OddOutputs("complex")
+    monitor = make_monitor(
+        model, flush_every=1, activations__every=1, gradients__enabled=False
+    ).attach()
+    real = ts.tensor_stats
+    calls = {"n": 0}
+
+    def fail_first(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] <= 2:  # the fused call, then the first retry (tensor by tensor)
+            raise RuntimeError("planted transient failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ts, "tensor_stats", fail_first)
+    for _ in range(2):
+        model(torch.tensor([[1.0, 3.0]])).backward()
+        monitor.step()
+    snap = monitor.snapshot()
+    errors = dict(monitor.errors)
+    monitor.detach()
+    assert calls["n"] > 2 and errors == {"activations": 1}  # counted once
+    assert snap.get("activation_numel", module="lin") is not None

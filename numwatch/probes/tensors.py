@@ -621,9 +621,10 @@ class ActivationProbe:
     def _stats(
         self, items: list[tuple[int, torch.Tensor]]
     ) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor | None]:
-        """One fused statistics call; where it fails (a tensor subclass the kernels cannot
-        read), tensor by tensor, leaving out and warning about the ones that fail, so that one
-        module's odd output does not lose every module's row. Strict mode raises."""
+        """One fused statistics call; where it fails, tensor by tensor: a tensor subclass the
+        kernels cannot read (a MaskedTensor) is left out from then on, with a warning, so that
+        one module's odd output does not lose every module's row. A plain tensor that fails is
+        the probe's own failure: raised (and counted), as strict mode raises any."""
         tensors = [t for _, t in items]
         try:
             return items, ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend)
@@ -635,6 +636,8 @@ class ActivationProbe:
             try:
                 rows.append(ts.tensor_stats([t], self.ctx.underflow_dtype, self.ctx.backend))
             except Exception as exc:
+                if type(t) in (torch.Tensor, nn.Parameter):  # a failure of the probe itself:
+                    raise  # counted by the guard, nothing left out for good
                 self._unreadable.add((type(t), t.dtype))
                 self._tell_unmeasured(index, t, exc)
                 continue
