@@ -26,6 +26,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -54,6 +55,18 @@ KERNEL_ENV = frozenset({"NUMWATCH_FLASH_GLUON", "NUMWATCH_FLASH_CONFIGS"})
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_counts(cls, data: Any) -> Any:
+        """YAML reads yes/no/on/off as booleans, which pydantic took as 1/0 for counts:
+        ``flush_every: yes`` flushed every step, ``port: no`` bound a random port."""
+        if isinstance(data, Mapping):
+            for name, value in data.items():
+                field = cls.model_fields.get(name) if isinstance(name, str) else None
+                if isinstance(value, bool) and field is not None and _takes_int(field.annotation):
+                    raise ValueError(f"{name}: a number is expected, got the boolean {value}")
+        return data
 
 
 class GradientConfig(_Section):
@@ -238,8 +251,15 @@ class JsonlSinkConfig(_Section):
     enabled: bool = Field(True, description="Write the JSONL run log.")
     path: str = Field(
         "numwatch-runs/{run_name}.rank{rank}.jsonl",
-        description="File path; {run_name} and {rank} are filled in. Parent folders are created.",
+        description="File path; {run_name} and {rank} are filled in, ~ and $VARIABLES expanded. "
+        "Parent folders are created.",
     )
+
+    @field_validator("path")
+    @classmethod
+    def _expand(cls, path: str) -> str:
+        return expand_path(path)
+
     every: PositiveInt = Field(
         1,
         description="Flushes between written records; a flush with events is always written "
@@ -438,7 +458,7 @@ class MonitorConfig(_Section):
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> MonitorConfig:
         """Config from a YAML file alone (no env, no overrides)."""
-        data = _read_yaml(Path(path))
+        data = _expand_dunder(_read_yaml(Path(path)))  # rules__disable, as ``load`` reads it
         return cls.validated(data, dict.fromkeys(_leaves(data), (0, f"config file {str(path)!r}")))
 
     @classmethod
@@ -456,8 +476,25 @@ class MonitorConfig(_Section):
             raise NumwatchConfigError(_describe(exc, sources or {})) from None
 
 
+def _takes_int(annotation: Any) -> bool:
+    """An int field (PositiveInt and the like, or int | None), not a bool or float one."""
+    if hasattr(annotation, "__metadata__"):  # Annotated[int, Gt(0)]: PositiveInt
+        annotation = annotation.__origin__
+    if get_origin(annotation) in (Union, types.UnionType):
+        return any(_takes_int(a) for a in get_args(annotation))
+    return annotation is int
+
+
+def expand_path(path: str) -> str:
+    """~ and $VARIABLES in a path setting, expanded: written in a YAML file or a quoted
+    environment value, they were taken literally (a folder named '~' in the working
+    directory)."""
+    return os.path.expandvars(os.path.expanduser(path))
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     where = f"config file {str(path)!r}"
+    path = path.expanduser()
     if not path.is_file():
         raise NumwatchConfigError(
             f"{where} " + ("is not a file" if path.exists() else "does not exist")

@@ -180,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     except (NumwatchError, OSError, ValueError, KeyError) as err:
         print(f"numwatch replay: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
+    if not tally.flushes:  # an empty file, or no log: "0 events" would read as a pass
+        print(
+            f"numwatch replay: {args.log} holds no flush records (an empty file, or not a "
+            "numwatch log)",
+            file=sys.stderr,
+        )
+        return 1
     steps, logged = tally.steps, tally.logged
     summary = summarize(events)
     if args.json:

@@ -241,3 +241,47 @@ def test_a_sections_own_validator_names_the_source_too(tmp_path):
         MonitorConfig.load(path, env={})
     with pytest.raises(NumwatchConfigError, match=r"from NUMWATCH_WEIGHTS__ALTERNATE"):
         MonitorConfig.load(env={"NUMWATCH_WEIGHTS__ALTERNATE": "true"})
+
+
+def test_an_action_type_that_is_not_a_name_is_a_config_error(tmp_path):
+    path = tmp_path / "rules.yaml"
+    path.write_text(
+        "rules:\n  add:\n    - {type: threshold, name: clip, metric: attn_max_logit,"
+        " threshold: 100, actions: [{type: {qk_clip: {tau: 100}}}]}\n"
+    )
+    with pytest.raises(NumwatchConfigError, match="unknown action"):  # was a raw TypeError
+        MonitorConfig.load(path, env={})
+
+
+def test_from_yaml_reads_joined_names_as_load_does(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rules__disable: [attn_saturated]\n")
+    assert MonitorConfig.from_yaml(path).rules.disable == ["attn_saturated"]
+    assert MonitorConfig.load(path, env={}).rules.disable == ["attn_saturated"]
+
+
+def test_paths_expand_home_and_variables(tmp_path, monkeypatch):
+    """Written in YAML, '~/runs/x.jsonl' made a folder named '~' in the working directory."""
+    from numwatch.actions.library import ForensicSnapshot
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RUNDIR", str(tmp_path / "runs"))
+    cfg = MonitorConfig.load({"sinks": {"jsonl": {"path": "~/logs/{run_name}.jsonl"}}}, env={})
+    assert cfg.sinks.jsonl.path == f"{tmp_path}/logs/{{run_name}}.jsonl"
+    cfg = MonitorConfig.load(env={"NUMWATCH_SINKS__JSONL__PATH": "$RUNDIR/{run_name}.jsonl"})
+    assert cfg.sinks.jsonl.path == f"{tmp_path}/runs/{{run_name}}.jsonl"
+    assert ForensicSnapshot(directory="~/snap").directory == f"{tmp_path}/snap"
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "field"),
+    [("flush_every: yes\n", "flush_every"), ("sinks: {prometheus: {port: no}}\n", "port"),
+     ("attention: {batch: off}\n", "batch")],
+)  # fmt: skip
+def test_a_boolean_is_not_taken_for_a_number(tmp_path, yaml_text, field):
+    """YAML reads yes/no/off as booleans; pydantic took them as 1/0 (a flush every step, a
+    random port, every batch element for 'off')."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(NumwatchConfigError, match=f"{field}: a number is expected"):
+        MonitorConfig.load(path, env={})

@@ -341,3 +341,15 @@ def test_a_dry_run_accepts_a_skip_step_nonfinite_rule_on_the_gradient_norm():
     assert {e.rule for e in monitor.events} == {"nan_skip", "nonfinite"}  # the default's too
     assert not monitor.errors
     monitor.detach()
+
+
+def test_replay_of_a_file_with_no_flush_records_fails(tmp_path, capsys):
+    """An empty file, or bytes that are no log, read '0 flushes; 0 events' with exit 0: a
+    script checking a rule's false alarms took it as a pass."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    garbage = tmp_path / "notes.jsonl"
+    garbage.write_text("not a log\n")
+    for path in (empty, garbage):
+        assert cli(["replay", str(path)]) == 1
+        assert "holds no flush records" in capsys.readouterr().err

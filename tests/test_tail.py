@@ -280,3 +280,10 @@ def test_no_follow_prints_a_last_record_without_its_newline(tmp_path, capsys):
     assert cli(["tail", "--no-follow", str(tmp_path / "a.jsonl")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split("|")[0].strip() for line in lines] == ["numwatch step 0", "numwatch step 1"]
+
+
+def test_cli_refuses_a_folder_in_one_line(tmp_path, capsys):
+    folder = tmp_path / "run.jsonl"
+    folder.mkdir()
+    assert cli(["tail", str(folder)]) == 1  # follow mode: it raised IsADirectoryError
+    assert "is not a file" in capsys.readouterr().out

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, PrivateAttr, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from numwatch.actions.base import Action, ActionContext
 from numwatch.errors import NumwatchConfigError, NumwatchError, NumwatchHalt
@@ -218,7 +218,17 @@ class ForensicSnapshot(Action):
     """
 
     type: Literal["snapshot"] = "snapshot"
-    directory: str = Field("numwatch-forensics", description="Where snapshot files go.")
+    directory: str = Field(
+        "numwatch-forensics", description="Where snapshot files go (~ and $VARIABLES expanded)."
+    )
+
+    @field_validator("directory")
+    @classmethod
+    def _expand(cls, directory: str) -> str:
+        from numwatch.config import expand_path
+
+        return expand_path(directory)
+
     max_bytes: int = Field(256 * 2**20, ge=0, description="Cap on the tensors saved per event.")
     flushes: int = Field(5, ge=0, description="Recent flushes saved with it.")
 
@@ -350,7 +360,8 @@ def build_action(spec: str | dict[str, Any] | Action, where: str) -> Action:
     if isinstance(spec, Action):
         return spec
     data = {"type": spec} if isinstance(spec, str) else dict(spec)
-    cls = ACTIONS.get(data.get("type", ""))
+    kind = data.get("type", "")
+    cls = ACTIONS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise NumwatchConfigError(
             f"{where}: unknown action {data.get('type')!r}; known: {', '.join(sorted(ACTIONS))}"

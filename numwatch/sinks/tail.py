@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(highlight=False, soft_wrap=True)
     path = Path(args.log)
+    if path.exists() and not path.is_file():  # a folder: follow() would open it
+        console.print(f"numwatch tail: {escape(str(path))} is not a file")
+        return 1
     if args.no_follow and not path.is_file():
         console.print(f"numwatch tail: no log at {escape(str(path))}")
         return 1
