@@ -129,12 +129,7 @@ class LrBackoff(Action):
 def qk_clip(model: torch.nn.Module, layer: str, head: int, max_logit: float, tau: float) -> float:
     """Scale head ``head``'s W_q and W_k rows (and biases) of ``layer`` by sqrt(tau / max_logit)
     each, so that its logits shrink by tau / max_logit (Kimi K2's QK-clip). Returns the factor."""
-    if not (math.isfinite(max_logit) and max_logit > 0):
-        raise NumwatchError(
-            f"qk_clip: the max logit of {layer!r} head {head} is {max_logit}: a logit that "
-            "overflowed (or is not a logit) gives no size to rescale against, and tau / inf "
-            "would zero the head's W_q and W_k for good; the head is left as it is"
-        )
+    _check_logit(layer, head, max_logit)
     layout = _qk_layout(model, layer)
     ratio = tau / max_logit
     q, k = layout.q[head], layout.k_for(head)
@@ -143,6 +138,15 @@ def qk_clip(model: torch.nn.Module, layer: str, head: int, max_logit: float, tau
     else:  # a key head is shared by several query heads: clip the query side only
         q.scale_(ratio)
     return ratio
+
+
+def _check_logit(layer: str, head: int | str, max_logit: float) -> None:
+    if not (math.isfinite(max_logit) and max_logit > 0):
+        raise NumwatchError(
+            f"qk_clip: the max logit of {layer!r} head {head} is {max_logit}: a logit that "
+            "overflowed (or is not a logit) gives no size to rescale against, and tau / inf "
+            "would zero the head's W_q and W_k for good; the head is left as it is"
+        )
 
 
 def _qk_layout(model: torch.nn.Module, layer: str) -> QKLayout:
@@ -192,8 +196,7 @@ class QKClip(Action):
         layer, head, value = event.labels.get("layer"), event.labels.get("head"), event.value
         if layer is None or head is None or value is None or value <= self.tau:
             return None
-        if not math.isfinite(value):  # refused where it is decided, not after the update
-            qk_clip(ctx.model, layer, int(head), value, self.tau)
+        _check_logit(layer, head, value)  # refused where it is decided, not after the update
         clip = lambda: qk_clip(ctx.model, layer, int(head), value, self.tau)
         control = ctx.optimizer_control
         if control is not None:

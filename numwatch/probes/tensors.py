@@ -536,8 +536,7 @@ class ActivationProbe:
         now = index in self._unbatched
         for t in (output,) if plain else _floating_tensors(output):
             if not _floating(t) or (self._unreadable and (type(t), t.dtype) in self._unreadable):
-                if index not in self._told:
-                    self._tell_unmeasured(index, t)
+                self._tell_unmeasured(index, t)
                 continue
             t = t.detach()
             try:
@@ -649,8 +648,10 @@ class ActivationProbe:
     ) -> None:
         """Warn once per module about an output left out (complex, an unreadable dtype or
         tensor type): its activation_* series lack it."""
+        if index in self._told:
+            return
         kind = _unmeasured_kind(t) if exc is None else f"{type(t).__name__} of {t.dtype}"
-        if kind is None or index in self._told:
+        if kind is None:
             return
         self._told.add(index)
         log.warning(
