@@ -623,6 +623,7 @@ def test_out_of_range_device_indices_are_not_sampled(impl, device_indices):
         assert_stats(got, oracle(q, k, **in_range, **oracle_kw))
         assert got[:, A.ROWS].tolist() == [2.0] * 4
     assert_empty(stats(impl, q, k, rows=torch.tensor([40, -40])))
+    assert_empty(stats(impl, q, k, rows=torch.tensor([40, -40]), is_causal=True))
     assert_empty(stats(impl, q, k, batch=torch.tensor([2]), attn_mask=keep))
 
 
