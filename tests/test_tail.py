@@ -7,6 +7,7 @@ import gzip
 import io
 import itertools
 import json
+import lzma
 import math
 import threading
 import time
@@ -134,7 +135,7 @@ def test_a_compressed_log_is_printed_not_followed(tmp_path, capsys):
     assert cli(["tail", str(path), "--no-follow", "-n", "1"]) == 0
     assert capsys.readouterr().out.startswith("numwatch step 2 | loss 1")
     assert cli(["tail", str(path)]) == 1
-    assert "--no-follow" in capsys.readouterr().out
+    assert "--no-follow" in capsys.readouterr().err
 
 
 def test_a_compressed_log_cut_short_or_not_compressed_at_all(tmp_path, capsys):
@@ -150,7 +151,7 @@ def test_a_compressed_log_cut_short_or_not_compressed_at_all(tmp_path, capsys):
     fake = tmp_path / "plain.jsonl.gz"
     fake.write_bytes(line(1))
     assert cli(["tail", str(fake), "--no-follow"]) == 1
-    assert "not a compressed log" in capsys.readouterr().out
+    assert "not a compressed log" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not a compressed log"):
         read_jsonl(fake)
 
@@ -286,4 +287,22 @@ def test_cli_refuses_a_folder_in_one_line(tmp_path, capsys):
     folder = tmp_path / "run.jsonl"
     folder.mkdir()
     assert cli(["tail", str(folder)]) == 1  # follow mode: it raised IsADirectoryError
-    assert "is not a file" in capsys.readouterr().out
+    assert "is not a file" in capsys.readouterr().err
+
+
+def test_a_compressed_log_under_a_plain_name_is_read_by_its_bytes(tmp_path, capsys):
+    """`gzip -c run.jsonl > run.jsonl.1`: every line was skipped as not a record."""
+    from numwatch.sinks.jsonl import compression, read_jsonl
+
+    gz, xz = tmp_path / "run.jsonl.1", tmp_path / "run.old"
+    gz.write_bytes(gzip.compress(line(1) + line(2)))
+    xz.write_bytes(lzma.compress(line(3)))
+    assert (compression(gz), compression(xz)) == (".gz", ".xz")
+    assert compression(tmp_path / "missing") is None and compression(tmp_path) is None
+    assert [r["step"] for r in read_jsonl(gz)] == [1, 2]
+    assert [r["step"] for r in read_jsonl(xz)] == [3]
+    assert cli(["tail", str(gz), "--no-follow", "-n", "1"]) == 0
+    assert capsys.readouterr().out.startswith("numwatch step 2 | loss 1")
+    assert cli(["tail", str(gz)]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and "is compressed" in out.err and "--no-follow" in out.err

@@ -35,6 +35,7 @@ __all__ = [
     "JsonlSink",
     "LogInUse",
     "RunBoundaries",
+    "compression",
     "is_flush",
     "iter_jsonl",
     "iter_log_lines",
@@ -275,11 +276,29 @@ def _end_partial_line(path: Path) -> None:
                 f.write(b"\n")
 
 
-def open_log(path: str | Path, mode: str = "rt") -> IO[Any]:
-    """A run log for reading (``mode`` "rt" or "rb"): gzip- or xz-compressed when its name ends
-    in ``.gz`` or ``.xz``, as archived logs are."""
+_MAGIC = {b"\x1f\x8b": ".gz", b"\xfd7zXZ\x00": ".xz"}
+
+
+def compression(path: str | Path) -> str | None:
+    """``.gz`` or ``.xz`` for a compressed log, else None: by its name's suffix, as archived logs
+    are named, or else by its first bytes (``gzip -c run.jsonl > run.jsonl.1`` keeps a plain
+    name). A name that says compressed is taken at its word: the readers then refuse a plain
+    file under it in one line."""
     path = Path(path)
-    opener = {".gz": gzip.open, ".xz": lzma.open}.get(path.suffix, open)
+    if path.suffix in (".gz", ".xz"):
+        return path.suffix
+    try:
+        with path.open("rb") as f:
+            head = f.read(6)
+    except OSError:  # missing, a folder, unreadable: the caller's open says which
+        return None
+    return next((kind for magic, kind in _MAGIC.items() if head.startswith(magic)), None)
+
+
+def open_log(path: str | Path, mode: str = "rt") -> IO[Any]:
+    """A run log for reading (``mode`` "rt" or "rb"), decompressed where ``compression`` says
+    it is compressed."""
+    opener = {".gz": gzip.open, ".xz": lzma.open}.get(compression(path) or "", open)
     return opener(path, mode, encoding=None if "b" in mode else "utf-8")
 
 

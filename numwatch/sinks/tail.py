@@ -24,7 +24,13 @@ from rich.markup import escape
 from numwatch.cli import count, seconds
 from numwatch.events import Event
 from numwatch.sinks.console import summary_line
-from numwatch.sinks.jsonl import is_flush, iter_jsonl, parse_record, warn_unreadable
+from numwatch.sinks.jsonl import (
+    compression,
+    is_flush,
+    iter_jsonl,
+    parse_record,
+    warn_unreadable,
+)
 from numwatch.snapshot import MetricRecord, Snapshot
 
 __all__ = ["follow", "main", "record_to_snapshot"]
@@ -123,7 +129,7 @@ def backlog(path: Path, last: int, *, partial: bool = False) -> tuple[list[dict[
     ``last`` records."""
     if not path.is_file():
         return [], 0
-    if path.suffix in (".gz", ".xz"):
+    if compression(path):
         return list(deque(iter_jsonl(path), maxlen=max(last, 0))), 0
     with path.open("rb") as f:
         size = f.seek(0, os.SEEK_END)
@@ -184,15 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-events", action="store_true", help="no line per event")
     args = parser.parse_args(argv)
     console = Console(highlight=False, soft_wrap=True)
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)
     path = Path(args.log)
     if path.exists() and not path.is_file():  # a folder: follow() would open it
-        console.print(f"numwatch tail: {escape(str(path))} is not a file")
+        errors.print(f"numwatch tail: {escape(str(path))} is not a file")
         return 1
     if args.no_follow and not path.is_file():
-        console.print(f"numwatch tail: no log at {escape(str(path))}")
+        errors.print(f"numwatch tail: no log at {escape(str(path))}")
         return 1
-    if not args.no_follow and path.suffix in (".gz", ".xz"):
-        console.print(
+    if not args.no_follow and compression(path):
+        errors.print(
             f"numwatch tail: {escape(str(path))} is compressed, an archived log that does not "
             "grow: print it with --no-follow"
         )
@@ -200,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         old, offset = backlog(path, args.lines, partial=args.no_follow)
     except (OSError, ValueError) as err:
-        console.print(f"numwatch tail: {escape(str(err))}")
+        errors.print(f"numwatch tail: {escape(str(err))}")
         return 1
     for record in old:
         print_record(console, record, events=not args.no_events)
