@@ -635,15 +635,21 @@ def _leaves(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple
 
 
 def _source(loc: tuple[Any, ...], sources: Mapping[tuple[str, ...], tuple[int, str]]) -> str:
-    """' (from NUMWATCH_X)' / ' (from config file ...)' for an error at ``loc``; '' for code."""
+    """' (from NUMWATCH_X)' / ' (from config file ...)' for an error at ``loc``; '' for code.
+    A value's error names the source that set it; a section's own validator, which reads every
+    value under it, names each source that set one (not only the highest: a neighbouring env
+    variable was blamed for the config file's value)."""
     at = tuple(str(p) for p in loc)
-    found = [  # a value under the source's path, or a section's own validator over it
-        (rank, len(path), name)
-        for path, (rank, name) in sources.items()
-        if at[: len(path)] == path or path[: len(at)] == at
+    above = [
+        (rank, len(path), name) for path, (rank, name) in sources.items() if at[: len(path)] == path
     ]
-    source = max(found)[2] if found else ""
-    return f" (from {source})" if source else ""
+    if above:
+        source = max(above)[2]
+        return f" (from {source})" if source else ""
+    below = sorted(
+        {(rank, name) for path, (rank, name) in sources.items() if path[: len(at)] == at and name}
+    )
+    return f" (from {', '.join(name for _, name in below)})" if below else ""
 
 
 def _describe(exc: ValidationError, sources: Mapping[tuple[str, ...], tuple[int, str]]) -> str:

@@ -241,6 +241,13 @@ def test_a_sections_own_validator_names_the_source_too(tmp_path):
         MonitorConfig.load(path, env={})
     with pytest.raises(NumwatchConfigError, match=r"from NUMWATCH_WEIGHTS__ALTERNATE"):
         MonitorConfig.load(env={"NUMWATCH_WEIGHTS__ALTERNATE": "true"})
+    # a neighbour set by a variable: it was named alone, as the higher-precedence source
+    with pytest.raises(NumwatchConfigError) as err:
+        MonitorConfig.load(path, env={"NUMWATCH_WEIGHTS__EVERY": "7"})
+    assert str(err.value).endswith(f"(from config file {str(path)!r}, NUMWATCH_WEIGHTS__EVERY)")
+    with pytest.raises(NumwatchConfigError) as err:  # the same neighbour from code: not named
+        MonitorConfig.load(path, env={}, weights__every=7)
+    assert str(err.value).endswith(f"(from config file {str(path)!r})")
 
 
 def test_an_action_type_that_is_not_a_name_is_a_config_error(tmp_path):
