@@ -554,6 +554,30 @@ def test_parametrized_projections_are_neither_measured_from_a_copy_nor_clipped(h
     assert any("'0' are computed from parametrizations" in r.getMessage() for r in caplog.records)
 
 
+def test_parametrized_weights_are_left_out_not_reported_by_their_originals(caplog):
+    """A weight_norm magnitude ((out, 1) column) was reported as '0.parametrizations.weight.
+    original0', and spectral_norm's undivided weight as if it were the layer's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(6, 6) for _ in range(5)))
+    nn.utils.parametrizations.weight_norm(model[0])
+    nn.utils.parametrizations.spectral_norm(model[1])
+    with pytest.warns(FutureWarning):
+        nn.utils.weight_norm(model[2])
+    nn.utils.spectral_norm(model[3])
+    monitor = monitor_for(model, attention__enabled=False)
+    model(torch.randn(3, 6)).sum().backward()
+    monitor.step()
+    snap = monitor.snapshot()
+    monitor.detach()
+    assert [labels["param"] for _, labels, _ in snap.series("weight_spectral_norm")] == ["4.weight"]
+    assert snap.value("weight_spectral_norm", param="4.weight") == pytest.approx(
+        sigma(model[4].weight), rel=1e-3
+    )
+    assert "4 weight(s) computed from parametrizations are left out (0.weight, 1.weight, " in (
+        caplog.text
+    )
+
+
 def test_a_module_replaced_after_attach_is_measured_at_the_next_flush():
     """The probe kept the Parameters of attach time: a new lm_head went on being reported as
     the old one's norm, under its name, for the rest of the run."""

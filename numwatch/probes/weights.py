@@ -42,6 +42,34 @@ def _embedding_tables(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, kinds)}
 
 
+def _computed_weights(model: nn.Module) -> dict[int, str]:
+    """ids of the parameters that a weight is computed from, each with that weight's name:
+    the originals of torch.nn.utils.parametrize (weight_norm, spectral_norm, orthogonal) and of
+    the older hook-based weight_norm and spectral_norm. Their norms are not the weight's (a
+    weight_norm magnitude is an (out, 1) column; a spectral_norm original is the weight before
+    its division by sigma), and reading the weight itself runs the parametrization, which
+    spectral_norm's updates its own state by: they are left out."""
+    from torch.nn.utils.parametrize import ParametrizationList
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    out: dict[int, str] = {}
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        plists = getattr(module, "parametrizations", None)
+        if isinstance(plists, nn.ModuleDict):
+            for name, plist in plists.items():
+                if isinstance(plist, ParametrizationList):
+                    out |= dict.fromkeys(map(id, plist.parameters()), prefix + name)
+        for hook in module._forward_pre_hooks.values():
+            suffixes = {WeightNorm: ("_g", "_v"), SpectralNorm: ("_orig",)}.get(type(hook), ())
+            for suffix in suffixes:
+                source = getattr(module, hook.name + suffix, None)
+                if isinstance(source, nn.Parameter):
+                    out[id(source)] = prefix + hook.name
+    return out
+
+
 class WeightProbe:
     component = "weights"
 
@@ -66,11 +94,23 @@ class WeightProbe:
         model, cfg = self.model, self.cfg
         self._param_ids = tuple(map(id, model.parameters()))
         tables = set() if cfg.embeddings else _embedding_tables(model)
+        computed = _computed_weights(model)
         self.params = [
             (name, p)
             for name, p in select_parameters(model, cfg.params, cfg.exclude, "weights.params")
             if p.dim() == 2 and _measurable(p) and id(p) not in tables
         ]
+        left_out = sorted({computed[id(p)] for _, p in self.params if id(p) in computed})
+        if left_out:
+            log.warning(
+                "numwatch: weights: %d weight(s) computed from parametrizations are left out "
+                "(%s%s): their originals' norms are not the weight's, and reading the weight "
+                "would run the parametrization",
+                len(left_out),
+                ", ".join(left_out[:3]),
+                ", ..." if len(left_out) > 3 else "",
+            )
+            self.params = [(name, p) for name, p in self.params if id(p) not in computed]
         self.layers: list[tuple[str, QKLayout]] = []
         if cfg.attention_heads:
             _warn_unmatched("weights.layers", cfg.layers, [n for n, _ in model.named_modules()])
