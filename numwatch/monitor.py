@@ -201,6 +201,7 @@ class Monitor(Joinable):
         self._history: deque[Snapshot] = deque(maxlen=self.config.history)
         self._event_counts: Counter[tuple[str, str]] = Counter()
         self._unsent_events: list[Event] = []  # raised between flushes, for the next flush's sinks
+        self._errors_flushed: Counter[str] = Counter()  # failures the last flush record counts
         # Re-entrancy: callbacks and actions run inside a step close or a flush (see flush()).
         self._depth = 0  # step closes and flushes under way
         self._flushing = False
@@ -353,6 +354,7 @@ class Monitor(Joinable):
                 self.flush()
         finally:
             self._guard.run("sinks", self._emit_late_events)
+            self._warn_unflushed_errors()
             self._teardown(keep_skip=within_step)
             self._detaching = False
 
@@ -858,6 +860,23 @@ class Monitor(Joinable):
             if emit_events is not None:
                 self._guard.run("sinks", emit_events, unsent)
 
+    def _warn_unflushed_errors(self) -> None:
+        """Failures after the last flush's records were built (a callback of its events, a
+        sink writing it) reach no monitor_errors_total: say so at detach, or a callback that
+        failed at the last flush would only be counted where nobody reads it."""
+        late = self._guard.errors - self._errors_flushed
+        if late:
+            log.warning(
+                "numwatch: %d failure(s) after the last flush reach no flush record "
+                "(Monitor.errors counts them): %s",
+                late.total(),
+                "; ".join(
+                    f"{c} {n}x, latest {self._guard.last_error.get(c, '')}"
+                    for c, n in sorted(late.items())
+                ),
+            )
+            self._errors_flushed = Counter(self._guard.errors)
+
     def _warn_new_trainable(self) -> None:
         """Parameters that began to require grad after attach (gradual unfreezing) are outside
         the selection the probes made then: say so, once per change (a host walk, per flush)."""
@@ -935,6 +954,7 @@ class Monitor(Joinable):
                 records.append(
                     MetricRecord("attn_kernel_fallbacks_total", {"reason": reason}, float(n))
                 )
+        self._errors_flushed = Counter(self._guard.errors)
         for component in sorted({*_COMPONENTS, *self._guard.errors}):
             records.append(
                 MetricRecord(

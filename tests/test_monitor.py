@@ -577,6 +577,38 @@ def test_failing_sink_and_callback_do_not_break_training(make_monitor):
     assert monitor.errors["callbacks"] == 2
 
 
+def test_failures_after_the_last_flush_are_reported_at_detach(make_monitor, caplog):
+    """A callback failing on the last flush's events was counted where no flush record went."""
+    from numwatch.sinks.jsonl import read_jsonl
+
+    model = Net()
+    monitor = make_monitor(model, flush_every=1).attach()
+    calls = []
+
+    def fails_on_second(event):
+        calls.append(event.step)
+        if len(calls) > 1:
+            raise RuntimeError("webhook down")
+
+    monitor.on("nonfinite", fails_on_second)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        model.a.weight.grad[0, 0] = float("nan")
+        monitor.step()
+        model.zero_grad()
+    monitor.detach()
+    assert len(calls) == 2 and monitor.errors["callbacks"] == 1
+    last = read_jsonl(monitor.config.sinks.jsonl.path)[-1]
+    counted = {m["labels"]["component"]: m["value"] for m in last["metrics"]
+               if m["name"] == "monitor_errors_total"}  # fmt: skip
+    assert counted["callbacks"] == 0
+    warned = [r.getMessage() for r in caplog.records if "reach no flush record" in r.getMessage()]
+    assert warned == [
+        "numwatch: 1 failure(s) after the last flush reach no flush record (Monitor.errors "
+        "counts them): callbacks 1x, latest RuntimeError: webhook down"
+    ]
+
+
 def test_models_without_trainable_parameters_or_attention(make_monitor):
     frozen = Net().requires_grad_(False)
     monitor = make_monitor(frozen, flush_every=1, activations__every=1).attach()
