@@ -241,7 +241,9 @@ class Aggregator:
         # shard_role of each row's parameter, per table: {"grad_table": ..., "opt": ...}
         self._roles: dict[str, tuple[int, ...]] = {}
         self._counted: dict[torch.device, torch.Tensor] = {}
-        self._norms: list[torch.Tensor] = []  # per closed step: (2,) [counted norm^2, bad]
+        # per closed step: (3,) [counted norm^2 share, bad, has a norm]; every step has one, on
+        # every rank (a failed or gradient-less step too), so the ranks' lists line up
+        self._norms: list[torch.Tensor] = []
         # Whether the last flush's values were combined: when the ranks' layouts disagree they
         # stay local, and nothing may be exchanged on the strength of them.
         self._combined = False
@@ -251,6 +253,9 @@ class Aggregator:
         self._flags_group: Any = None
         self._announced: list[tuple[torch.Tensor, Any, Any]] = []
         self.joined_step: int | None = None
+        self._at_attach = False
+        self._late_group_warned = False
+        self._groups_world: Any = None  # the WORLD group the two groups above were made in
 
     def forget_layouts(self) -> None:
         """At a new attach: the probes are rebuilt, so are their rows' roles (a parameter
@@ -262,6 +267,16 @@ class Aggregator:
         self._norms = []
         self.joined_step = None
         self._announced = []
+        # groups made from an earlier WORLD: a destroy_process_group() and a new
+        # init_process_group() between detach and attach left them dead
+        world = dist.group.WORLD if is_initialized() else None
+        if world is not self._groups_world:
+            self._cpu_group = self._flags_group = None
+            self._groups_world = world
+        # a group that starts after attach (mp.spawn's workers init in the worker, a monitor
+        # made before) found no rank, port or shared run name at attach: no aggregation
+        self._at_attach = self.configured
+        self._late_group_warned = False
 
     @property
     def configured(self) -> bool:
@@ -270,6 +285,15 @@ class Aggregator:
 
     @property
     def active(self) -> bool:
+        if not self._at_attach:
+            if not self._late_group_warned and self.configured:
+                self._late_group_warned = True
+                log.warning(
+                    "numwatch: torch.distributed started after attach(): this monitor keeps "
+                    "the rank it read then and does not aggregate across ranks; attach after "
+                    "init_process_group() (or detach and attach again) to aggregate"
+                )
+            return False
         return self.joined_step is None and self.configured
 
     @property
@@ -337,7 +361,10 @@ class Aggregator:
     def on_step(self, gradients: GradientProbe | None) -> None:
         """After the gradient probe read this step's gradients: this rank's share of the global
         squared gradient norm, and whether it saw a non-finite gradient (device tensors)."""
-        if gradients is None or not gradients.step_stats or not self.active:
+        if gradients is None or not self.active:
+            return
+        if not gradients.step_stats:  # nothing measured (no backward; the probe failed)
+            self._norms.append(torch.zeros(3, dtype=torch.float64))
             return
         parts = []
         for rows, stats in gradients.step_stats:
@@ -346,7 +373,8 @@ class Aggregator:
             sumsq = torch.where(counted, stats[:, ts.SUMSQ], 0.0).sum()
             # NaN as in clip_grad_norm_ when a counted gradient is non-finite
             sumsq = sumsq.masked_fill(torch.where(counted, bad_here, 0.0).sum() > 0, math.nan)
-            parts.append(torch.stack([sumsq, (bad_here.sum() > 0).double()]))
+            has = torch.ones((), dtype=sumsq.dtype, device=sumsq.device)
+            parts.append(torch.stack([sumsq, (bad_here.sum() > 0).to(sumsq.dtype), has]))
         entry = parts[0]
         for p in parts[1:]:
             entry = entry + p.to(entry.device, non_blocking=True)
@@ -359,15 +387,15 @@ class Aggregator:
         SYNC: one per step, only when a rule decides every step (skip_step). The norm is NaN on
         every rank when any rank saw a non-finite gradient, so all of them skip together.
         """
-        entry = self._norms[-1] if self._norms else None
-        parts = [entry if entry is not None else torch.zeros(2, dtype=torch.float64)]
+        entry = self._norms[-1] if self._norms else torch.zeros(3, dtype=torch.float64)
+        parts = [entry]
         if isinstance(loss, torch.Tensor):
             parts.append(loss.detach().reshape(1).to(parts[0].device, torch.float64))
         host = torch.cat([p.to(parts[0].device) for p in parts]).cpu().tolist()  # SYNC
         has_loss = loss is not None
         loss_value = (host[2] if isinstance(loss, torch.Tensor) else float(loss)) if has_loss else 0
         packet = torch.tensor(
-            [host[0], host[1], float(entry is not None), loss_value, float(has_loss)],
+            [host[0], host[1], host[2], loss_value, float(has_loss)],
             dtype=torch.float64,
         )
         dist.all_reduce(packet, group=self._group_cpu())
@@ -393,7 +421,7 @@ class Aggregator:
     def join_group(self) -> None:
         """The flags' group, made in Join's constructor (``join_hook``), which every rank runs
         at the same point: a new group is a collective."""
-        if self.configured and self._flags_group is None:
+        if self.configured and self._at_attach and self._flags_group is None:
             cpu = self._group_cpu()
             self._flags_group = dist.new_group(backend="gloo") if cpu is dist.group.WORLD else cpu
 
@@ -471,8 +499,13 @@ class Aggregator:
         if not self._combined:  # layouts disagree: this rank's own norms, not its shares
             out.update(own_norms)
         elif steps is not None:
+            # steps no rank measured (no backward, a failed probe) are left out, as locally
             norm_sq = steps[:, 0].masked_fill(steps[:, 1] > 0, math.nan)  # (steps,)
-            out["grad_norm_sq_last"], out["grad_norm_sq_max"] = norm_sq[-1], norm_sq.max()
+            measured = steps[:, 2] > 0
+            order = torch.arange(len(steps), device=steps.device)
+            last = torch.where(measured, order, -1).argmax()
+            out["grad_norm_sq_last"] = norm_sq[last]
+            out["grad_norm_sq_max"] = norm_sq.masked_fill(~measured, -math.inf).max()
         out.update({self.LOCAL + k: t for k, t in local.items()})
         return out
 

@@ -139,6 +139,20 @@ def _next_run_name(name: str) -> str:
     return f"{base}-{int(n) + 1}" if n.isdigit() and base.endswith("Z") else f"{name}-2"
 
 
+def _comparable(settings: Any) -> Any:
+    """Settings as the ranks can compare them: a callable by its name (its repr holds an
+    address, which differs between processes), and without the paths a rank may set for
+    itself (a snapshot ``directory`` with $RANK), which decide no collective."""
+    if callable(settings):
+        module = getattr(settings, "__module__", None)
+        return f"{module}:{getattr(settings, '__qualname__', type(settings).__qualname__)}"
+    if isinstance(settings, Mapping):
+        return {k: _comparable(v) for k, v in settings.items() if k != "directory"}
+    if isinstance(settings, list | tuple):
+        return [_comparable(v) for v in settings]
+    return settings
+
+
 class Monitor(Joinable):
     """Numerical health monitor for one model.
 
@@ -285,11 +299,12 @@ class Monitor(Joinable):
             out[name] = getattr(cfg, name).model_dump()
         # Rules decide actions (a skip on one rank only desyncs DDP replicas), step-level ones
         # collectives too.
-        out["rules"] = sorted(repr(r.model_dump()) for r in self._engine.rules)
+        out["rules"] = sorted(repr(_comparable(r.model_dump())) for r in self._engine.rules)
         out["step_rules"] = sorted(r.name for r in self._engine.step_rules)
         # the actions that run (none with rules.act off): one rank backing off alone forks them
         out["actions"] = sorted(
-            repr((name, [a.model_dump() for a in acts])) for name, acts in self._actions.items()
+            repr((name, [_comparable(a.model_dump()) for a in acts]))
+            for name, acts in self._actions.items()
         )
         return out
 

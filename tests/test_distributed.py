@@ -744,6 +744,109 @@ def scenario_default_name(rank: int, out: Path) -> dict:
     return {"run_name": monitor.run_name, "jsonl": monitor.jsonl_path}
 
 
+def _on_event(event, monitor) -> None:
+    """A callback action's callable: the same function on every rank, at another address."""
+
+
+def scenario_callable_callback(rank: int, out: Path) -> dict:
+    """A callback action given as a callable: the attach-time check compared reprs holding
+    the function's address, and refused every distributed run ('configured differently')."""
+    rules = {
+        "defaults": False,
+        "add": [{"type": "threshold", "name": "big", "metric": "loss", "threshold": 1e9,
+                 "actions": [{"type": "callback", "target": _on_event}]}],
+    }  # fmt: skip
+    monitor = _monitor(Net(), out, "callable_callback", rules=rules).attach()
+    active = monitor._dist.active
+    monitor.detach()
+    return {"active": active}
+
+
+def scenario_grad_probe_fails_once(rank: int, out: Path) -> dict:
+    """Rank 1's gradient statistics fail at step 0 (an OOM): its window held one per-step norm
+    entry to rank 0's two, every statistic of the flush stayed local, and the ranks decided
+    apart (rank 1 halted on its own loss, rank 0 went into DDP's all-reduce alone)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
+    monitor = _monitor(net, out, "grad_fails_once", flush_every=2).attach(opt)
+    probe, real = monitor._gradients, ts.tensor_stats
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("planted: CUDA out of memory")
+
+    losses = []
+    for step in range(2):
+        loss = ddp(torch.ones(2, 4)).sum() * 0 + (1.0 if rank == 0 else 100.0)
+        loss.backward()
+        if rank == 1 and step == 0:
+            ts.tensor_stats = failing
+        try:
+            monitor.step(loss)
+        finally:
+            ts.tensor_stats = real
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    snap = monitor.snapshot()
+    monitor.detach()
+    return {
+        "errors": {k: v for k, v in monitor.errors.items() if v},
+        "loss": snap.get("loss"),
+        "grad_norm": snap.get("grad_norm"),
+        "combined": monitor._dist._combined,
+        "entries": probe is not None,
+    }
+
+
+def scenario_step_without_backward(rank: int, out: Path) -> dict:
+    """skip_step read the last per-step norm entry of the window, also at a step that added
+    none (no backward through the watched model): a NaN step was seen again one step later."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    monitor = _monitor(m, out, "no_backward", flush_every=10, rules=_skip_rules()).attach(opt)
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        if step != 1:
+            m(torch.ones(2, 4) * (math.nan if step == 0 else 1.0)).sum().backward()
+        opt.step()
+    monitor.detach()
+    return {
+        "events": [(e.step, e.rule) for e in monitor.events if e.kind == "nonfinite"],
+        "skipped": [e.message for e in monitor.events if e.kind == "action"],
+    }
+
+
+def scenario_new_group_between_attaches(rank: int, out: Path) -> dict:
+    """The group destroyed and a new one made between a detach and an attach of one monitor:
+    the attach used the groups made in the dead one ('not initialized in the world group
+    map'). Runs last: the scenarios after it would be on the new group."""
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    monitor = _monitor(m, out, "new_group").attach(opt)
+    m(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    monitor.detach()
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out / 'rendezvous2'}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    monitor.attach(opt)
+    m(torch.full((2, 4), float(rank))).sum().backward()
+    opt.step()
+    monitor.detach()
+    return {
+        "errors": {k: v for k, v in monitor.errors.items() if v},
+        "absmax": monitor.snapshot().get("grad_absmax", param="weight"),
+    }
+
+
 SCENARIOS = {
     "ddp_stats": scenario_ddp_stats,
     "ddp_nan": scenario_ddp_nan,
@@ -770,6 +873,10 @@ SCENARIOS = {
     "reattach_unfrozen": scenario_reattach_unfrozen,
     "default_name": scenario_default_name,
     "fsdp_one_rank_local": scenario_fsdp_one_rank_local,
+    "callable_callback": scenario_callable_callback,
+    "grad_probe_fails_once": scenario_grad_probe_fails_once,
+    "step_without_backward": scenario_step_without_backward,
+    "new_group_between_attaches": scenario_new_group_between_attaches,  # last: a new group
 }
 
 
@@ -1318,3 +1425,49 @@ def test_qk_clip_scales_the_local_shards_of_fsdp_weights(runs):
         assert not torch.equal(p, before[name])  # the head's rows changed
         for r in res:
             assert torch.equal(r[name], p.detach()), name
+
+
+def test_a_callback_action_given_as_a_callable_agrees_across_ranks(runs):
+    assert [r["active"] for r in _ok(runs["callable_callback"])] == [True, True]
+
+
+def test_a_gradient_probe_failing_once_on_one_rank_keeps_the_flush_aggregated(runs):
+    r0, r1 = _ok(runs["grad_probe_fails_once"])
+    assert r0["errors"] == {} and r1["errors"] == {"gradients": 1}
+    assert r0["combined"] and r1["combined"]
+    assert r0["loss"] == r1["loss"] == 50.5  # the global mean, on both ranks
+    assert r0["grad_norm"] == r1["grad_norm"] is not None
+
+
+def test_a_step_without_backward_does_not_reuse_the_last_steps_norm(runs):
+    for res in _ok(runs["step_without_backward"]):
+        assert res["skipped"] == [
+            "skip_step: skipped the optimizer update of step 0 (rule nonfinite)"
+        ]
+        assert {step for step, _ in res["events"]} == {0}
+
+
+def test_a_monitor_attaches_again_on_a_new_process_group(runs):
+    r0, r1 = _ok(runs["new_group_between_attaches"])
+    assert r0["errors"] == r1["errors"] == {}
+    assert r0["absmax"] == r1["absmax"] == 2.0  # aggregated: rank 1's 2s, rank 0's zeros
+
+
+def test_a_group_started_after_attach_is_not_aggregated_over(monkeypatch, caplog):
+    """mp.spawn workers that init the group after attach: every rank had read rank 0 (labels,
+    ports, logs), yet the flushes went collective without the attach-time agreement."""
+    import numwatch.distributed as nd
+
+    monitor = numwatch.Monitor(
+        Net(), flush_every=1, sinks__console__enabled=False, sinks__jsonl__enabled=False
+    ).attach()
+    monkeypatch.setattr(nd, "is_initialized", lambda: True)
+    monkeypatch.setattr(nd.dist, "get_world_size", lambda group=None: 2)
+    assert monitor._dist.configured and not monitor._dist.active
+    assert not monitor._dist.active
+    monitor.step()  # a flush: local, no collective
+    assert monitor._dist.collectives == 0
+    warned = [r for r in caplog.records if "started after attach()" in r.getMessage()]
+    assert len(warned) == 1
+    monkeypatch.undo()
+    monitor.detach()
