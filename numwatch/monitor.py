@@ -139,6 +139,18 @@ def _next_run_name(name: str) -> str:
     return f"{base}-{int(n) + 1}" if n.isdigit() and base.endswith("Z") else f"{name}-2"
 
 
+def _check_loss(loss: Any) -> None:
+    """A loss ``step(loss=...)`` can record: a number or a one-element tensor."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise ValueError(
+                f"step(loss=...) needs a scalar loss, got shape {tuple(loss.shape)} (reduce "
+                "per-sample losses first, e.g. loss.mean())"
+            )
+    elif loss is not None and not isinstance(loss, int | float):
+        raise TypeError(f"step(loss=...) takes a tensor or a number, got {type(loss).__name__}")
+
+
 def _comparable(settings: Any) -> Any:
     """Settings as the ranks can compare them: a callable by its name (its repr holds an
     address, which differs between processes), and without the paths a rank may set for
@@ -227,6 +239,9 @@ class Monitor(Joinable):
         self._scaler: Any = None  # the attached GradScaler
         self._rules_step: int | None = None  # the step of the last flush the rules judged
         self._late_losses = False  # step(loss) comes after optimizer.step() in this loop
+        # (step, order) reserved for that late loss at its step's close: a NaN loss is the
+        # origin, not the gradients it made, whose orders the close reserves next
+        self._late_loss_order: tuple[int, int] | None = None
         # the routing of the step just closed, where routes queued during it changed it since
         self._closed_routing: dict[str, AttentionKernel | None] | None = None
         self._flush_after_loss = False  # a flush waits for that late loss
@@ -509,6 +524,7 @@ class Monitor(Joinable):
             raise NumwatchError("Monitor.step() before attach(): call monitor.attach() first")
         if not self.config.enabled:
             return
+        _check_loss(loss)  # the caller's mistake: raised here, not counted as a failed step
         if self._last_close == "optimizer" and not self._ctx.activity:
             # The step this loss belongs to was closed without it (a step-level rule judged it
             # without its loss). Its flush waits for it: from now on, a flush due at an
@@ -573,7 +589,11 @@ class Monitor(Joinable):
         if self._control is not None:
             self._control.new_step()
         # The loss first: it came before the gradients, so a NaN loss is named as the origin.
-        loss = self._record_loss(loss, self._ctx.step)
+        # Guarded on its own: a loss it cannot read (an optimizer closure's) costs the loss only.
+        loss = self._guard.run("step", self._record_loss, loss, self._ctx.step)
+        if loss is None and self._late_losses:  # its order now, before the gradients'
+            origin = NonfiniteOrigin("loss", "", "loss", self._ctx.step)
+            self._late_loss_order = (self._ctx.step, self._ctx.tracker.next_order(origin))
         for probe in self._probes:
             if hasattr(probe, "on_step"):
                 self._guard.run(probe.component, probe.on_step)
@@ -625,15 +645,18 @@ class Monitor(Joinable):
         """Record the loss of ``step``; returns the value kept (detached, or a float)."""
         if loss is None or (isinstance(loss, torch.Tensor) and loss.is_meta):
             return None  # a meta loss (a dry run) has no value to read
+        _check_loss(loss)
+        reserved, self._late_loss_order = self._late_loss_order, None
+
+        def order() -> int:
+            if reserved is not None and reserved[0] == step:  # a late loss: its step's order
+                return reserved[1]
+            return self._ctx.tracker.next_order(NonfiniteOrigin("loss", "", "loss", step))
+
         if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                raise ValueError(
-                    f"step(loss=...) needs a scalar loss, got shape {tuple(loss.shape)}"
-                )
             value = loss.detach().reshape(())
-            order = self._ctx.tracker.next_order(NonfiniteOrigin("loss", "", "loss", step))
             # Checked for NaN/Inf in batches at flush: no launches on the per-step path.
-            self._pending_losses.append((order, value))
+            self._pending_losses.append((order(), value))
             if len(self._pending_losses) >= SETTLE_STEPS:
                 self._settle_losses()
             self._loss = value
@@ -641,9 +664,8 @@ class Monitor(Joinable):
             self._loss = float(loss)
             self._loss_window.add_float(self._loss)
             if not math.isfinite(self._loss):  # a host value: knowing it costs nothing
-                order = self._ctx.tracker.next_order(NonfiniteOrigin("loss", "", "loss", step))
                 self._ctx.tracker.observe_many(
-                    torch.tensor([float(order)], dtype=torch.float64),
+                    torch.tensor([float(order())], dtype=torch.float64),
                     torch.ones(1, dtype=torch.float64),
                 )
         return self._loss

@@ -667,6 +667,59 @@ def test_bad_inputs_get_clear_errors(make_monitor):
         make_monitor(Net(), strict=True).attach().step(torch.ones(3))
 
 
+def test_a_loss_that_is_not_a_scalar_is_refused_and_never_stops_the_probes(make_monitor):
+    """Per-sample losses were caught by the step's guard: one logged error, then every step
+    closed without its probes (no gradient statistics, no skip_step) for the whole run."""
+    model = Net()
+    monitor = make_monitor(model, flush_every=1).attach()
+    model(torch.randn(5, 4)).sum().backward()
+    with pytest.raises(ValueError, match=r"scalar loss, got shape \(5,\)"):
+        monitor.step(torch.ones(5))
+    with pytest.raises(TypeError, match="tensor or a number, got str"):
+        monitor.step("0.5")
+    monitor.step(torch.tensor([0.5]))  # one element: a loss
+    assert monitor.snapshot().value("loss") == 0.5
+    assert monitor.snapshot().get("grad_absmax", param="a.weight") is not None
+    # an optimizer closure's loss is the closure's to return: counted, the step still measured
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor.attach(opt)
+
+    def closure():
+        out = model(torch.randn(5, 4))
+        out.sum().backward()
+        return out.squeeze(1)  # per-sample
+
+    opt.step(closure)
+    assert monitor.errors == {"step": 1}
+    assert monitor.snapshot().step == 1
+    assert monitor.snapshot().get("grad_absmax", param="a.weight") is not None
+    monitor.detach()
+
+
+def test_a_nan_made_by_the_loss_is_named_as_such_when_the_loss_comes_late(make_monitor):
+    """With step(loss) after optimizer.step(), the step closed first and its gradients took
+    the earlier order numbers: a NaN born in the loss function was blamed on a gradient."""
+    torch.manual_seed(0)
+    found = {}
+    for late in (False, True):
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        monitor = make_monitor(model, flush_every=3).attach(opt)
+        for i in range(3):
+            out = model(torch.randn(3, 4))
+            loss = out.sum() + (torch.sqrt(-out.abs().sum() - 1) if i == 2 else 0)
+            loss.backward()
+            if not late:
+                monitor.step(loss)
+            opt.step()
+            if late:
+                monitor.step(loss)
+            opt.zero_grad()
+        monitor.detach()
+        found[late] = [e.message for e in monitor.events if e.kind == "nonfinite"]
+    assert found[False] == found[True] == ["NaN/Inf first seen in the loss (loss) at step 2"]
+
+
 @pytest.mark.parametrize("failure", ["optimizer", "path placeholder", "unwritable path"])
 def test_an_attach_that_fails_leaves_nothing_behind(make_monitor, failure):
     model = Net()
