@@ -1151,11 +1151,29 @@ class Monitor(Joinable):
 
     def _run_actions(self, fired: Sequence[tuple[Event, Rule | None]]) -> None:
         done = []
+        halted = False
         try:
             for event, rule in fired:
                 for action in self._actions.get(rule.name, []) if rule is not None else []:
                     failures = self._guard.errors["actions"]
-                    what = self._guard.run("actions", action.maybe_run, self, event)
+                    try:
+                        what = self._guard.run("actions", action.maybe_run, self, event)
+                    except NumwatchHalt:
+                        halted = True
+                        done.append(
+                            Event(
+                                kind="action",
+                                step=event.step,
+                                message=f"halt: training stopped (rule {event.rule})",
+                                severity="critical",
+                                rule=event.rule,
+                                metric=event.metric,
+                                labels=event.labels,
+                                value=event.value,
+                                evidence={"action": action.type},
+                            )
+                        )
+                        raise
                     # A failed action is on record as one: the error count of the last flush
                     # before detach reaches no flush record (a snapshot to a full disk at the
                     # NaN that ended a run read as no error in the log and the report).
@@ -1183,6 +1201,8 @@ class Monitor(Joinable):
             for event in done:
                 self._event_counts[(event.kind, event.rule)] += 1
             self._publish(done)
+            if halted:  # and in the log now: a loop that dies of the halt never detaches
+                self._guard.run("sinks", self._emit_late_events)
 
     @property
     def optimizer_control(self) -> OptimizerControl | None:

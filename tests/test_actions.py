@@ -388,9 +388,30 @@ def test_an_action_before_a_halt_in_the_same_flush_is_on_record(tmp_path):
     with pytest.raises(NumwatchHalt):
         monitor.step(50.0)
     monitor.detach()
-    assert [e.rule for e in monitor.events if e.kind == "action"] == ["a_backoff"]
+    assert [e.rule for e in monitor.events if e.kind == "action"] == ["a_backoff", "b_halt"]
     logged = [e for r in read_jsonl(path) for e in r["events"] if e["kind"] == "action"]
-    assert [e["rule"] for e in logged] == ["a_backoff"]
+    assert [e["rule"] for e in logged] == ["a_backoff", "b_halt"]
+
+
+def test_a_halted_loop_that_never_detaches_has_the_halting_flushs_actions_in_its_log(tmp_path):
+    """The actions of the halting flush waited for detach() to reach the log: a script that
+    dies of the halt never calls it, and the log lacked where the snapshot went, and the halt."""
+    rules = {"add": [
+        {"type": "nonfinite", "name": "nan", "metric": "loss",
+         "actions": [{"type": "snapshot", "directory": str(tmp_path / "forensics")}, "halt"]},
+    ]}  # fmt: skip
+    monitor = _halting_run(tmp_path, rules, flush_every=1, nan_at=1)
+    assert monitor.attached  # halted, never detached
+    logged = [
+        (e["kind"], e["rule"], e["message"].split(":")[0])
+        for r in read_jsonl(tmp_path / "run.jsonl")
+        for e in r["events"]
+        if e["kind"] == "action"
+    ]
+    assert logged == [("action", "nan", "snapshot"), ("action", "nan", "halt")]
+    monitor.detach()  # nothing logged twice
+    assert sum(e["kind"] == "action" for r in read_jsonl(tmp_path / "run.jsonl")
+               for e in r["events"]) == 2  # fmt: skip
 
 
 def test_snapshot_action_saves_bounded_forensics(tmp_path):
