@@ -15,6 +15,7 @@ import datetime
 import logging
 import math
 import os
+import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -219,6 +220,9 @@ class Monitor(Joinable):
         # Kernel routing changes wait for a step boundary: (layer glob or None = all, kernel).
         self._pending_routes: list[tuple[str | None, AttentionKernel | None]] = []
         self._engine, self._actions = self._build_rules()
+        # names this monitor's records in the log: a resumed run (a new process, the same
+        # run_name and step numbers going on) starts its rules over, and replay with them
+        self.monitor_id = secrets.token_hex(4)
         self._dist = Aggregator(self.config.distributed)  # cross-rank values (distributed.py)
         self._local_snapshot: Snapshot | None = None  # this rank's own values (per-rank JSONL)
         self._control: OptimizerControl | None = None
@@ -489,7 +493,9 @@ class Monitor(Joinable):
         cfg = self.config.sinks.jsonl
         for _ in range(1000):
             try:
-                return JsonlSink(self._jsonl_path, self.run_name, cfg.every, cfg.exclude)
+                return JsonlSink(
+                    self._jsonl_path, self.run_name, cfg.every, cfg.exclude, self.monitor_id
+                )
             except LogInUse as err:
                 if self.config.run_name is not None or "{run_name}" not in cfg.path:
                     raise  # a name or a path of the user's own: theirs to change

@@ -55,13 +55,18 @@ def replay(
     Each event carries the time of the flush that raised it."""
     if isinstance(rules, (list, tuple)):
         rules = RulesConfig(defaults=False, add=list(rules))
-    engine = RuleEngine(map(at_flush, configured_rules(rules or RulesConfig()).values()))
+    cfg = rules or RulesConfig()
     out: list[Event] = []
-    counts: Counter[tuple[str, str]] = Counter()  # events_total as the replayed rules make it
-    judged = None  # as live: a second flush of one step (a flush() call) adds no observation
+    monitor = None
     for record in records:
         if not is_flush(record):  # late events of a detach: actions, nothing to evaluate
             continue
+        if monitor is None or record.get("monitor", "") != monitor:
+            # a new monitor (a resumed run's process) started its rules and counts over
+            monitor = record.get("monitor", "")
+            engine = RuleEngine(map(at_flush, configured_rules(cfg).values()))  # new state
+            counts: Counter[tuple[str, str]] = Counter()  # events_total, as replayed
+            judged = None  # as live: a second flush of one step adds no observation
         snapshot, logged = record_to_snapshot(record)
         nonfinite = _origins(logged)
         overflows = [e for e in logged if e.evidence.get("scaler_overflow") is True]  # the

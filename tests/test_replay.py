@@ -353,3 +353,33 @@ def test_replay_of_a_file_with_no_flush_records_fails(tmp_path, capsys):
     for path in (empty, garbage):
         assert cli(["replay", str(path)]) == 1
         assert "holds no flush records" in capsys.readouterr().err
+
+
+def test_a_resumed_run_replays_with_the_rules_starting_over_as_they_did_live(tmp_path):
+    """A run resumed in a new process (same run_name, its steps going on) appends to one log:
+    replay carried the first part's rule history into the second and raised events the live
+    rules, which started empty, never did."""
+    log = tmp_path / "exp.jsonl"
+    rules = {"defaults": False, "add": [{"type": "growth", "name": "loss_rise", "metric": "loss",
+                                         "factor": 2.0, "window": 5}]}  # fmt: skip
+    live = []
+    for first_step, losses in ((0, [1.0] * 10), (10, [3.0] * 3 + [1.0] * 7)):
+        model = torch.nn.Linear(2, 1)
+        monitor = numwatch.Monitor(
+            model, run_name="exp", first_step=first_step, flush_every=1, rules=rules,
+            sinks__jsonl__path=str(log), sinks__console__enabled=False,
+        ).attach()  # fmt: skip
+        for loss in losses:
+            model(torch.ones(1, 2)).sum().backward()
+            monitor.step(loss)
+        monitor.detach()
+        live += [(e.rule, e.step) for e in monitor.events]
+    records = read_jsonl(log)
+    assert len({r["monitor"] for r in records}) == 2
+    assert live == []
+    assert replay(records, RulesConfig(**rules)) == []
+    # one monitor's records (the same run without the restart): the history carries over
+    one = [{**r, "monitor": "m"} for r in records]
+    assert [(e.rule, e.step) for e in replay(one, RulesConfig(**rules))] == [
+        ("loss_rise", 10), ("loss_rise", 11), ("loss_rise", 12)
+    ]  # fmt: skip

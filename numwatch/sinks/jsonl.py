@@ -89,8 +89,15 @@ class JsonlSink:
     name = "jsonl"
 
     def __init__(
-        self, path: str | Path, run_name: str, every: int = 1, exclude: Sequence[str] = ()
+        self,
+        path: str | Path,
+        run_name: str,
+        every: int = 1,
+        exclude: Sequence[str] = (),
+        monitor: str = "",
     ) -> None:
+        """``monitor``: the writing Monitor's id, in every record (replay starts its rules'
+        history over where it changes, as a resumed run's monitor did)."""
         if every < 1:
             raise ValueError(f"JsonlSink every must be >= 1, got {every}")
         self.path = Path(path)
@@ -102,6 +109,7 @@ class JsonlSink:
             )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_name = run_name
+        self.monitor = monitor
         self.every = every
         self.exclude = tuple(exclude)
         self._flushes = 0
@@ -170,6 +178,7 @@ class JsonlSink:
             "step": snapshot.step,
             "time": snapshot.time,
             "rank": snapshot.rank,
+            "monitor": self.monitor,
         }
         names, labels, values = snapshot.columns()
         values = values.tolist()
@@ -210,6 +219,7 @@ class JsonlSink:
             "step": max([e.step for e in events] + [self._last_step or 0]),
             "time": max(e.time for e in events),
             "rank": self._rank,
+            "monitor": self.monitor,
         }
         tail = json.dumps(json_safe([e.to_dict() for e in events]), allow_nan=False)
         self._file.write(f'{json.dumps(head)[:-1]}, "metrics": [], "events": {tail}}}\n')
