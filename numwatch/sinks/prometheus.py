@@ -24,6 +24,7 @@ import gc
 import heapq
 import logging
 import math
+import os
 import re
 import socket
 import threading
@@ -807,7 +808,16 @@ def _stop_serving(server: _Server, thread: threading.Thread) -> None:
         thread.join(timeout=5.0)
     else:
         server._BaseServer__shutdown_request = True  # type: ignore[attr-defined]
+    _SERVING.discard(server)
     server.server_close()
+
+
+# The live servers, whose listening sockets are closed in a forked child (a DataLoader worker):
+# the child shares the socket, so after detach the port stayed bound (scrapes hung, the next
+# attach on it failed) while the child lived.
+_SERVING: weakref.WeakSet[_Server] = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [s.socket.close() for s in list(_SERVING)])
 
 
 def _bind(host: str, port: int, app: Callable[..., list[bytes]], server_class: type) -> _Server:
@@ -836,6 +846,7 @@ def _serve(collector: SnapshotCollector, host: str, port: int) -> tuple[_Server,
                 "ephemeral one"
             ) from None
         raise NumwatchError(f"sinks.prometheus: cannot listen on {host}:{port}: {exc}") from exc
+    _SERVING.add(server)
     # poll_interval bounds how long close() waits for the serving thread to notice shutdown
     thread = threading.Thread(
         target=server.serve_forever,
