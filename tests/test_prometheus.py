@@ -110,6 +110,24 @@ def test_layer_mode_independent_of_record_order():
     )
 
 
+def test_a_nan_head_is_worse_than_an_infinite_one():
+    """NaN counts as the worst head: a layer with head 0 at +Inf and head 1 NaN was exported as
+    +Inf with worst_head 0 (NaN tied with Inf, and the tie went to the first head)."""
+    inf = math.inf
+    planted = {
+        "attn_max_logit": [[inf, math.nan, 1.0]],
+        "attn_min_logit": [[-inf, math.nan, 1.0]],
+        "attn_output_bias": [[-inf, 0.5, math.nan]],
+    }
+    text = exposition(head_snapshot(planted))
+    for name, head in (("attn_max_logit", 1), ("attn_min_logit", 1), ("attn_output_bias", 2)):
+        assert math.isnan(value(text, f"numwatch_{name}", layer="blocks.0.attn"))
+        assert value(text, "numwatch_worst_head", layer="blocks.0.attn", metric=name) == head
+    top = samples(exposition(head_snapshot(planted), heads="top_k", top_k=1))
+    kept = [dict(lab)["head"] for name, lab in top if name == "numwatch_attn_max_logit"]
+    assert kept == ["1"]
+
+
 def test_top_k_and_all_modes():
     snap = head_snapshot(PLANTED)
     top = samples(exposition(snap, heads="top_k", top_k=2))

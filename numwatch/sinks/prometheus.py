@@ -656,13 +656,14 @@ def _worst_first(values: list[float], reduction: str, k: int) -> list[int]:
     return heapq.nlargest(k, range(len(values)), key=badness.__getitem__)
 
 
-def _badness(value: float, reduction: str) -> float:
-    """Larger is worse; NaN is the worst of all."""
+def _badness(value: float, reduction: str) -> tuple[bool, float]:
+    """Larger is worse; NaN is the worst of all, ranked above +Inf/-Inf (a float key would tie
+    it with them, and the tie went to the first head)."""
     if math.isnan(value):
-        return math.inf
+        return True, 0.0
     if reduction == "min":
-        return -value
-    return abs(value) if reduction == "absmax" else value
+        return False, -value
+    return False, abs(value) if reduction == "absmax" else value
 
 
 class PrometheusSink:
