@@ -8,6 +8,7 @@ import gzip
 import io
 import json
 import lzma
+import math
 import re
 import shutil
 import subprocess
@@ -394,3 +395,53 @@ def test_a_failed_skip_step_is_no_skipped_step(tmp_path):
     _nan_loss_run(log, rules, steps=4, nan_at=1, flush_every=2, attach_optimizer=False)
     rows = dict(summary_rows(load_run(log)))
     assert rows["skipped optimizer steps"] == "0" and rows["monitor errors"].startswith("actions:")
+
+
+def test_values_near_the_float64_maximum_are_drawn_at_a_bound(tmp_path, capsys):
+    """matplotlib overflows on a log axis or a linear one near float64's maximum: a float64
+    run whose gradient norm reached 1.7e308 (finite) got a traceback and no report."""
+    from matplotlib.figure import Figure
+
+    from numwatch.sinks.report import _plot
+
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path, "huge")
+    for step, v in ((1, 1e308), (2, 1.7e308)):
+        records = [MetricRecord("loss", {}, 1e308), MetricRecord("grad_norm", {}, v),
+                   MetricRecord("grad_absmax", {"param": "w"}, v)]  # fmt: skip
+        sink.emit(Snapshot(step, records, time=float(step)), [])
+    sink.close()
+    out = tmp_path / "r.html"
+    assert cli(["report", str(path), "-o", str(out)]) == 0, capsys.readouterr().err
+    page = out.read_text()
+    assert len(re.findall(r"src='data:image/png;base64,", page)) == 2  # training, tensors
+    assert "could not be drawn" not in page
+    assert "largest |gradient| 1.7e+308 at step 2 (param=w)" in text_of(page)
+    ax = Figure().subplots()
+    _plot(ax, [(1, 1e308), (2, -1.7e308), (3, 5.0), (4, math.inf), (5, math.nan)], "g")
+    (line,) = ax.get_lines()
+    assert list(line.get_ydata())[:4] == [1e300, -1e300, 5.0, math.inf]
+    assert math.isnan(line.get_ydata()[4])
+    assert [t.get_text() for t in ax.texts] == ["|values| past 1e+300 drawn at 1e+300"]
+
+
+def test_a_plot_that_cannot_be_drawn_costs_that_plot_only(log, tmp_path, monkeypatch):
+    """One plot failing to draw (matplotlib on data it cannot scale) cost the whole report."""
+    from matplotlib.axes import Axes
+
+    real = Axes.plot
+
+    def plot(self, *args, **kwargs):
+        if kwargs.get("label") == "loss":
+            raise OverflowError("cannot convert float infinity to integer")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", plot)
+    page = write_report(log, tmp_path / "r.html").read_text()
+    training = page.split("<h2>Training</h2>")[1].split("<h2>")[0]
+    assert training == (
+        "<p class='note'>This plot could not be drawn "
+        "(OverflowError: cannot convert float infinity to integer).</p>"
+    )
+    assert len(re.findall(r"src='data:image/png;base64,", page)) == 3  # attention, tensors, cost
+    assert "steps 9 .. 39 in 4 flushes" in text_of(page)

@@ -272,9 +272,20 @@ def _title(ax: Any, title: str) -> None:
     ax.set_title(_verbatim(title), fontsize=9, loc="left")
 
 
+# matplotlib's tick and limit arithmetic overflows near float64's maximum (on a log axis and a
+# linear one alike): larger finite values are drawn at this bound, and the axes say so.
+_DRAWABLE = 1e300
+
+
 def _plot(ax: Any, points: Points | list[tuple[int, float]], label: str, **kwargs: Any) -> None:
     if points:
         steps, values = zip(*points, strict=True)
+        if any(math.isfinite(v) and abs(v) > _DRAWABLE for v in values):
+            values = tuple(
+                max(-_DRAWABLE, min(v, _DRAWABLE)) if math.isfinite(v) else v for v in values
+            )
+            note = f"|values| past {_DRAWABLE:g} drawn at {_DRAWABLE:g}"
+            ax.text(0.99, 0.03, note, transform=ax.transAxes, ha="right", fontsize=7, color="#666")
         # a series of one point (a run after its first flush) is drawn as a dot: a line of
         # one point draws nothing
         dot = {"marker": ".", "ms": 5} if len(points) == 1 else {}
@@ -603,13 +614,20 @@ def render_html(run: Run, *, top: int = 8, max_events: int = 300) -> str:
         "<span style='color:#17becf'>&#9660; skipped step</span>"
     )
     sections = [
-        ("Training", _training_plot(run)),
-        ("Attention precursors per layer", _attention_plot(run)),
-        ("Gradients, activations, weights", _tensor_plot(run, top)),
-        ("Cost", _cost_plot(run)),
+        ("Training", lambda: _training_plot(run)),
+        ("Attention precursors per layer", lambda: _attention_plot(run)),
+        ("Gradients, activations, weights", lambda: _tensor_plot(run, top)),
+        ("Cost", lambda: _cost_plot(run)),
     ]
     parts.append(f"<p class='legend'>Markers in every plot: {legend}</p>")
-    for title, png in sections:
+    for title, draw in sections:
+        try:
+            png = draw()
+        except Exception as exc:  # matplotlib failing on extreme data costs this plot only
+            parts.append(f"<h2>{html.escape(title)}</h2>")
+            reason = html.escape(f"{type(exc).__name__}: {exc}")
+            parts.append(f"<p class='note'>This plot could not be drawn ({reason}).</p>")
+            continue
         if png is not None:
             parts.append(f"<h2>{html.escape(title)}</h2>")
             parts.append(f"<img alt='{html.escape(title)}' src='data:image/png;base64,{png}'>")
