@@ -32,6 +32,7 @@ from pydantic import (
 
 from numwatch.errors import NumwatchConfigError
 from numwatch.rules import RuleConfig
+from numwatch.rules.engine import check_step_rule
 
 __all__ = [
     "ActivationConfig",
@@ -230,18 +231,15 @@ class RulesConfig(_Section):
 
     @model_validator(mode="after")
     def _actions_are_valid(self) -> RulesConfig:
-        """The actions' settings are checked with the rest (``numwatch replay --config`` and
-        ``MonitorConfig.load`` accepted what ``Monitor`` then refused)."""
+        """The actions' settings, and what a rule deciding every step (skip_step) needs, are
+        checked with the rest (``numwatch replay --config`` and ``MonitorConfig.load`` accepted
+        what ``Monitor`` then refused)."""
         from numwatch.actions.library import SkipStep, build_action  # the actions import this
 
         for rule in self.add:
             actions = [build_action(a, f"rules[{rule.name}].actions") for a in rule.actions]
-            if rule.cooldown and any(isinstance(a, SkipStep) for a in actions):
-                raise ValueError(
-                    f"rules[{rule.name}]: a rule with skip_step decides every step; a cooldown "
-                    f"({rule.cooldown}) would let the updates of the steps it is quiet through: "
-                    "leave cooldown at 0"
-                )
+            if any(isinstance(a, SkipStep) for a in actions):
+                check_step_rule(rule)
         return self
 
 

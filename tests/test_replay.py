@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -11,8 +12,9 @@ from conftest import LONG_LOG_FLUSHES, LONG_LOG_PARAMS, peak_memory
 
 import numwatch
 from numwatch.cli import main as cli
-from numwatch.config import RulesConfig
+from numwatch.config import MonitorConfig, RulesConfig
 from numwatch.demo import GPTConfig, TinyGPT, bigram_batches
+from numwatch.errors import NumwatchConfigError
 from numwatch.replay import replay, summarize
 from numwatch.sinks.jsonl import read_jsonl
 
@@ -322,6 +324,27 @@ def test_replay_refuses_a_config_the_monitor_would_refuse(tmp_path, capsys):
         assert cli(["replay", str(log), "--config", str(config)]) == 2
         err = capsys.readouterr().err
         assert says in err and f"(from config file {str(config)!r})" in err, err
+
+
+def test_replay_refuses_a_skip_step_rule_that_could_not_decide_every_step(tmp_path, capsys):
+    """What a skip_step rule needs (a metric known every step, no labels) was checked only by
+    the engine the monitor builds: replay --config and MonitorConfig.load accepted both."""
+    log = tmp_path / "run.jsonl"
+    log.write_text(json.dumps(record(9, 1.0)) + "\n")
+    config = tmp_path / "rules.yaml"
+    for setting, says in (
+        ("metric: attn_max_logit", "'attn_max_logit' is only known at flush"),
+        ("metric: loss, labels: {layer: x}", "drop 'labels'"),
+    ):
+        config.write_text(
+            "rules:\n  add:\n    - {name: r, type: threshold, threshold: 0.1, "
+            f"{setting}, actions: [skip_step]}}\n"
+        )
+        assert cli(["replay", str(log), "--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert "rules[r]: its actions need a decision every step" in err and says in err, err
+        with pytest.raises(NumwatchConfigError, match=re.escape(says)):
+            MonitorConfig.load(str(config))
 
 
 def test_a_dry_run_accepts_a_skip_step_nonfinite_rule_on_the_gradient_norm():

@@ -14,7 +14,7 @@ from numwatch.rules.nonfinite import NonfiniteRule
 from numwatch.sinks.prometheus import DOCUMENTED_METRICS
 from numwatch.snapshot import MetricRecord, series_key
 
-__all__ = ["LATE_METRICS", "ORIGIN_METRICS", "STEP_METRICS", "RuleEngine"]
+__all__ = ["LATE_METRICS", "ORIGIN_METRICS", "STEP_METRICS", "RuleEngine", "check_step_rule"]
 
 # Metrics known at every step (without a flush), so rules on them can decide before the update.
 STEP_METRICS = ("grad_norm", "loss", "nonfinite")
@@ -39,6 +39,29 @@ def at_flush(rule: Rule) -> Rule:
     if isinstance(rule, NonfiniteRule) and skips and rule.metric != "nonfinite":
         return rule.model_copy(update={"metric": "nonfinite"})
     return rule
+
+
+def check_step_rule(rule: Rule) -> None:
+    """Refuse a rule whose actions (skip_step) need a decision every step, but which could not
+    make one there: ``RulesConfig`` checks with it, so ``replay --config`` and
+    ``MonitorConfig.load`` refuse what ``Monitor`` refuses."""
+    if rule.metric not in STEP_METRICS:
+        raise NumwatchConfigError(
+            f"rules[{rule.name}]: its actions need a decision every step, but metric "
+            f"{rule.metric!r} is only known at flush; use one of {STEP_METRICS}"
+        )
+    if rule.labels:
+        raise NumwatchConfigError(
+            f"rules[{rule.name}]: its actions need a decision every step, from the "
+            f"step's global {rule.metric}, which has no labels to select; drop "
+            f"'labels' (origins are named at flush)"
+        )
+    if rule.cooldown:
+        raise NumwatchConfigError(
+            f"rules[{rule.name}]: a rule with skip_step decides every step; a cooldown "
+            f"({rule.cooldown}) would let the updates of the steps it is quiet through "
+            "(its NaN or spike would reach the weights): leave cooldown at 0"
+        )
 
 
 def is_origin(event: Event) -> bool:
@@ -74,24 +97,8 @@ class RuleEngine:
             raise NumwatchConfigError(f"rules: duplicate rule names {sorted(dupes)}; names are ids")
         step_level = set(step_level)
         for rule in self.rules:
-            if rule.name in step_level and rule.metric not in STEP_METRICS:
-                raise NumwatchConfigError(
-                    f"rules[{rule.name}]: its actions need a decision every step, but metric "
-                    f"{rule.metric!r} is only known at flush; use one of {STEP_METRICS}"
-                )
-            if rule.name in step_level and rule.labels:
-                raise NumwatchConfigError(
-                    f"rules[{rule.name}]: its actions need a decision every step, from the "
-                    f"step's global {rule.metric}, which has no labels to select; drop "
-                    f"'labels' (origins are named at flush)"
-                )
-        for rule in self.rules:
-            if rule.name in step_level and rule.cooldown:
-                raise NumwatchConfigError(
-                    f"rules[{rule.name}]: a rule with skip_step decides every step; a cooldown "
-                    f"({rule.cooldown}) would let the updates of the steps it is quiet through "
-                    "(its NaN or spike would reach the weights): leave cooldown at 0"
-                )
+            if rule.name in step_level:
+                check_step_rule(rule)
         self.step_rules = [r for r in self.rules if r.name in step_level]
         self.flush_rules = [r for r in self.rules if r.name not in step_level]
         for rule in self.flush_rules:
