@@ -30,6 +30,7 @@ from pydantic import (
     model_validator,
 )
 
+from numwatch.counts import NoBoolCounts
 from numwatch.errors import NumwatchConfigError
 from numwatch.rules import RuleConfig
 from numwatch.rules.engine import check_step_rule
@@ -54,20 +55,8 @@ ENV_PREFIX = "NUMWATCH_"
 KERNEL_ENV = frozenset({"NUMWATCH_FLASH_GLUON", "NUMWATCH_FLASH_CONFIGS"})
 
 
-class _Section(BaseModel):
+class _Section(NoBoolCounts):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_bool_counts(cls, data: Any) -> Any:
-        """YAML reads yes/no/on/off as booleans, which pydantic took as 1/0 for counts:
-        ``flush_every: yes`` flushed every step, ``port: no`` bound a random port."""
-        if isinstance(data, Mapping):
-            for name, value in data.items():
-                field = cls.model_fields.get(name) if isinstance(name, str) else None
-                if isinstance(value, bool) and field is not None and _takes_int(field.annotation):
-                    raise ValueError(f"{name}: a number is expected, got the boolean {value}")
-        return data
 
 
 class GradientConfig(_Section):
@@ -472,15 +461,6 @@ class MonitorConfig(_Section):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise NumwatchConfigError(_describe(exc, sources or {})) from None
-
-
-def _takes_int(annotation: Any) -> bool:
-    """An int field (PositiveInt and the like, or int | None), not a bool or float one."""
-    if hasattr(annotation, "__metadata__"):  # Annotated[int, Gt(0)]: PositiveInt
-        annotation = annotation.__origin__
-    if get_origin(annotation) in (Union, types.UnionType):
-        return any(_takes_int(a) for a in get_args(annotation))
-    return annotation is int
 
 
 def expand_path(path: str) -> str:

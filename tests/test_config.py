@@ -292,3 +292,24 @@ def test_a_boolean_is_not_taken_for_a_number(tmp_path, yaml_text, field):
     path.write_text(yaml_text)
     with pytest.raises(NumwatchConfigError, match=f"{field}: a number is expected"):
         MonitorConfig.load(path, env={})
+
+
+@pytest.mark.parametrize(
+    ("setting", "field", "value"),
+    [("for_flushes: yes", "for_flushes", True), ("cooldown: yes", "cooldown", True),
+     ("window: yes", "window", True),
+     ("actions: [{type: lr_backoff, min_interval_steps: yes}]", "min_interval_steps", True),
+     ("actions: [{type: lr_backoff, steps: yes}]", "steps", True),
+     ("actions: [{type: snapshot, max_bytes: no}]", "max_bytes", False)],
+)  # fmt: skip
+def test_a_rule_or_action_count_refuses_a_boolean(tmp_path, setting, field, value):
+    """Rules and actions missed the sections' check: 'for_flushes: yes' was 1 and a
+    snapshot's 'max_bytes: no' saved no tensor."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        f"rules: {{add: [{{name: r, type: threshold, metric: loss, threshold: 1, {setting}}}]}}\n"
+    )
+    with pytest.raises(
+        NumwatchConfigError, match=f"{field}: a number is expected, got the boolean {value}"
+    ):
+        MonitorConfig.load(path, env={})

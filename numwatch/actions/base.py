@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr
 from torch import nn
 
+from numwatch.counts import NoBoolCounts
 from numwatch.events import Event
 from numwatch.snapshot import Snapshot
 
@@ -48,7 +49,7 @@ class ActionContext(Protocol):
     def parameter(self, label: str) -> torch.Tensor | None: ...
 
 
-class Action(BaseModel):
+class Action(NoBoolCounts):
     """Base of every action; subclasses set ``type`` and implement ``run``."""
 
     model_config = ConfigDict(extra="forbid")

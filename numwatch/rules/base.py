@@ -11,8 +11,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr
 
+from numwatch.counts import NoBoolCounts
 from numwatch.selection import matches
 
 __all__ = ["Finding", "Rule", "SeriesKey", "require_history"]
@@ -30,7 +31,7 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
-class Rule(BaseModel):
+class Rule(NoBoolCounts):
     """Base of every rule; subclasses add parameters and ``check``."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
