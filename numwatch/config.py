@@ -223,11 +223,12 @@ class RulesConfig(_Section):
         """The actions' settings, and what a rule deciding every step (skip_step) needs, are
         checked with the rest (``numwatch replay --config`` and ``MonitorConfig.load`` accepted
         what ``Monitor`` then refused)."""
-        from numwatch.actions.library import SkipStep, build_action  # the actions import this
+        from numwatch.actions.library import build_action  # the actions import this
 
         for rule in self.add:
-            actions = [build_action(a, f"rules[{rule.name}].actions") for a in rule.actions]
-            if any(isinstance(a, SkipStep) for a in actions):
+            for action in rule.actions:
+                build_action(action, f"rules[{rule.name}].actions")
+            if rule.skips_steps:
                 check_step_rule(rule)
         return self
 
@@ -407,6 +408,22 @@ class MonitorConfig(_Section):
     )
     sinks: SinksConfig = Field(default_factory=SinksConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @model_validator(mode="after")
+    def _step_rules_have_gradients(self) -> MonitorConfig:
+        """A skip_step rule reading the step's gradient norm (``grad_norm``; ``nonfinite``, the
+        norm plus the loss) with the gradient probe off had no norm to read: silent, it let a
+        NaN gradient reach the weights without an event."""
+        if not self.gradients.enabled:
+            for rule in self.rules.add:
+                if rule.enabled and rule.skips_steps and rule.metric in ("grad_norm", "nonfinite"):
+                    raise ValueError(
+                        f"rules[{rule.name}]: skip_step decides from the step's gradient norm "
+                        f"(metric {rule.metric!r}), which gradients.enabled false leaves "
+                        "unmeasured, so a NaN gradient would reach the weights unreported; "
+                        "set gradients.enabled true, or use metric 'loss'"
+                    )
+        return self
 
     @classmethod
     def load(

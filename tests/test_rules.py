@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections import deque
 
 import pytest
@@ -487,6 +488,24 @@ def test_a_step_level_rule_refuses_a_cooldown():
                       "cooldown": 3}]}  # fmt: skip
     with pytest.raises(NumwatchConfigError, match="leave cooldown at 0"):
         numwatch.Monitor(torch.nn.Linear(2, 1), rules=rules, sinks__jsonl__enabled=False)
+
+
+@pytest.mark.parametrize("metric", ["grad_norm", "nonfinite"])
+def test_a_skip_step_rule_on_the_gradient_norm_needs_the_gradient_probe(metric):
+    """With gradients.enabled false no step norm is measured: the rule was silent, and a NaN
+    gradient reached the weights without an event."""
+    rule = {"type": "nonfinite", "name": "nan_skip", "metric": metric, "actions": ["skip_step"]}
+    with pytest.raises(
+        NumwatchConfigError,
+        match=re.escape(
+            f"rules[nan_skip]: skip_step decides from the step's gradient norm (metric "
+            f"'{metric}'), which gradients.enabled false leaves unmeasured"
+        ),
+    ):
+        MonitorConfig.load(rules={"add": [rule]}, gradients__enabled=False, env={})
+    assert MonitorConfig.load(rules={"add": [rule]}, env={}).rules.add[0].metric == metric
+    on_loss = {**rule, "metric": "loss"}
+    assert MonitorConfig.load(rules={"add": [on_loss]}, gradients__enabled=False, env={})
 
 
 def test_zscore_reports_the_bound_a_downward_spike_crossed():

@@ -61,6 +61,13 @@ class Rule(NoBoolCounts):
     _quiet_until: dict[SeriesKey, int] = PrivateAttr(default_factory=dict)
     _flushes: int = PrivateAttr(0)
 
+    @property
+    def skips_steps(self) -> bool:
+        """Whether one of its actions is skip_step, which needs a decision every step."""
+        return any(
+            (a if isinstance(a, str) else a.get("type")) == "skip_step" for a in self.actions
+        )
+
     def wants(self, name: str, labels: Mapping[str, str]) -> bool:
         if name != self.metric:
             return False

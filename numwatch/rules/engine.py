@@ -35,8 +35,7 @@ def at_flush(rule: Rule) -> Rule:
     runs no skip_step): a nonfinite rule with skip_step decides every step live, from the step's
     metric, and owns every origin of the window it fired in; at flush it adopts every origin
     (its step metric, grad_norm, is no origin's)."""
-    skips = any((a if isinstance(a, str) else a.get("type")) == "skip_step" for a in rule.actions)
-    if isinstance(rule, NonfiniteRule) and skips and rule.metric != "nonfinite":
+    if isinstance(rule, NonfiniteRule) and rule.skips_steps and rule.metric != "nonfinite":
         return rule.model_copy(update={"metric": "nonfinite"})
     return rule
 
