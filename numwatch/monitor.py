@@ -578,7 +578,7 @@ class Monitor(Joinable):
                 self._closing_step = False
                 self._ctx.activity = False
                 # the flush of this step reports the kernels it ran, not those routed from now
-                self._closed_routing = self._routing() if self._pending_routes else None
+                self._closed_routing = self.attention_routing() if self._pending_routes else None
                 self._apply_routes()
                 self._ctx.step += 1
                 self._window_steps += 1
@@ -731,7 +731,7 @@ class Monitor(Joinable):
         if not self._ctx.activity:  # between steps: nothing of this step has run yet
             self._apply_routes()
 
-    def _routing(self) -> dict[str, AttentionKernel | None]:
+    def attention_routing(self) -> dict[str, AttentionKernel | None]:
         """The kernel each attention layer seen runs now (None: native SDPA)."""
         out: dict[str, AttentionKernel | None] = {}
         for layer in sorted(self._attention.layers_seen if self._attention else ()):
@@ -987,7 +987,7 @@ class Monitor(Joinable):
             )
         if self._attention is not None:
             routing = self._closed_routing
-            for layer, kernel in (self._routing() if routing is None else routing).items():
+            for layer, kernel in (self.attention_routing() if routing is None else routing).items():
                 stabilized = float(kernel is not None and kernel.stabilized)
                 records.append(MetricRecord("attn_kernel_stabilized", {"layer": layer}, stabilized))
                 if kernel is not None:  # which kernel, reproduction modes included

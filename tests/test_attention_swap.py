@@ -439,6 +439,38 @@ def test_split_sum_is_routed_reported_and_upgraded_by_the_action(monkeypatch):
         monitor.swap_attention("a", mode="paper_repro", split_sum=True)
 
 
+def test_swapping_all_layers_keeps_a_layer_already_on_a_stabilized_kernel(monkeypatch):
+    """scope 'all' set a '*' route over every per-layer one: a layer the user had put on the
+    split sum with its own beta was taken back to one sum and beta 2; the others are routed."""
+    seen = []
+    real = swap_kernel.flash_attention
+
+    def spy(q, *args, **kwargs):
+        seen.append((kwargs["beta"], kwargs["split_sum"]))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(swap_kernel, "flash_attention", spy)
+    torch.manual_seed(0)
+    model = Two().to(torch.bfloat16)
+    monitor = monitor_for(model)
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    monitor.swap_attention("a", beta=4.0, split_sum=True)
+    model(x)
+    monitor.step()
+    event = numwatch.Event(kind="precursor", step=1, message="m", labels={"layer": "b"})
+    assert SwapAttentionKernel(scope="all").run(monitor, event) is not None
+    assert monitor.attention_kernel("a") == swap_kernel.AttentionKernel(beta=4.0, split_sum=True)
+    assert monitor.attention_kernel("b") == swap_kernel.AttentionKernel()
+    seen.clear()
+    model(x)
+    monitor.step()
+    assert seen == [(4.0, True), (2.0, False)]
+    # an action with split_sum upgrades the kept layer, beta still its own
+    SwapAttentionKernel(scope="all", split_sum=True).run(monitor, event)
+    assert monitor.attention_kernel("a") == swap_kernel.AttentionKernel(beta=4.0, split_sum=True)
+    assert monitor.attention_kernel("b") == swap_kernel.AttentionKernel(split_sum=True)
+
+
 @pytest.mark.parametrize("kind", ["eager", "direct_kernel"])
 def test_attention_a_route_cannot_take_is_not_reported_as_swapped(kind, caplog):
     """Eager softmax and numwatch's kernel called by the model itself are observed only: the

@@ -48,7 +48,9 @@ class SwapAttentionKernel(Action):
     type: Literal["swap_attention_kernel"] = "swap_attention_kernel"
     _unroutable: set[str] = PrivateAttr(default_factory=set)
     scope: Literal["layer", "all"] = Field(
-        "layer", description="The event's layer only, or every attention layer."
+        "layer",
+        description="The event's layer only, or every attention layer (one already on a "
+        "stabilized kernel keeps it, with its beta and split sum).",
     )
     beta: float = Field(2.0, gt=1.0, le=64.0, description="Stabilization factor of the kernel.")
     split_sum: bool = Field(
@@ -83,7 +85,15 @@ class SwapAttentionKernel(Action):
             return None
         # a layer the user put on the split sum keeps it (it is only ever an upgrade)
         split_sum = self.split_sum or (current is not None and current.split_sum)
+        # all layers: those already stabilized keep their kernel (beta, split sum), routed
+        # after the "*" route, which would otherwise override them
+        kept = {} if target else ctx.attention_routing()
         ctx.swap_attention(target, beta=self.beta, split_sum=split_sum)
+        for name, kernel in kept.items():
+            if kernel is not None and kernel.stabilized:
+                ctx.swap_attention(
+                    name, beta=kernel.beta, split_sum=kernel.split_sum or self.split_sum
+                )
         return (
             f"routed {'layer ' + repr(target) if target else 'all layers'} to the stabilized kernel"
         )
