@@ -185,6 +185,42 @@ def test_a_step_level_nonfinite_rule_on_a_step_metric_owns_every_origin(tmp_path
     assert [(e.kind, e.rule, e.step) for e in replayed] == [("anomaly", "nonfinite", 1)]
 
 
+def _nan_in_gradient_run(log, rules):
+    """A run whose gradient holds a NaN at step 1 (loss finite); the NaN weights make step
+    2's loss NaN unless the update was skipped."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = numwatch.Monitor(model, flush_every=1, activations__every=1, rules=rules,
+                               sinks__jsonl__path=str(log),
+                               sinks__console__enabled=False).attach(opt)  # fmt: skip
+    for step in range(3):
+        loss = model(torch.randn(2, 4)).pow(2).mean()
+        loss.backward()
+        if step == 1:
+            model[1].weight.grad[0, 0] = float("nan")
+        monitor.step(loss)
+        opt.step()
+        opt.zero_grad()
+    monitor.detach()
+    return monitor
+
+
+def test_a_skip_step_rule_on_the_loss_fires_at_flush_only_where_the_loss_was_nan(tmp_path):
+    """Replay and a dry run judged a skip_step rule on the loss as one on any origin: it
+    fired at step 1, on a NaN in a gradient only, where the live rule (a finite loss) did not."""
+    rules = {"add": [{"type": "nonfinite", "name": "loss_nan", "metric": "loss",
+                      "actions": ["skip_step"]}]}  # fmt: skip
+    live = _nan_in_gradient_run(tmp_path / "live.jsonl", rules)
+    assert sorted({e.step for e in live.events if e.rule == "loss_nan"}) == [2]
+    replayed = replay(read_jsonl(tmp_path / "live.jsonl"), RulesConfig(**rules))
+    dry = _nan_in_gradient_run(tmp_path / "dry.jsonl", {**rules, "act": False})
+    for events in (replayed, dry.events):
+        assert [(e.rule, e.step, e.metric) for e in events if e.rule == "loss_nan"] == [
+            ("loss_nan", 2, "activation_nonfinite")
+        ]  # the origin of step 2 (the NaN weights' forward), the window whose loss was NaN
+
+
 def test_cli_json_with_a_config_file(tmp_path, capsys):
     log = tmp_path / "run.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in planted_log()))

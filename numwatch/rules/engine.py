@@ -32,11 +32,9 @@ _log = logging.getLogger("numwatch")
 
 def at_flush(rule: Rule) -> Rule:
     """``rule`` as evaluated at flush granularity (replay; a dry run, ``rules.act`` false, that
-    runs no skip_step): a nonfinite rule with skip_step decides every step live, from the step's
-    metric, and owns every origin of the window it fired in; at flush it adopts every origin
-    (its step metric, grad_norm, is no origin's)."""
-    if isinstance(rule, NonfiniteRule) and rule.skips_steps and rule.metric != "nonfinite":
-        return rule.model_copy(update={"metric": "nonfinite"})
+    runs no skip_step): a nonfinite rule with skip_step as ``NonfiniteRule.at_flush`` says."""
+    if isinstance(rule, NonfiniteRule) and rule.skips_steps:
+        return rule.at_flush()
     return rule
 
 
@@ -132,7 +130,7 @@ class RuleEngine:
             if isinstance(rule, NonfiniteRule) and rule.name in self._step_fired:
                 fired += [(e, None) for e in self._run(rule.own, nonfinite, True) or []]
         self._step_fired.clear()
-        wanted = {rule.metric for rule in self.flush_rules}
+        wanted = {rule.metric for rule in self.flush_rules} | {"loss_mean"}
         by_name: dict[str, list[MetricRecord]] = {name: [] for name in wanted}
         for r in records:  # thousands per flush; few of them are read by a rule
             if r.name in wanted:
@@ -148,7 +146,8 @@ class RuleEngine:
                     if r.name in wanted:
                         by_name[r.name].append(r)
             if isinstance(rule, NonfiniteRule):
-                events = self._run(rule.adopt, nonfinite) or []
+                window_loss = by_name["loss_mean"][0].value if by_name["loss_mean"] else None
+                events = self._run(rule.adopt, nonfinite, window_loss) or []
             else:
                 events = self._run(self._flush_events, rule, step, by_name[rule.metric], keys)
             fired += [(e, rule) for e in events or []]

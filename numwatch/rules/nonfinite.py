@@ -7,6 +7,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Literal
 
+from pydantic import PrivateAttr
+
 from numwatch.events import Event
 from numwatch.rules.base import Finding, Rule
 from numwatch.selection import matches
@@ -27,6 +29,20 @@ class NonfiniteRule(Rule):
     metric: str = "nonfinite"
     kind: Literal["precursor", "spike", "anomaly", "nonfinite"] = "nonfinite"
     severity: Literal["info", "warning", "critical"] = "critical"
+    # ``at_flush`` of a rule on the loss: it adopts origins only in a window whose loss was NaN/Inf
+    _on_window_loss: bool = PrivateAttr(False)
+
+    def at_flush(self) -> NonfiniteRule:
+        """This rule, with skip_step, as judged at flush (replay; a dry run): live it decides
+        every step from the step's metric and owns every origin of the window it fired in. On
+        ``grad_norm`` it adopts every origin (grad_norm is no origin's metric, and a NaN from
+        any origin reaches it); on ``loss``, every origin of a window whose loss was NaN/Inf (a
+        NaN only in a gradient leaves that step's loss finite: the live rule does not fire)."""
+        if self.metric == "nonfinite":
+            return self
+        judged = self.model_copy(update={"metric": "nonfinite"})
+        judged._on_window_loss = self.metric == "loss"
+        return judged
 
     def check(self, history: deque[float], value: float) -> Finding | None:
         if math.isfinite(value):
@@ -35,11 +51,15 @@ class NonfiniteRule(Rule):
             return Finding(value, None, f"NaN/Inf in the step's gradients or loss ({value})")
         return Finding(value, None, f"non-finite {self.metric} ({value})")
 
-    def adopt(self, events: Sequence[Event]) -> list[Event]:
+    def adopt(self, events: Sequence[Event], window_loss: float | None = None) -> list[Event]:
         """The monitor's ``nonfinite`` events of one flush this rule fires on: those whose
         labels (``param`` or ``module``) its ``labels`` select and, unless its ``metric`` is
         ``nonfinite`` (any origin), whose metric is its own (``activation_nonfinite``,
-        ``grad_nonfinite`` or ``loss``: where the NaN/Inf began); none during its cooldown."""
+        ``grad_nonfinite`` or ``loss``: where the NaN/Inf began); none during its cooldown.
+        ``window_loss``: the flush's ``loss_mean``, NaN/Inf iff a step's loss was (read by the
+        ``at_flush`` form of a rule on the loss)."""
+        if self._on_window_loss and (window_loss is None or math.isfinite(window_loss)):
+            return []
         picked = self.own(events)
         if not picked or self._flushes < self._quiet_until.get((), 0):
             return []
