@@ -118,7 +118,7 @@ def grad_norm(module: nn.Module) -> float:
     return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
 
 
-def lightning_trainer(pl, callbacks, steps: int, clip: float | None = None):
+def lightning_trainer(pl, callbacks, steps: int, clip: float | None = None, **kwargs):
     return pl.Trainer(
         max_steps=steps,
         accelerator="cpu",
@@ -129,6 +129,7 @@ def lightning_trainer(pl, callbacks, steps: int, clip: float | None = None):
         enable_model_summary=False,
         gradient_clip_val=clip,
         callbacks=callbacks,
+        **kwargs,
     )
 
 
@@ -351,6 +352,25 @@ def test_lightning_request_stop(pl):
     assert trainer.global_step == 2 and callback.stop_reason == "enough"
 
 
+def test_lightning_scaler_overflows_are_not_nonfinite_events(pl):
+    """precision="16-mixed": the callback never gave the monitor the plugin's GradScaler, so its
+    overflow steps (skipped by design) were critical nonfinite events and stop_on stopped the
+    fit at step 0."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # overflows fp16 gradients
+    callback = NumwatchCallback(stop_on=["nonfinite"], **monitor_options())
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    trainer = lightning_trainer(pl, [callback], steps=3, plugins=[plugin])
+    trainer.fit(lightning_module(pl), loader(3))
+    assert trainer.global_step == 3 and callback.stop_reason is None
+    events = [(e.kind, e.rule, e.severity) for e in callback.monitor.events]
+    assert events == [("anomaly", "scaler_overflow", "info")] * 3
+    assert scaler.get_scale() == 2.0**21  # each of the three steps overflowed and was skipped
+
+
 # ------------------------------------------------------------------------------ HF Trainer
 @pytest.fixture(scope="module")
 def hf():
@@ -551,6 +571,23 @@ def test_hf_halt_becomes_should_training_stop(hf, tmp_path):
     trainer.train()
     assert trainer.state.global_step == 1
     assert callback.halt.report["rule"] == "loss_seen"
+
+
+def test_hf_scaler_overflows_are_not_nonfinite_events(hf, tmp_path):
+    """fp16: the callback unwrapped Accelerate's optimizer but dropped its GradScaler, so the
+    scaler's overflow steps (skipped by design) were critical nonfinite events and stop_on
+    stopped training at step 0. On the CPU Accelerate makes no scaler: one is planted where
+    fp16=True puts it, with a scale that overflows float32 gradients."""
+    from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+
+    callback = NumwatchTrainerCallback(stop_on=["nonfinite"], **monitor_options())
+    trainer = hf_trainer(hf, tmp_path, LMWrapper(), [callback], steps=3)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    trainer.train()
+    assert trainer.state.global_step == 3 and callback.stop_reason is None
+    events = [(e.kind, e.rule, e.severity) for e in callback.monitor.events]
+    assert events == [("anomaly", "scaler_overflow", "info")] * 3
+    assert trainer.accelerator.scaler.get_scale() == 2.0**124  # three overflows, three skips
 
 
 def test_hf_resumed_training_goes_on_with_the_trainers_step_numbers(hf, tmp_path):

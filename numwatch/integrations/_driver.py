@@ -54,16 +54,22 @@ class MonitorDriver:
         self.distributed = False  # the fit runs on several ranks (decided at start)
 
     def start(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, first_step: int = 0
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        first_step: int = 0,
+        scaler: Any = None,
     ) -> Monitor:
         """A fresh monitor, attached. ``first_step``: the framework's global step (a fit resumed
-        from a checkpoint goes on from it), where the configuration leaves ``first_step`` at 0."""
+        from a checkpoint goes on from it), where the configuration leaves ``first_step`` at 0.
+        ``scaler``: the framework's GradScaler (fp16), whose overflow steps are then not
+        ``nonfinite`` events (``Monitor.attach``)."""
         self.finish()  # a second fit on the same callback starts a fresh monitor
         self.halt, self.stop_reason = None, None
         config = MonitorConfig.load(self.config, **self.overrides)
         if config.first_step == 0:
             config = config.model_copy(update={"first_step": int(first_step)})
-        self.monitor = Monitor(model, config).attach(optimizer)
+        self.monitor = Monitor(model, config).attach(optimizer, scaler=scaler)
         self.distributed = get_world_size() > 1
         if not self._exit_hook:
             atexit.register(_finish_at_exit, weakref.ref(self))

@@ -3,8 +3,9 @@
 >>> trainer = Trainer(model, args, train_dataset=data, callbacks=[NumwatchTrainerCallback()])
 
 - The monitor attaches at ``on_train_begin`` to the trainer's model and optimizer (the torch
-  optimizer inside Accelerate's wrapper: optimizer probe, skip_step, LR back-off) and detaches
-  at ``on_train_end``.
+  optimizer inside Accelerate's wrapper: optimizer probe, skip_step, LR back-off), with the
+  wrapper's GradScaler (fp16: its overflow steps are ``scaler_overflow`` anomalies, not
+  ``nonfinite`` events), and detaches at ``on_train_end``.
 - Steps close in ``on_pre_optimizer_step``, the Trainer's only hook that sees final gradients:
   it runs **after** the Trainer clips them (``max_grad_norm``), so gradient statistics are of
   the clipped gradients the optimizer applies (``on_step_end`` sees none: they are zeroed).
@@ -90,7 +91,9 @@ class NumwatchTrainerCallback(TrainerCallback):
         torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # inside Accelerate's wrapper
         if not isinstance(torch_optimizer, torch.optim.Optimizer):
             torch_optimizer = None
-        self._driver.start(model, torch_optimizer, state.global_step)  # resumed: goes on
+        # fp16: the wrapper holds Accelerate's GradScaler, whose overflow steps it skips by design
+        scaler = getattr(optimizer, "scaler", None) if torch_optimizer is not None else None
+        self._driver.start(model, torch_optimizer, state.global_step, scaler)  # resumed: goes on
         self._loss_hook = model.register_forward_hook(
             UserHook(self._capture_loss), with_kwargs=True
         )

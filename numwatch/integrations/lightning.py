@@ -14,11 +14,12 @@
   the callback opens the forward that attention interception follows from
   ``on_train_batch_start`` to ``on_before_backward`` (``Monitor.begin_forward``).
 - The trainer's first optimizer is attached to the monitor at ``on_train_start`` (optimizer
-  probe, skip_step, LR back-off; so a NaN in the very first step can be skipped). Lightning
-  runs forward and backward *inside* ``optimizer.step(closure)``, where the optimizer's
-  pre-hooks and the monitor's step wrapper would act before the step's gradients exist; the
-  callback makes ``step`` run the closure first, so a skip decided on a step's gradients skips
-  that very step.
+  probe, skip_step, LR back-off; so a NaN in the very first step can be skipped), with the
+  precision plugin's GradScaler (``precision="16-mixed"``: its overflow steps are
+  ``scaler_overflow`` anomalies, not ``nonfinite`` events). Lightning runs forward and
+  backward *inside* ``optimizer.step(closure)``, where the optimizer's pre-hooks and the
+  monitor's step wrapper would act before the step's gradients exist; the callback makes
+  ``step`` run the closure first, so a skip decided on a step's gradients skips that very step.
 - Several optimizers (manual optimization, e.g. a GAN's two): one monitor step per batch,
   closed at the batch's first optimizer step; its loss is the sum of the batch's backward
   losses. A skip_step decided for the step withholds every optimizer's update of that batch
@@ -73,6 +74,7 @@ class NumwatchCallback(Callback):
         self._step_closed = False  # this batch's monitor step is closed
         self._skips_before = 0  # skip decisions before this batch (the followers compare)
         self._wrapped: list[tuple[torch.optim.Optimizer, Any, Any]] = []
+        self._scaler: Any = None  # the precision plugin's GradScaler, if any
 
     @property
     def monitor(self) -> Monitor | None:
@@ -98,8 +100,11 @@ class NumwatchCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self._trainer = trainer
         self._optimizer_attached = False
+        # precision="16-mixed": the plugin's GradScaler, whose overflow steps it skips by design
+        self._scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
         optimizers = [o for o in getattr(trainer, "optimizers", []) or []]
-        self._driver.start(pl_module, None, _batches_stepped(trainer, len(optimizers)))
+        first_step = _batches_stepped(trainer, len(optimizers))
+        self._driver.start(pl_module, None, first_step, scaler=self._scaler)
         if optimizers and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
             self._attach_optimizers(optimizers)
 
@@ -108,7 +113,7 @@ class NumwatchCallback(Callback):
         self._optimizer_attached = True
         if monitor is None:
             return
-        monitor.attach(optimizers[0])
+        monitor.attach(optimizers[0], scaler=self._scaler)
         self._run_closure_first(optimizers[0])
         for optimizer in optimizers[1:]:
             self._follow_skips(optimizer)
