@@ -371,6 +371,37 @@ def test_lightning_scaler_overflows_are_not_nonfinite_events(pl):
     assert scaler.get_scale() == 2.0**21  # each of the three steps overflowed and was skipped
 
 
+def test_lightning_a_fit_interrupted_after_backward_leaves_no_loss_behind(pl):
+    """The loss of a step that never closed stayed in the callback: the next fit's first step
+    reported it added to its own."""
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    module = lightning_module(pl)
+    training_step, losses, seen = module.training_step, [], []
+
+    def recorded(batch, batch_idx):
+        loss = training_step(batch, batch_idx)
+        losses.append(loss.item())
+        return loss
+
+    def interrupt():
+        if module.global_step == 1:
+            raise RuntimeError("interrupted after backward")
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            seen.append(callback.monitor.snapshot().value("loss"))
+
+    module.training_step, module.on_after_backward = recorded, interrupt
+    callback = NumwatchCallback(**monitor_options())
+    with pytest.raises(RuntimeError, match="interrupted after backward"):
+        lightning_trainer(pl, [callback], steps=3).fit(module, loader(3))
+    module.on_after_backward = lambda: None
+    losses.clear()
+    lightning_trainer(pl, [callback, Keep()], steps=2).fit(module, loader(2))
+    assert seen == pytest.approx(losses, rel=1e-6)
+
+
 # ------------------------------------------------------------------------------ HF Trainer
 @pytest.fixture(scope="module")
 def hf():

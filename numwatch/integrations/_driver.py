@@ -65,7 +65,7 @@ class MonitorDriver:
         ``scaler``: the framework's GradScaler (fp16), whose overflow steps are then not
         ``nonfinite`` events (``Monitor.attach``)."""
         self.finish()  # a second fit on the same callback starts a fresh monitor
-        self.halt, self.stop_reason = None, None
+        self.halt, self.stop_reason, self.loss = None, None, None
         config = MonitorConfig.load(self.config, **self.overrides)
         if config.first_step == 0:
             config = config.model_copy(update={"first_step": int(first_step)})
@@ -106,6 +106,7 @@ class MonitorDriver:
 
     def finish(self, within_step: bool = False) -> None:
         """Detach; the monitor stays readable (``.events``, ``.snapshot()``) after training."""
+        self.loss = None  # a fit interrupted after backward: that loss belongs to no step
         if self.monitor is not None and self.monitor.attached:
             try:
                 self.monitor.detach(within_step=within_step)
