@@ -232,6 +232,30 @@ def test_lightning_loss_under_accumulation_is_the_mean_of_the_micro_batches(pl):
     assert losses == pytest.approx([sum(micro[:4]) / 4, sum(micro[4:]) / 4], rel=1e-6)
 
 
+def test_lightning_loss_of_a_partial_accumulation_window_is_its_mean(pl):
+    """accumulate_grad_batches=4 with 5 batches an epoch: Lightning steps on the epoch's last
+    batch alone, its loss divided by 4 all the same, and the step reported a quarter of it."""
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    micro = []
+    module = lightning_module(pl)
+    training_step = module.training_step
+
+    def recorded(batch, batch_idx):
+        loss = training_step(batch, batch_idx)
+        micro.append(loss.item())
+        return loss
+
+    module.training_step = recorded
+    callback = NumwatchCallback(**monitor_options())
+    trainer = lightning_trainer(pl, [callback], steps=4, accumulate_grad_batches=4)
+    trainer.fit(module, loader(5))  # two epochs: windows of 4 and 1 batches each
+    assert len(micro) == 10
+    losses = [s.value("loss") for s in callback.monitor.history]
+    expected = [sum(micro[:4]) / 4, micro[4], sum(micro[5:9]) / 4, micro[9]]
+    assert losses == pytest.approx(expected, rel=1e-6)
+
+
 def test_lightning_skip_step_skips_the_step_it_judged(pl):
     from numwatch.integrations.lightning import NumwatchCallback
 

@@ -8,8 +8,9 @@
   **before** Lightning clips gradients, so gradient statistics and the first non-finite
   gradient are the true, unclipped ones. One monitor step per optimizer step.
 - The loss of the step is the sum of the losses Lightning passes to ``on_before_backward``
-  (each divided by ``accumulate_grad_batches``, as Lightning does before backward): the mean of
-  the step's micro-batch losses.
+  (each divided by ``accumulate_grad_batches``, as Lightning does before backward), rescaled
+  where the step had fewer micro-batches (the epoch's last, partial window): the mean of the
+  step's micro-batch losses.
 - ``training_step`` usually calls submodules rather than the LightningModule's ``forward``;
   the callback opens the forward that attention interception follows from
   ``on_train_batch_start`` to ``on_before_backward`` (``Monitor.begin_forward``).
@@ -73,6 +74,7 @@ class NumwatchCallback(Callback):
         self._forward_open = False
         self._step_closed = False  # this batch's monitor step is closed
         self._skips_before = 0  # skip decisions before this batch (the followers compare)
+        self._backwards = 0  # backward passes since the last step close (micro-batches)
         self._wrapped: list[tuple[torch.optim.Optimizer, Any, Any]] = []
         self._scaler: Any = None  # the precision plugin's GradScaler, if any
 
@@ -100,6 +102,7 @@ class NumwatchCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self._trainer = trainer
         self._optimizer_attached = False
+        self._backwards = 0
         # precision="16-mixed": the plugin's GradScaler, whose overflow steps it skips by design
         self._scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
         optimizers = [o for o in getattr(trainer, "optimizers", []) or []]
@@ -139,12 +142,23 @@ class NumwatchCallback(Callback):
         self._end_forward()
         loss = loss.detach()
         self._driver.loss = loss if self._driver.loss is None else self._driver.loss + loss
+        self._backwards += 1
 
     def on_before_optimizer_step(
         self, trainer: Any, pl_module: Any, optimizer: torch.optim.Optimizer
     ) -> None:
         if not self._step_closed:  # one monitor step per batch, whatever the optimizers
             self._step_closed = True
+            backwards, self._backwards = self._backwards, 0
+            accumulate, loss = trainer.accumulate_grad_batches, self._driver.loss
+            # the epoch's last window may hold fewer batches: Lightning divided each of their
+            # losses by accumulate_grad_batches all the same
+            if (
+                loss is not None
+                and pl_module.automatic_optimization
+                and 0 < backwards != accumulate
+            ):
+                self._driver.loss = loss * (accumulate / backwards)
             self._driver.close_step()
         if not self._optimizer_attached:  # optimizers made after on_train_start
             self._optimizer_attached = True
