@@ -352,7 +352,7 @@ class Monitor(Joinable):
                 ),
             ]
 
-    def detach(self, *, within_step: bool = False) -> None:
+    def detach(self, *, within_step: bool = False, flush: bool = True) -> None:
         """Flush what is pending, remove every hook, close the sinks. The model is as before,
         also when that last flush raises (a halt rule): the hooks go first, then it propagates,
         and what that flush's actions did is in the log.
@@ -361,7 +361,10 @@ class Monitor(Joinable):
         end of that close or flush: the hooks it would remove are still being run; from inside
         a detach (a callback of its own last flush), it does nothing more. ``within_step``: the
         step was closed and its optimizer.step() is still to come (a framework's callback after
-        a halt): a skip_step decided for it still withholds that update.
+        a halt): a skip_step decided for it still withholds that update. ``flush=False``: no
+        last flush, so the steps since the previous one are not written; for a rank that stops
+        alone in a distributed run (an exception), where that flush's collectives would wait
+        for ranks that never join them.
         """
         if not self._attached or self._detaching:
             return
@@ -384,7 +387,7 @@ class Monitor(Joinable):
                     self.config.activations.training_only and self.config.attention.training_only
                 )
             )
-            if (self._window_steps or evaluated) and self.config.enabled:
+            if flush and (self._window_steps or evaluated) and self.config.enabled:
                 self.flush()
         finally:
             self._guard.run("sinks", self._emit_late_events)

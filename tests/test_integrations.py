@@ -426,6 +426,58 @@ def test_lightning_a_fit_interrupted_after_backward_leaves_no_loss_behind(pl):
     assert seen == pytest.approx(losses, rel=1e-6)
 
 
+_LIGHTNING_DDP_FAILS = """
+import sys
+from datetime import timedelta
+import torch, torch.nn.functional as F
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
+sys.path.insert(0, sys.argv[1])
+import test_integrations as t
+from numwatch.integrations.lightning import NumwatchCallback
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = t.TinyGPT(t.CFG)
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 3 and self.global_rank == 1:
+            raise RuntimeError("rank 1 fails (simulated)")
+        x, y = batch
+        return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+trainer = pl.Trainer(
+    max_steps=8, accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(seconds=60)),
+    logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    enable_model_summary=False, use_distributed_sampler=False,
+    callbacks=[NumwatchCallback(**t.monitor_options(flush_every=10))],
+)
+trainer.fit(Module(), t.loader(8))
+"""
+
+
+def test_lightning_ddp_a_failing_rank_raises_its_own_error(pl, tmp_path):
+    """Rank 1 raises in training_step while rank 0 waits in DDP's gradient all-reduce:
+    on_exception detached with the final flush, a collective rank 1 ran alone; gloo aborted
+    ('collective mismatch') and rank 1's own error was never printed."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp_fails.py"  # Lightning starts rank 1 by running this file again
+    script.write_text(_LIGHTNING_DDP_FAILS)
+    run = subprocess.run(
+        [sys.executable, str(script), str(Path(__file__).parent)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "RuntimeError: rank 1 fails (simulated)" in run.stderr
+    assert "collective mismatch" not in run.stderr
+
+
 # ------------------------------------------------------------------------------ HF Trainer
 @pytest.fixture(scope="module")
 def hf():

@@ -518,6 +518,22 @@ def test_detach_restores_model_exactly(make_monitor):
     assert read_jsonl(monitor.jsonl_path)[-1]["step"] == 2  # the partial window was flushed
 
 
+def test_detach_without_the_last_flush_writes_nothing_and_restores_the_model(make_monitor):
+    """detach(flush=False): for a rank that stops alone in a distributed run, whose last flush
+    would be a collective the others never join."""
+    torch.manual_seed(0)
+    model = Net()
+    before_hooks = hook_state(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = make_monitor(model, flush_every=2).attach(opt)
+    train_steps(model, monitor, 3, opt=opt)  # step 1 flushed, step 2 pending
+    monitor.detach(flush=False)
+    assert not monitor.attached
+    assert hook_state(model) == before_hooks
+    assert not opt._optimizer_step_pre_hooks
+    assert [r["step"] for r in read_jsonl(monitor.jsonl_path)] == [1]
+
+
 def test_probe_failure_is_counted_and_survived(make_monitor, monkeypatch, caplog):
     from numwatch.kernels import tensor_stats
 

@@ -104,12 +104,13 @@ class MonitorDriver:
             # that step still withholds its update)
             self.finish(within_step=True)
 
-    def finish(self, within_step: bool = False) -> None:
-        """Detach; the monitor stays readable (``.events``, ``.snapshot()``) after training."""
+    def finish(self, within_step: bool = False, flush: bool = True) -> None:
+        """Detach; the monitor stays readable (``.events``, ``.snapshot()``) after training.
+        ``flush=False``: without the final flush (``Monitor.detach``)."""
         self.loss = None  # a fit interrupted after backward: that loss belongs to no step
         if self.monitor is not None and self.monitor.attached:
             try:
-                self.monitor.detach(within_step=within_step)
+                self.monitor.detach(within_step=within_step, flush=flush)
             except NumwatchHalt as halt:  # the final flush halted: record it, finish detaching
                 self.halt = self.halt or halt
                 self.monitor.detach(within_step=within_step)

@@ -3,7 +3,8 @@
 >>> trainer = lightning.Trainer(callbacks=[NumwatchCallback(flush_every=10)])
 
 - The monitor attaches at ``on_train_start`` to the LightningModule and detaches at
-  ``on_train_end`` (or on an exception).
+  ``on_train_end`` (or on an exception: in a distributed run, without its final flush, whose
+  collectives the other ranks would not join).
 - Steps close in ``on_before_optimizer_step``: after backward (and after gradient accumulation),
   **before** Lightning clips gradients, so gradient statistics and the first non-finite
   gradient are the true, unclipped ones. One monitor step per optimizer step.
@@ -244,13 +245,19 @@ class NumwatchCallback(Callback):
             trainer.should_stop = True
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._end_forward()
-        self._unwrap()
-        self._driver.finish()
-        self._trainer = None
+        self._end(flush=True)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self.on_train_end(trainer, pl_module)
+        # In a distributed run the failing rank often gets here alone (the others wait in a
+        # collective of the step): the final flush, a collective too, would hang or abort (gloo)
+        # and hide this exception. Detach locally, without it.
+        self._end(flush=not self._driver.distributed)
+
+    def _end(self, flush: bool) -> None:
+        self._end_forward()
+        self._unwrap()
+        self._driver.finish(flush=flush)
+        self._trainer = None
 
 
 def _batches_stepped(trainer: Any, n_optimizers: int) -> int:
