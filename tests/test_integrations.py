@@ -426,6 +426,29 @@ def test_lightning_a_fit_interrupted_after_backward_leaves_no_loss_behind(pl):
     assert seen == pytest.approx(losses, rel=1e-6)
 
 
+def test_lightning_loss_under_16_mixed_is_not_the_scaled_loss(pl):
+    """precision="16-mixed" passes on_before_backward the loss multiplied by the GradScaler's
+    scale: the monitor reported that (x16 here, x65536 at fp16's default scale)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    losses = []
+
+    class Keep(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            losses.append((outputs["loss"].item(), callback.monitor.snapshot().value("loss")))
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0)  # low enough: no overflow
+    callback = NumwatchCallback(**monitor_options())
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    trainer = lightning_trainer(pl, [callback, Keep()], steps=3, plugins=[plugin])
+    trainer.fit(lightning_module(pl), loader(3))
+    assert scaler.get_scale() == 16.0 and len(losses) == 3
+    for loss, seen in losses:
+        assert seen == pytest.approx(loss, rel=1e-6)
+
+
 _LIGHTNING_DDP_FAILS = """
 import sys
 from datetime import timedelta

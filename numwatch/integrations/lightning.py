@@ -9,9 +9,10 @@
   **before** Lightning clips gradients, so gradient statistics and the first non-finite
   gradient are the true, unclipped ones. One monitor step per optimizer step.
 - The loss of the step is the sum of the losses Lightning passes to ``on_before_backward``
-  (each divided by ``accumulate_grad_batches``, as Lightning does before backward), rescaled
-  where the step had fewer micro-batches (the epoch's last, partial window): the mean of the
-  step's micro-batch losses.
+  (each divided by ``accumulate_grad_batches``, as Lightning does before backward, and under
+  ``precision="16-mixed"`` by the loss scale it was multiplied by), rescaled where the step had
+  fewer micro-batches (the epoch's last, partial window): the mean of the step's micro-batch
+  losses.
 - ``training_step`` usually calls submodules rather than the LightningModule's ``forward``;
   the callback opens the forward that attention interception follows from
   ``on_train_batch_start`` to ``on_before_backward`` (``Monitor.begin_forward``).
@@ -142,6 +143,9 @@ class NumwatchCallback(Callback):
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         self._end_forward()
         loss = loss.detach()
+        scale = getattr(self._scaler, "_scale", None)  # the scale scaler.scale() just applied
+        if isinstance(scale, torch.Tensor) and self._scaler.is_enabled():
+            loss = loss.float() / scale.to(loss.device)  # 16-mixed passes the scaled loss
         self._driver.loss = loss if self._driver.loss is None else self._driver.loss + loss
         self._backwards += 1
 
