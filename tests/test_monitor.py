@@ -932,8 +932,9 @@ def test_jsonl_schema(make_monitor):
         lines = f.read().splitlines()
     assert len(lines) == 2
     first = json.loads(lines[0])
-    assert set(first) == {"schema", "run", "step", "time", "rank", "metrics", "events"}
+    assert set(first) == {"schema", "run", "step", "time", "rank", "monitor", "metrics", "events"}
     assert (first["schema"], first["run"], first["step"], first["rank"]) == (1, "t", 1, 0)
+    assert first["monitor"] == monitor.monitor_id and len(monitor.monitor_id) == 8
     assert first["events"][0]["kind"] == "nonfinite"
     assert first["events"][0]["labels"] == {"param": "c.bias"}
     norm = [m for m in first["metrics"] if m["name"] == "grad_norm"]
