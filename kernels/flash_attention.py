@@ -184,6 +184,8 @@ def _fallback_reason(
     enable_gqa: bool,
 ) -> str | None:
     """Why this call cannot run in our kernel (None if it can). Arguments and metadata only."""
+    if any(isinstance(t, Tensor) and t.is_nested for t in (q, k, v)):  # strided ones too
+        return "nested"
     if not all(isinstance(t, Tensor) and t.layout == torch.strided for t in (q, k, v)):
         return "layout"
     if any(_is_functorch(t) for t in (q, k, v, attn_mask) if t is not None):

@@ -720,7 +720,13 @@ class Monitor(Joinable):
     def _queue_routes(self, layers: str | Iterable[str] | None, kernel: Any) -> None:
         if not self._attached or not self.config.enabled:
             raise NumwatchError("attention routing needs an attached, enabled monitor")
-        patterns = [None] if layers is None else [layers] if isinstance(layers, str) else layers
+        # a list once: a generator was used up by the check below and routed nothing
+        patterns = [None] if layers is None else [layers] if isinstance(layers, str) else [*layers]
+        bad = [p for p in patterns if p is not None and not isinstance(p, str)]
+        if bad:
+            raise TypeError(
+                f"layers must be module-path globs (str), got {type(bad[0]).__name__} {bad[0]!r}"
+            )
         names = [name for name, _ in self.model.named_modules()]
         for p in patterns:
             if p is not None and not matches_any(names, p):  # a typo would route nothing

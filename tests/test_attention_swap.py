@@ -513,6 +513,26 @@ def test_swap_needs_an_attached_monitor():
         monitor.swap_attention(beta=0.5)
 
 
+def test_layers_given_as_a_generator_are_routed_and_restored_like_a_list(calls):
+    """A generator was used up by the pattern check: swap and restore routed nothing, and a
+    user who restored native SDPA that way stayed on numwatch's kernel."""
+    model = Two()
+    monitor = monitor_for(model)
+    model(torch.randn(2, 5, 32))
+    monitor.step()
+    monitor.swap_attention(name for name in ("a", "b"))
+    assert {k: v is not None for k, v in monitor.attention_routing().items()} == {
+        "a": True, "b": True
+    }  # fmt: skip
+    monitor.restore_attention(name for name in ("a",))
+    assert {k: v is not None for k, v in monitor.attention_routing().items()} == {
+        "a": False, "b": True
+    }  # fmt: skip
+    with pytest.raises(TypeError, match=r"globs \(str\), got Attn"):
+        monitor.swap_attention([model.a])
+    monitor.detach()
+
+
 def test_a_layer_pattern_that_matches_no_module_says_so(caplog):
     monitor = monitor_for(Two())
     with caplog.at_level("WARNING", logger="numwatch"):

@@ -822,6 +822,18 @@ def test_nested_tensors_go_to_sdpa_as_they_came():
     assert all(torch.equal(a, b) for a, b in zip(out["o"].unbind(), ref.unbind(), strict=True))
     with pytest.raises(ValueError, match="nested"):
         flash_attention(nt, nt, nt, mode="paper_repro")
+    # the reference falls back the same way, strided nested tensors too (it read their shape)
+    strided = torch.nested.nested_tensor([s.transpose(0, 1) for s in seqs])
+    for t in (nt, strided):
+        for fn in (flash_attention, fa.flash_attention_reference):
+            got = {}
+            assert _counts_after(lambda fn=fn, t=t, got=got: got.update(o=fn(t, t, t))) == {
+                "nested": 1
+            }
+            ref = F.scaled_dot_product_attention(t, t, t)
+            assert all(
+                torch.equal(a, b) for a, b in zip(got["o"].unbind(), ref.unbind(), strict=True)
+            )
 
 
 def test_paper_repro_and_bad_arguments_raise():
