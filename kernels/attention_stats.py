@@ -213,9 +213,15 @@ def _check_index(name: str, idx: torch.Tensor | None, n: int) -> None:
             raise ValueError(f"{name} indices must lie in [0, {n}), got {bad[:8].tolist()}")
 
 
+ADDITIVE_MASKED = -5000.0  # additive-mask values at or below this mask their entry
+
+
 def _mask_floor(mask: torch.Tensor) -> float:
-    """Additive-mask values at or below this are 'masked' (finfo.min, clipped to fp32)."""
-    return max(torch.finfo(mask.dtype).min, torch.finfo(torch.float32).min)
+    """Additive-mask values at or below this are 'masked': -inf, finfo.min and the finite
+    fills in use (-1e9, -10000, bf16's -9984) alike, as their softmax weight is 0 in every
+    dtype. Only finfo.min was: padding rows filled with -1e9 counted as rows of tied maxima
+    (and swapped kernels). A bias above it (ALiBi's, T5's) is part of the logit."""
+    return ADDITIVE_MASKED
 
 
 def _resolve_scale(scale: float | None, D: int) -> float:

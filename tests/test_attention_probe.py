@@ -681,6 +681,61 @@ def test_a_mask_with_is_causal_is_measured_with_both(make_monitor):
     assert head_values(snap, "attn_rows", "block.attn", 2) == rows.tolist()
 
 
+@pytest.mark.parametrize("fill", [-1e9, -1e4, -5000.0, float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_additive_masks_mask_like_minus_infinity(make_monitor, fill, dtype):
+    """A padding mask filled with -1e9 (or -1e4: -9984 in bf16) counted as logits: the padded
+    query rows, all keys at one value, were rows of tied maxima (and swapped kernels)."""
+    q, k, v = planted_sink_attention(B=1, H=2, T=8, D=16, n_sink=2)
+    keep = torch.ones(8, 8, dtype=torch.bool)
+    keep[:, 6:] = keep[6:, :] = False  # the last two tokens are padding: queries and keys
+    keep[6:, 0] = True  # (a padded query row keeps a key: no fully masked row for SDPA)
+    add = torch.zeros(8, 8, dtype=dtype).masked_fill(~keep, fill)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=add)
+    model = Net(Fixed(q, k, v, sdpa))
+    monitor = make_monitor(model)
+    model()
+    monitor.step()
+    snap = monitor.snapshot()
+    rep, ties, rows = oracle(q, k, causal=False, mask=keep)
+    assert head_values(snap, "attn_repeated_max_rows", "block.attn", 2) == rep.tolist()
+    assert head_values(snap, "attn_tie_entries", "block.attn", 2) == ties.tolist()
+    assert head_values(snap, "attn_rows", "block.attn", 2) == rows.tolist() == [8, 8]
+    assert min(head_values(snap, "attn_min_logit", "block.attn", 2)) > -100
+
+
+def test_a_mask_buffer_refilled_for_the_next_layer_measures_each_layer_with_its_own(
+    make_monitor,
+):
+    """The held call kept the mask by reference: a buffer refilled in place for layer b (a
+    sliding window after a's causal mask) measured layer a with b's mask at the forward's end."""
+    q, k, v = planted_sink_attention(B=1, H=2, T=8, D=16, n_sink=2)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    window = causal & ~torch.ones(8, 8, dtype=torch.bool).tril(-3)
+    buf = torch.zeros(8, 8, dtype=torch.bool)
+
+    def refilled(pattern):
+        def call(q, k, v):
+            buf.copy_(pattern)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=buf)
+
+        return Fixed(q, k, v, call)
+
+    model = wrap(a=refilled(causal), b=refilled(window))
+    monitor = make_monitor(model)
+    model()
+    monitor.step()
+    snap = monitor.snapshot()
+    for layer, pattern in (("a", causal), ("b", window)):
+        rep, ties, _ = oracle(q, k, causal=False, mask=pattern)
+        assert head_values(snap, "attn_repeated_max_rows", layer, 2) == rep.tolist()
+        assert head_values(snap, "attn_tie_entries", layer, 2) == ties.tolist()
+    assert (
+        oracle(q, k, causal=False, mask=causal)[1].tolist()
+        != oracle(q, k, causal=False, mask=window)[1].tolist()
+    )  # the two masks give different answers
+
+
 @pytest.mark.parametrize("batch", [0, 2])
 @pytest.mark.parametrize("broadcast", ["kv_batch", "q_heads"])
 def test_broadcast_batch_and_heads_are_measured_as_sdpa_broadcasts_them(

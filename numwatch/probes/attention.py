@@ -169,6 +169,9 @@ class AttentionProbe:
         self._mode: _Interceptor | None = None
         self._held: list[_Sampled] = []
         self._held_bytes = 0
+        # the held copy of each mask (the user's tensor, its version and the sampled slice's
+        # shape and dtype -> (that tensor, the copy)): layers sharing one mask share its copy
+        self._held_masks: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
         self.unroutable: set[str] = set()  # routed MHA layers, told they cannot be
         self._depth = 0
@@ -347,6 +350,7 @@ class AttentionProbe:
         self._depth = self._root_open = 0
         self._leave()
         self._held.clear()
+        self._held_masks.clear()
         self._held_bytes = 0
 
     # The mode is entered and left outside compiled graphs (tests/test_compile.py).
@@ -546,12 +550,13 @@ class AttentionProbe:
         saturation = self._saturation_dtype(q)
         # What the kernel computed with: under autocast SDPA casts its inputs (and a float mask)
         q, k, v, mask = autocast_like_sdpa(q[:n], k[:n], v[:n], mask)
+        mask = None if mask is None else self._held_mask(call.attn_mask, mask)
         # A mask with one entry per head cannot follow heads stacked across layers.
         stackable = mask is None or mask.dim() < 3 or mask.shape[-3] == 1
         key = (
             tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype,
             q.device, bool(call.is_causal), call.scale, saturation, with_error,
-            call.attn_mask if stackable else object(),  # the tensor itself: held, id-hashed
+            mask if stackable else object(),  # the held copy itself: id-hashed
             None if mask is None else mask.dtype, out.dtype if with_error else None,
         )  # fmt: skip
         held = [t.clone() for t in ((q, k, v, out.detach()[:n]) if with_error else (q, k, v))]
@@ -564,6 +569,26 @@ class AttentionProbe:
         self._held_bytes += sum(t.numel() * t.element_size() for t in held)
         if self._held_bytes >= _HOLD_BYTES:
             self._measure_held()
+
+    def _held_mask(self, given: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """A copy of the call's (sampled) mask, one per version of the user's tensor: a mask
+        buffer refilled in place for the next layer (causal, then a sliding window) measured
+        the earlier layers with its last contents."""
+        try:
+            version = given._version
+        except RuntimeError:  # an inference tensor keeps no version: a copy of its own
+            version = object()
+        cache = (id(given), version, tuple(mask.shape), mask.dtype)
+        found = self._held_masks.get(cache)
+        if found is None or found[0] is not given:
+            base = mask  # a broadcast dimension (stride 0) is copied once, not materialized
+            for d in range(mask.dim()):
+                if mask.stride(d) == 0 and mask.shape[d] > 1:
+                    base = base.narrow(d, 0, 1)
+            base = base.clone()
+            found = self._held_masks[cache] = (given, base.expand(mask.shape))
+            self._held_bytes += base.numel() * base.element_size()
+        return found[1]
 
     def _packed_gqa_groups(
         self, layer: str, q: torch.Tensor, k: torch.Tensor, is_causal: bool
@@ -586,6 +611,7 @@ class AttentionProbe:
     @torch.no_grad()
     def _measure_held(self) -> None:
         held, self._held = self._held, []
+        self._held_masks.clear()
         self._held_bytes = 0
         groups: dict[tuple, list[_Sampled]] = {}
         for call in held:
