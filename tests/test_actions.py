@@ -175,6 +175,31 @@ def test_a_skipped_update_does_not_use_up_an_lr_backoff_step():
     assert used == pytest.approx([1.0, 1.0, 0.0, 0.5, 0.5, 1.0])
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_grad_scaler_overflow_does_not_use_up_an_lr_backoff_step(fused):
+    """GradScaler calls a fused optimizer's step() on an overflow step too (found_inf tells the
+    kernel to skip the update): that step used up one of the back-off's steps."""
+    model = nn.Linear(1, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=10**6)
+    backoff = {"type": "lr_backoff", "factor": 0.5, "steps": 2}
+    rules = only("threshold", "big_loss", "loss", backoff, threshold=100)
+    monitor = monitor_for(model, rules=rules).attach(opt, scaler=scaler)
+    used = []
+    for step in range(5):
+        before = model.weight.item()
+        scaler.scale(model(torch.ones(1, 1)).sum()).backward()  # d/dw = 1: the update is -lr
+        if step == 2:
+            model.weight.grad.fill_(math.inf)  # overflow: no update
+        monitor.step(1000.0 if step == 1 else 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        used.append(before - model.weight.item())
+    # the back-off fires at step 1; its 2 updates are those of steps 1 and 3
+    assert used == pytest.approx([1.0, 0.5, 0.0, 0.5, 1.0])
+
+
 @pytest.mark.parametrize("before", ["scheduler", "user wrapper", "none"])
 def test_detach_restores_the_step_that_was_installed_before(before):
     model = nn.Linear(2, 1)

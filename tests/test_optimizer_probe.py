@@ -363,3 +363,32 @@ def test_a_nan_gradient_makes_the_fractions_nan_not_negative():
     assert math.isnan(snap.value("optimizer_absorbed_fraction", param="weight"))
     assert math.isnan(snap.value("optimizer_update_ratio", param="weight"))
     assert snap.value("optimizer_absorbed_fraction", param="bias") == 0.0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_overflow_step_of_a_fused_optimizer_is_no_update(fused):
+    """GradScaler calls a fused optimizer's step() on an overflow step too, handing it found_inf
+    (the kernel leaves the weights as they are): that step read as an update wholly absorbed,
+    ratio 0 and absorbed fraction 1, where a non-fused optimizer's reported nothing."""
+    model = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[3.0, 0.0, 4.0, 0.0]]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0, growth_interval=10**6)
+    monitor = monitor_for(model, opt, scaler=scaler, flush_every=100)
+
+    def update(grad):
+        model.weight.grad = scaler.scale(torch.tensor([grad]))
+        scaler.step(opt)
+        scaler.update()
+
+    update([1.0, 2.0, 2.0, 0.0])
+    update([math.inf, 1.0, 1.0, 1.0])  # overflow: no update
+    snap = monitor.flush()  # the window's latest update: the first
+    w_after = torch.tensor([3.0, 0.0, 4.0, 0.0]) - 0.1 * torch.tensor([1.0, 2.0, 2.0, 0.0])
+    want = 0.3 / w_after.norm().item()
+    assert snap.value("optimizer_update_ratio", param="weight") == pytest.approx(want, rel=1e-6)
+    assert snap.value("optimizer_absorbed_fraction", param="weight") == 0.0
+    assert torch.equal(model.weight.detach(), w_after[None])
+    update([math.inf, 1.0, 1.0, 1.0])
+    assert monitor.flush().series("optimizer_update_ratio") == []  # no update since

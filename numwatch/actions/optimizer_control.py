@@ -124,8 +124,11 @@ class OptimizerControl:
             # The schedule never sees our factor: it composes with any LR scheduler.
             for group, lr in zip(self.optimizer.param_groups, saved, strict=True):
                 group["lr"] = lr
-        self._tick()
-        self._run_pending()
+        # A fused optimizer under a GradScaler is called on an overflow step too and skips the
+        # update itself: that step neither counts for a back-off nor runs a clip.
+        if (self._backoffs or self._after_step) and not _skipped_by_scaler(self.optimizer):
+            self._tick()
+            self._run_pending()
         return out
 
     def _skip_now(self, closure: Callable[[], Any] | None, loss: Any = None) -> Any:
@@ -166,3 +169,10 @@ class OptimizerControl:
                 del self.optimizer.step
             else:
                 self.optimizer.step = self._instance_step  # type: ignore[method-assign]
+
+
+def _skipped_by_scaler(optimizer: torch.optim.Optimizer) -> bool:
+    """The update of the step just run was skipped: GradScaler hands a fused optimizer
+    (``_step_supports_amp_scaling``) ``found_inf`` for the step, non-zero on an overflow."""
+    found_inf = getattr(optimizer, "found_inf", None)
+    return found_inf is not None and bool(found_inf)  # SYNC: only with a back-off or clip pending

@@ -4,7 +4,9 @@ On sampled optimizer steps the probe keeps a copy of the parameters before the u
 measures, per parameter, RMS(update) / RMS(weight) and the fraction of elements whose weight did
 not change although their gradient was non-zero: updates smaller than half an ULP of the weight
 are absorbed by rounding, so a bf16 weight stops learning without any error. With a GradScaler
-it also reports the loss scale and how often it dropped (overflow steps).
+it also reports the loss scale and how often it dropped (overflow steps). A fused optimizer is
+called on an overflow step too, handed the scaler's ``found_inf``, and skips the update itself:
+that step is measured as no update (decided on the device, without a host read).
 
 The update of a step happens after that step closed (and maybe flushed), so a flush reports the
 latest update measured before it: at a step-closing flush, the previous step's.
@@ -154,7 +156,9 @@ class OptimizerProbe:
         self.ctx.guard.run(self.component, self._keep_before)
 
     def _post(self, *_: Any) -> None:
-        self.ctx.guard.run(self.component, self._measure)
+        # GradScaler hands a fused optimizer (_step_supports_amp_scaling) found_inf for the step
+        found_inf = getattr(self.optimizer, "found_inf", None)
+        self.ctx.guard.run(self.component, self._measure, found_inf)
 
     @torch.no_grad()
     def _keep_before(self) -> None:
@@ -189,8 +193,9 @@ class OptimizerProbe:
         self._grads = torch._foreach_sign(grads) if grads else []
 
     @torch.no_grad()
-    def _measure(self) -> None:
-        self._updates += 1
+    def _measure(self, found_inf: torch.Tensor | None) -> None:
+        """``found_inf``: non-zero when the optimizer skipped this update (a scaler overflow)."""
+        self._updates += 1  # a skipped update too: knowing it would take a host read
         if self._before is None or not self._taken:
             return
         # FSDP2 parameters are DTensors: each rank measures its shard; the per-parameter sums
@@ -217,6 +222,9 @@ class OptimizerProbe:
         if self._sums is None or self._sums.device != sums.device:
             n = len(self.params)
             self._sums = torch.full((n, 4), float("nan"), dtype=torch.float64, device=sums.device)
+        if found_inf is not None:  # no update: the rows keep the window's latest one (NaN: none)
+            skipped = torch.as_tensor(found_inf, device=sums.device) != 0
+            sums = torch.where(skipped, self._sums.index_select(0, index), sums)
         self._sums.index_copy_(0, index, sums)  # each parameter keeps its latest measurement
         self._fresh.update(taken)
 
@@ -255,8 +263,9 @@ class OptimizerProbe:
         return index
 
     def on_step(self) -> None:
-        """The loss scale, read at every step close: GradScaler skips optimizer.step() on an
-        overflow step, so a run of overflows (the scale collapsing) passes no optimizer hook."""
+        """The loss scale, read at every step close: GradScaler skips a non-fused optimizer's
+        step() on an overflow step, so a run of overflows (the scale collapsing) passes no
+        optimizer hook."""
         self._loss_scale()
 
     def _loss_scale(self) -> None:
@@ -288,6 +297,8 @@ class OptimizerProbe:
             sums = host["opt/sums"].tolist()
             for i in sorted(self._fresh):
                 u_sq, w_sq, moved, changed = sums[i]
+                if math.isnan(w_sq):  # every update of the window was skipped (overflows)
+                    continue
                 labels = {"param": self.params[i][0]}
                 ratio = math.sqrt(u_sq / max(w_sq, _TINY))  # RMS ratio = norm ratio
                 out.append(MetricRecord("optimizer_update_ratio", labels, ratio))
@@ -299,5 +310,9 @@ class OptimizerProbe:
         return out
 
     def reset(self) -> None:
-        """Values are the latest sampled update's; nothing accumulates between flushes."""
+        """Values are the latest sampled update's; nothing accumulates between flushes. The rows
+        go back to NaN: a skipped update keeps a row as it is, which must not report the
+        previous window's update again."""
         self._fresh = set()
+        if self._sums is not None:
+            self._sums.fill_(float("nan"))
