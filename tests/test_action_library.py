@@ -77,6 +77,57 @@ def test_lr_backoff_windows_are_per_rule():
     assert control.lr_factor == 0.25  # one back-off for each rule
 
 
+class OwnStepSize(torch.optim.Optimizer):
+    """p -= size * grad, the size its own in a group whose lr is None (as in Adafactor(lr=None,
+    relative_step=True)), the group's lr otherwise."""
+
+    def __init__(self, params, size):
+        super().__init__(params, {"lr": None, "size": size})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.sub_((group["size"] if group["lr"] is None else group["lr"]) * p.grad)
+
+
+def test_lr_backoff_scales_the_numeric_lrs_only():
+    """A group whose lr is None made the wrapped step raise TypeError (None * factor) into the
+    training loop once a back-off fired."""
+    model = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 1, bias=False))
+    opt = OwnStepSize(model[0].parameters(), size=1.0)
+    opt.add_param_group({"params": list(model[1].parameters()), "lr": 1.0})
+    backoff = {"type": "lr_backoff", "factor": 0.5, "steps": 10}
+    monitor = monitor_for(model, backoff, "loss", threshold=10.0).attach(opt)
+    before = [p.item() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    monitor.step(100.0)
+    opt.step()
+    assert [b - p.item() for b, p in zip(before, model.parameters(), strict=True)] == [1.0, 0.5]
+    assert [group["lr"] for group in opt.param_groups] == [None, 1.0]
+    monitor.detach()
+
+
+def test_lr_backoff_is_refused_when_no_group_has_a_numeric_lr():
+    model = nn.Linear(1, 1, bias=False)
+    opt = OwnStepSize(model.parameters(), size=1.0)
+    backoff = {"type": "lr_backoff", "factor": 0.5, "steps": 10}
+    monitor = monitor_for(model, backoff, "loss", threshold=10.0).attach(opt)
+    before = model.weight.item()
+    model.weight.grad = torch.ones_like(model.weight)
+    monitor.step(100.0)
+    opt.step()
+    assert before - model.weight.item() == 1.0
+    assert monitor.optimizer_control.lr_factor == 1.0
+    assert monitor.errors["actions"] == 1
+    [action] = [e for e in monitor.events if e.kind == "action"]
+    assert action.evidence["failed"] and "no param group of the optimizer has a numeric lr" in (
+        action.message
+    )
+    monitor.detach()
+
+
 # ------------------------------------------------------------------------------ qk_clip
 class TiedAttn(nn.Module):
     """q_proj and k_proj over one storage: the same Parameter, or rows shifted by ``shift``."""

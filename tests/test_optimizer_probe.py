@@ -392,3 +392,39 @@ def test_an_overflow_step_of_a_fused_optimizer_is_no_update(fused):
     assert torch.equal(model.weight.detach(), w_after[None])
     update([math.inf, 1.0, 1.0, 1.0])
     assert monitor.flush().series("optimizer_update_ratio") == []  # no update since
+
+
+class OwnStepSize(torch.optim.Optimizer):
+    """p -= size * grad, the size its own in a group whose lr is None (as in Adafactor(lr=None,
+    relative_step=True)), the group's lr otherwise."""
+
+    def __init__(self, params, size):
+        super().__init__(params, {"lr": None, "size": size})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.sub_((group["size"] if group["lr"] is None else group["lr"]) * p.grad)
+
+
+def test_a_group_whose_lr_is_none_has_no_optimizer_lr_and_keeps_its_update_ratios():
+    """float(None) of an Adafactor(lr=None) group failed every flush, losing every optimizer
+    record with it."""
+    model = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[3.0, 0.0, 4.0, 0.0]]))
+    scale = nn.Parameter(torch.tensor([2.0]))  # outside the model
+    opt = OwnStepSize([model.weight], size=0.1)
+    opt.add_param_group({"params": [scale], "lr": 0.5})
+    monitor = monitor_for(model, opt)
+    model.weight.grad = torch.tensor([[1.0, 2.0, 2.0, 0.0]])  # ||g|| = 3
+    scale.grad = torch.tensor([1.0])
+    opt.step()
+    snap = monitor.flush()
+    assert monitor.errors == {}
+    assert [(r.labels, r.value) for r in snap.series("optimizer_lr")] == [({"group": "1"}, 0.5)]
+    w_after = torch.tensor([3.0, 0.0, 4.0, 0.0]) - 0.1 * torch.tensor([1.0, 2.0, 2.0, 0.0])
+    want = 0.3 / w_after.norm().item()
+    assert snap.value("optimizer_update_ratio", param="weight") == pytest.approx(want, rel=1e-6)
+    assert snap.value("optimizer_update_ratio", param="group1.0") == pytest.approx(0.5 / 1.5)

@@ -27,6 +27,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from numwatch.actions.base import Action, ActionContext
 from numwatch.errors import NumwatchConfigError, NumwatchError, NumwatchHalt
 from numwatch.events import Event
+from numwatch.probes.optimizer import numeric_lr
 from numwatch.probes.qk_layout import QKLayout, find_qk_layout, reads_parameters
 
 _log = logging.getLogger("numwatch")
@@ -132,6 +133,12 @@ class LrBackoff(Action):
         control = ctx.optimizer_control
         if control is None:
             raise NumwatchError("lr_backoff needs the optimizer: monitor.attach(optimizer)")
+        if not any(numeric_lr(group.get("lr")) for group in control.optimizer.param_groups):
+            raise NumwatchError(
+                "lr_backoff: no param group of the optimizer has a numeric lr (lr=None: the "
+                "optimizer computes its step size itself, as Adafactor with relative_step), so "
+                "there is no LR to back off; give the optimizer an lr or drop this action"
+            )
         control.back_off_lr(self.factor, self.steps, key=(id(self), event.rule))
         return f"LR x{self.factor:g} for {self.steps} steps"
 

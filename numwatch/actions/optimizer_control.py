@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from numwatch.probes.optimizer import numeric_lr
+
 __all__ = ["OptimizerControl"]
 
 
@@ -117,7 +119,8 @@ class OptimizerControl:
         saved = [group["lr"] for group in self.optimizer.param_groups]
         if factor != 1.0:
             for group in self.optimizer.param_groups:
-                group["lr"] = group["lr"] * factor
+                if numeric_lr(group["lr"]):  # (None: the optimizer computes its step size)
+                    group["lr"] = group["lr"] * factor
         try:
             out = self._original(*args, **kwargs)
         finally:

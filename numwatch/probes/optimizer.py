@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +32,7 @@ from numwatch.kernels.host_copy import to_device
 from numwatch.probes.base import ProbeContext, gathering_device
 from numwatch.snapshot import MetricRecord
 
-__all__ = ["OptimizerProbe"]
+__all__ = ["OptimizerProbe", "numeric_lr"]
 
 _TINY = torch.finfo(torch.float64).tiny
 
@@ -46,6 +47,12 @@ def _sum_sq(stats: torch.Tensor) -> torch.Tensor:
     """Sum of squares per row of ``tensor_stats``, +inf where a value was not finite (the
     kernel's sums skip those)."""
     return torch.where(nonfinite_counts(stats) > 0, math.inf, stats[:, ts.SUMSQ])
+
+
+def numeric_lr(lr: object) -> bool:
+    """A learning rate that can be read and scaled: a real number or a tensor, not the None of
+    an optimizer that computes its own step size (Adafactor(lr=None, relative_step=True))."""
+    return isinstance(lr, numbers.Real | torch.Tensor)
 
 
 def _given_name(group: dict, i: int) -> str | None:
@@ -292,6 +299,7 @@ class OptimizerProbe:
         out = [
             MetricRecord("optimizer_lr", {"group": str(g)}, float(group["lr"]))
             for g, group in enumerate(self.optimizer.param_groups)
+            if numeric_lr(group.get("lr"))
         ]
         if "opt/sums" in host:
             sums = host["opt/sums"].tolist()
