@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -653,6 +655,43 @@ def test_an_lr_scheduler_built_after_attach_wraps_the_step_wrapper(kind):
     assert used == pytest.approx(wanted)
     assert [str(w.message) for w in caught] == []
     assert opt.__dict__["step"]._wrapped_by_lr_sched
+
+
+@pytest.mark.parametrize("scheduler", [False, True])
+def test_a_skip_dropped_by_detach_withholds_no_update_through_a_scheduler(scheduler):
+    """detach() (not within the step) drops a skip decided for the step: with an LR scheduler
+    built after attach, the pass-through left kept it and withheld the next update silently."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE).attach(opt)
+    if scheduler:
+        torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+    model(torch.ones(1, 2)).sum().backward()  # d/dw = 1: the update is -lr exactly
+    monitor.step(torch.tensor(float("nan")))  # a skip decided for this step
+    monitor.detach()
+    before = model.weight.detach().clone()
+    opt.step()
+    assert torch.equal(model.weight.detach(), before - 0.1)
+
+
+@pytest.mark.parametrize("within_step", [False, True])
+def test_a_detached_monitor_is_freed_though_a_scheduler_wrapped_its_step_wrapper(within_step):
+    """The scheduler's wrapper keeps ours as a pass-through for as long as the optimizer lives:
+    through its closure it kept the whole detached monitor alive."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE).attach(opt)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+    model(torch.ones(1, 2)).sum().backward()
+    monitor.step(torch.tensor(float("nan")) if within_step else 1.0)
+    monitor.detach(within_step=within_step)  # a skip decided: kept for its optimizer.step()
+    before = model.weight.detach().clone()
+    opt.step()
+    assert torch.equal(model.weight, before) == within_step
+    gone = weakref.ref(monitor)
+    del monitor
+    gc.collect()
+    assert gone() is None
 
 
 def test_lbfgs_with_an_optimizer_action_evaluates_its_closure_as_without_one():

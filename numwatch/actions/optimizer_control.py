@@ -4,7 +4,8 @@ Installed only when a configured action needs it (skip_step, lr_backoff, qk_clip
 replaces the instance attribute ``optimizer.step`` with a bound method, as the class's own step
 is: an LR scheduler built after us wraps ``optimizer.step.__func__``. ``uninstall`` restores what
 was there (the class's method, or a wrapper a user or an LR scheduler had installed before us)
-unless something wrapped ours after us, in which case ours stays as a pass-through.
+unless something wrapped ours after us, in which case ours stays as a pass-through: it keeps
+nothing of the monitor once it needs nothing more (a skip kept for the step under way taken).
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ class OptimizerControl:
         run_guarded: Callable[[Callable[[], None]], Any] = lambda fn: fn(),
     ) -> None:
         self.optimizer = optimizer
-        self._run_guarded = run_guarded  # the monitor's guard: failures counted, not raised
+        # the monitor's guard (failures counted, not raised); None, as _before_step, once released
+        self._run_guarded: Callable[[Callable[[], None]], Any] | None = run_guarded
         self.active = True
         self.skipped_steps = 0
         self.skips_decided = 0  # skip_current_step() calls: other optimizers of a step follow
-        self._before_step = before_step
+        self._before_step: Callable[[torch.Tensor | None], None] | None = before_step
         self._original = optimizer.step
         self._instance_step = optimizer.__dict__.get("step")  # a wrapper installed before us
         self._skip = False
@@ -89,6 +91,9 @@ class OptimizerControl:
             return self._wrapped_step(*args, **kwargs)
         finally:
             self._stepping = False
+            if not self.active and not self._skip:  # uninstalled during it, or a kept skip taken
+                self._run_pending()  # (no later update will run them: a detach during this step)
+                self._release()
 
     def _wrapped_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
@@ -145,7 +150,6 @@ class OptimizerControl:
         self.optimizer.zero_grad(set_to_none=True)
         if not self.active:  # the pass-through this skip kept in place goes now
             self._remove()
-            self._run_pending()  # (no later update will run them: a detach during this step)
         return loss
 
     def _tick(self) -> None:
@@ -158,13 +162,22 @@ class OptimizerControl:
         self.active = False
         if not (keep_skip and self._skip):
             self._remove()  # (a step() under way when called still finishes as decided)
+            if not self._stepping:  # not kept: a pass-through left must not withhold an update
+                self._skip = False
         if not self._stepping:  # announced, queued for an update no hook will see: run now
             self._run_pending()
+            if not self._skip:
+                self._release()
 
     def _run_pending(self) -> None:
         pending, self._after_step = self._after_step, {}
         for fn in pending.values():
             self._run_guarded(fn)
+
+    def _release(self) -> None:
+        """Drop every reference back to the monitor (nothing is pending): a pass-through left in
+        a wrapper chain (an LR scheduler built after attach) lives as long as the optimizer."""
+        self._before_step = self._run_guarded = None
 
     def _remove(self) -> None:
         if self.optimizer.__dict__.get("step") is self._wrapper:
