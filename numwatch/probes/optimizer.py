@@ -305,7 +305,7 @@ class OptimizerProbe:
             sums = host["opt/sums"].tolist()
             for i in sorted(self._fresh):
                 u_sq, w_sq, moved, changed = sums[i]
-                if math.isnan(w_sq):  # every update of the window was skipped (overflows)
+                if math.isnan(changed):  # no update in the window (overflows): a count otherwise
                     continue
                 labels = {"param": self.params[i][0]}
                 ratio = math.sqrt(u_sq / max(w_sq, _TINY))  # RMS ratio = norm ratio
