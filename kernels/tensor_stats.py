@@ -725,7 +725,8 @@ def tensor_stats(
     float64 on the tensors' device, without a host sync except on the CPU path (where reading a
     value waits for nothing). The kernel's sums accumulate in fp32 within a program (at most 2**24
     elements) and in float64 across programs, so a SUM (SUMSQ) whose fp32 partial passes 3.4e38
-    reads +inf where the reference's float64 does not; its counts, extremes and numel are exact.
+    reads +-inf where the reference's float64 does not (NaN where partials overflowed both
+    ways: +inf and -inf lanes); its counts, extremes and numel are exact.
     A broadcast view (``expand``: stride 0 over a dim of size > 1) is measured on the elements it
     repeats, its counts and sums multiplied by the repetition: never materialized.
     """
