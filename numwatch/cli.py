@@ -26,10 +26,11 @@ def count(text: str) -> int:
 
 
 def seconds(text: str) -> float:
-    """argparse type of a duration option (``tail --interval``): a float > 0."""
+    """argparse type of a duration option (``tail --interval``): a float in (0, 1 day]
+    (``inf`` passed, then time.sleep raised OverflowError)."""
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"must be > 0 and at most 86400 seconds, got {text}")
     return value
 
 

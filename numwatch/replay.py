@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from itertools import groupby
+from pathlib import Path
 from typing import Any
 
 from numwatch.cli import count
@@ -176,15 +177,27 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         rules = MonitorConfig.from_yaml(args.config).rules if args.config else RulesConfig()
-        # Record by record, each run in turn (a long log does not fit in memory as records):
-        # the last run's verdicts are kept, as `report` shows the last run.
-        runs, events, tally = 0, [], _Tally()
-        for number, group in groupby(iter_jsonl(args.log), key=_RunNumber()):
-            runs, tally = number + 1, _Tally()
-            events = replay(tally.count(group), rules)
     except (NumwatchError, OSError, ValueError, KeyError) as err:
         print(f"numwatch replay: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
+    log = Path(args.log)
+    if not log.is_file():  # as report and tail say it (status 2 is for a refused config)
+        what = "is not a file" if log.exists() else "does not exist"
+        print(f"numwatch replay: no run log at {args.log!r}: it {what}", file=sys.stderr)
+        return 1
+    try:
+        # Record by record, each run in turn (a long log does not fit in memory as records):
+        # the last run's verdicts are kept, as `report` shows the last run.
+        runs, events, tally = 0, [], _Tally()
+        for number, group in groupby(iter_jsonl(log), key=_RunNumber()):
+            runs, tally = number + 1, _Tally()
+            events = replay(tally.count(group), rules)
+    except NumwatchError as err:  # rules the monitor would refuse
+        print(f"numwatch replay: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as err:  # unreadable, or a plain file named .gz
+        print(f"numwatch replay: {err}", file=sys.stderr)
+        return 1
     if not tally.flushes:  # an empty file, or no log: "0 events" would read as a pass
         print(
             f"numwatch replay: {args.log} holds no flush records (an empty file, or not a "

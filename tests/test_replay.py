@@ -237,7 +237,11 @@ def test_cli_json_with_a_config_file(tmp_path, capsys):
     assert cli(["replay", str(log)]) == 0
     text = capsys.readouterr().out
     assert "loss_spike" in text and f"first at step {SPIKE_STEP:>7}" in text
-    assert cli(["replay", str(tmp_path / "missing.jsonl")]) == 2
+    # a log that is not there is said as report and tail say it, status 1 (2: a refused config)
+    assert cli(["replay", str(tmp_path / "missing.jsonl")]) == 1
+    assert "no run log at" in capsys.readouterr().err
+    assert cli(["replay", str(tmp_path)]) == 1
+    assert "it is not a file" in capsys.readouterr().err
     # a path reused by a later run: the last run is replayed (its steps start again), alone
     later = [record(s, 1.0) for s in range(9, 300, 10)]
     with log.open("a") as f:
