@@ -238,6 +238,7 @@ class Monitor(Joinable):
         self._detaching = False
         self._detach_deferred = False
         self._detach_within = False  # the deferred detach's within_step
+        self._detach_flush = True  # and its flush (False if any request asked for none)
         self._skipped_earlier = 0  # updates skipped while attached before (re-attach)
         self._scale_drops: torch.Tensor | None = None  # loss-scale drops counted before
         self._scaler: Any = None  # the attached GradScaler
@@ -373,6 +374,7 @@ class Monitor(Joinable):
             # asked inside a step close (a step-level callback): that step's optimizer.step()
             # is still to come, and a skip decided for it holds
             self._detach_within = self._detach_within or within_step or self._closing_step
+            self._detach_flush = self._detach_flush and flush
             return
         self._detaching = True
         try:
@@ -872,7 +874,8 @@ class Monitor(Joinable):
         self._depth -= 1
         if self._detach_deferred and not self._depth:
             within, self._detach_deferred, self._detach_within = self._detach_within, False, False
-            self.detach(within_step=within)
+            flush, self._detach_flush = self._detach_flush, True
+            self.detach(within_step=within, flush=flush)
 
     def _flush(self) -> Snapshot | None:
         self._flush_after_loss = False  # any flush covers the closed steps (detach's too)

@@ -534,6 +534,23 @@ def test_detach_without_the_last_flush_writes_nothing_and_restores_the_model(mak
     assert [r["step"] for r in read_jsonl(monitor.jsonl_path)] == [1]
 
 
+def test_a_deferred_detach_without_flush_does_not_flush(make_monitor):
+    """detach(flush=False) asked by a step-level callback waits for the step close, and then
+    flushed the step anyway."""
+    model = Net()
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = make_monitor(model, flush_every=10, rules=rules).attach(opt)
+    monitor.on("nonfinite", lambda e: monitor.detach(flush=False))
+    loss = model(torch.randn(2, 4)).sum() * float("nan")
+    loss.backward()
+    monitor.step(loss)
+    assert not monitor.attached
+    records = read_jsonl(monitor.jsonl_path)  # the step's events, in a record of their own
+    kinds = [(r["metrics"], [e["kind"] for e in r["events"]]) for r in records]
+    assert kinds == [([], ["nonfinite", "action"])]  # no flush record
+
+
 def test_probe_failure_is_counted_and_survived(make_monitor, monkeypatch, caplog):
     from numwatch.kernels import tensor_stats
 
