@@ -42,6 +42,11 @@ def _embedding_tables(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, kinds)}
 
 
+def _first_names(names: list[str]) -> str:
+    """The first three of the names a warning leaves out."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
 def _computed_weights(model: nn.Module) -> dict[int, str]:
     """ids of the parameters that a weight is computed from, each with that weight's name:
     the originals of torch.nn.utils.parametrize (weight_norm, spectral_norm, orthogonal) and of
@@ -104,11 +109,10 @@ class WeightProbe:
         if left_out:
             log.warning(
                 "numwatch: weights: %d weight(s) computed from parametrizations are left out "
-                "(%s%s): their originals' norms are not the weight's, and reading the weight "
+                "(%s): their originals' norms are not the weight's, and reading the weight "
                 "would run the parametrization",
                 len(left_out),
-                ", ".join(left_out[:3]),
-                ", ..." if len(left_out) > 3 else "",
+                _first_names(left_out),
             )
             self.params = [(name, p) for name, p in self.params if id(p) not in computed]
         self.layers: list[tuple[str, QKLayout]] = []
@@ -154,12 +158,11 @@ class WeightProbe:
         sharded += [n for n, lay in self.layers if is_dtensor(lay.q[0].weight)]
         if sharded:
             log.warning(
-                "numwatch: weights: %d sharded (FSDP2) weights or layers are left out (%s%s): "
+                "numwatch: weights: %d sharded (FSDP2) weights or layers are left out (%s): "
                 "their spectral norms take an all-reduce across ranks, which "
                 "distributed.aggregate=false rules out",
                 len(sharded),
-                ", ".join(sharded[:3]),
-                ", ..." if len(sharded) > 3 else "",
+                _first_names(sharded),
             )
         self.params = [(n, p) for n, p in self.params if not is_dtensor(p)]
         self.layers = [(n, lay) for n, lay in self.layers if not is_dtensor(lay.q[0].weight)]
