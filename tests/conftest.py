@@ -4,7 +4,10 @@ TRITON_INTERPRET must be set before triton decorates any kernel, i.e. before num
 is imported, which is why it happens here at import time.
 """
 
+import contextlib
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -63,3 +66,37 @@ def peak_memory(fn):
         return result, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+class OwnStepSize(torch.optim.Optimizer):
+    """p -= size * grad, the size its own in a group whose lr is None (as in Adafactor(lr=None,
+    relative_step=True)), the group's lr otherwise."""
+
+    def __init__(self, params, size):
+        super().__init__(params, {"lr": None, "size": size})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.sub_((group["size"] if group["lr"] is None else group["lr"]) * p.grad)
+
+
+@contextlib.contextmanager
+def forked_child():
+    """A forked child (as a DataLoader worker is: its fork handlers have run) that lives until
+    the block ends, then is killed."""
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    ready, told = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.write(told, b"1")
+        time.sleep(30)
+        os._exit(0)
+    os.read(ready, 1)
+    try:
+        yield
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import OwnStepSize
 from torch import nn
 
 import numwatch
@@ -75,20 +76,6 @@ def test_lr_backoff_windows_are_per_rule():
     for rule in ("a", "b", "a"):
         action.maybe_run(ctx, Event(kind="precursor", step=0, message="", rule=rule))
     assert control.lr_factor == 0.25  # one back-off for each rule
-
-
-class OwnStepSize(torch.optim.Optimizer):
-    """p -= size * grad, the size its own in a group whose lr is None (as in Adafactor(lr=None,
-    relative_step=True)), the group's lr otherwise."""
-
-    def __init__(self, params, size):
-        super().__init__(params, {"lr": None, "size": size})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.sub_((group["size"] if group["lr"] is None else group["lr"]) * p.grad)
 
 
 def test_lr_backoff_scales_the_numeric_lrs_only():

@@ -266,35 +266,18 @@ def test_a_filesystem_without_flock_still_gets_its_log(tmp_path, monkeypatch, ca
 def test_a_forked_child_does_not_keep_the_log_locked_after_detach(tmp_path):
     """A DataLoader worker forked while attached shares the log's open file and so its flock:
     re-attaching to the same run's log was refused while the worker lived."""
-    import os
-    import signal
-
-    import pytest
     import torch
+    from conftest import forked_child
 
     import numwatch
 
-    if not hasattr(os, "fork"):
-        pytest.skip("no fork on this platform")
     model = torch.nn.Linear(2, 1)
     options = {"run_name": "exp", "sinks__console__enabled": False,
                "sinks__jsonl__path": str(tmp_path / "{run_name}.jsonl")}  # fmt: skip
     monitor = numwatch.Monitor(model, **options).attach()
-    ready, told = os.pipe()
-    child = os.fork()
-    if child == 0:  # the worker (its fork handlers have run): lives on past the parent's detach
-        import time
-
-        os.write(told, b"1")
-        time.sleep(30)
-        os._exit(0)
-    os.read(ready, 1)
-    try:
+    with forked_child():  # lives on past the parent's detach
         monitor.detach()
         numwatch.Monitor(model, **options).attach().detach()  # was refused: LogInUse
-    finally:
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
 
 
 def test_a_default_name_is_not_renamed_per_rank(tmp_path, monkeypatch):

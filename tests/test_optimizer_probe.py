@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import OwnStepSize
 from torch import nn
 
 import numwatch
@@ -392,20 +393,6 @@ def test_an_overflow_step_of_a_fused_optimizer_is_no_update(fused):
     assert torch.equal(model.weight.detach(), w_after[None])
     update([math.inf, 1.0, 1.0, 1.0])
     assert monitor.flush().series("optimizer_update_ratio") == []  # no update since
-
-
-class OwnStepSize(torch.optim.Optimizer):
-    """p -= size * grad, the size its own in a group whose lr is None (as in Adafactor(lr=None,
-    relative_step=True)), the group's lr otherwise."""
-
-    def __init__(self, params, size):
-        super().__init__(params, {"lr": None, "size": size})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.sub_((group["size"] if group["lr"] is None else group["lr"]) * p.grad)
 
 
 def test_a_group_whose_lr_is_none_has_no_optimizer_lr_and_keeps_its_update_ratios():

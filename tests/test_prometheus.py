@@ -589,36 +589,21 @@ def test_a_forked_child_does_not_keep_the_port_after_detach():
     """A DataLoader worker forked while attached shares the listening socket: after detach a
     scrape hung instead of being refused, and the next monitor on the port failed to attach,
     while the worker lived."""
-    import os
-    import signal
+    from conftest import forked_child
 
-    if not hasattr(os, "fork"):
-        pytest.skip("no fork on this platform")
     model = torch.nn.Linear(2, 1)
     options = {"sinks__console__enabled": False, "sinks__jsonl__enabled": False,
                "sinks__prometheus__enabled": True, "sinks__prometheus__port": 0}  # fmt: skip
     monitor = numwatch.Monitor(model, **options).attach()
     url = monitor.prometheus_url
     port = int(url.rsplit(":", 1)[1].split("/")[0])
-    ready, told = os.pipe()
-    child = os.fork()
-    if child == 0:  # the worker (its fork handlers have run): lives on past the parent's detach
-        import time
-
-        os.write(told, b"1")
-        time.sleep(30)
-        os._exit(0)
-    os.read(ready, 1)
-    try:
+    with forked_child():  # lives on past the parent's detach
         monitor.detach()
         with pytest.raises(urllib.error.URLError, match="Connection refused"):
             urllib.request.urlopen(url, timeout=2)
         again = numwatch.Monitor(model, **{**options, "sinks__prometheus__port": port}).attach()
         assert again.prometheus_url == url
         again.detach()
-    finally:
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
 
 
 def test_monitor_attach_on_taken_port_fails_cleanly():
