@@ -40,18 +40,25 @@ class Two(nn.Module):
         return self.b(self.a(x))
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    """Counts calls of numwatch's kernel through the routing (and still runs it)."""
+def spy_kernel(monkeypatch, *keys: str) -> list:
+    """The ``keys`` arguments of each call of numwatch's kernel through the routing (one value
+    per call for one key, else a tuple); the kernel still runs."""
     seen = []
     real = swap_kernel.flash_attention
 
     def spy(q, *args, **kwargs):
-        seen.append(kwargs["mode"])
+        got = tuple(kwargs[k] for k in keys)
+        seen.append(got[0] if len(keys) == 1 else got)
         return real(q, *args, **kwargs)
 
     monkeypatch.setattr(swap_kernel, "flash_attention", spy)
     return seen
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The mode of each call of numwatch's kernel through the routing."""
+    return spy_kernel(monkeypatch, "mode")
 
 
 def monitor_for(model, **kw):
@@ -404,14 +411,7 @@ def test_split_sum_is_routed_reported_and_upgraded_by_the_action(monkeypatch):
     """swap_attention(split_sum=True) reaches the kernel and names itself in attn_kernel_mode;
     a swap_attention_kernel action with split_sum re-routes a layer that runs the stabilized
     kernel without it (and leaves one that has it)."""
-    seen = []
-    real = swap_kernel.flash_attention
-
-    def spy(q, *args, **kwargs):
-        seen.append((kwargs["mode"], kwargs["split_sum"]))
-        return real(q, *args, **kwargs)
-
-    monkeypatch.setattr(swap_kernel, "flash_attention", spy)
+    seen = spy_kernel(monkeypatch, "mode", "split_sum")
     torch.manual_seed(0)
     model = Two().to(torch.bfloat16)
     monitor = monitor_for(model)
@@ -442,14 +442,7 @@ def test_split_sum_is_routed_reported_and_upgraded_by_the_action(monkeypatch):
 def test_swapping_all_layers_keeps_a_layer_already_on_a_stabilized_kernel(monkeypatch):
     """scope 'all' set a '*' route over every per-layer one: a layer the user had put on the
     split sum with its own beta was taken back to one sum and beta 2; the others are routed."""
-    seen = []
-    real = swap_kernel.flash_attention
-
-    def spy(q, *args, **kwargs):
-        seen.append((kwargs["beta"], kwargs["split_sum"]))
-        return real(q, *args, **kwargs)
-
-    monkeypatch.setattr(swap_kernel, "flash_attention", spy)
+    seen = spy_kernel(monkeypatch, "beta", "split_sum")
     torch.manual_seed(0)
     model = Two().to(torch.bfloat16)
     monitor = monitor_for(model)

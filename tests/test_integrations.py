@@ -62,6 +62,20 @@ def pl():
     return pytest.importorskip("lightning.pytorch", reason="lightning (test extra) not installed")
 
 
+def recording_module(pl):
+    """A Lightning module whose training_step keeps each micro-batch's loss (the list)."""
+    module, losses = lightning_module(pl), []
+    training_step = module.training_step
+
+    def recorded(batch, batch_idx):
+        loss = training_step(batch, batch_idx)
+        losses.append(loss.item())
+        return loss
+
+    module.training_step = recorded
+    return module, losses
+
+
 def lightning_module(pl, nan_at: int | None = None):
     class Module(pl.LightningModule):
         def __init__(self):
@@ -213,16 +227,7 @@ def test_lightning_loss_under_accumulation_is_the_mean_of_the_micro_batches(pl):
     """With accumulate_grad_batches=k the loss was the last micro-batch's divided by k."""
     from numwatch.integrations.lightning import NumwatchCallback
 
-    micro = []
-    module = lightning_module(pl)
-    training_step = module.training_step
-
-    def recorded(batch, batch_idx):
-        loss = training_step(batch, batch_idx)
-        micro.append(loss.item())
-        return loss
-
-    module.training_step = recorded
+    module, micro = recording_module(pl)
     callback = NumwatchCallback(**monitor_options())
     trainer = lightning_trainer(pl, [callback], steps=2)
     trainer.accumulate_grad_batches = 4
@@ -237,16 +242,7 @@ def test_lightning_loss_of_a_partial_accumulation_window_is_its_mean(pl):
     batch alone, its loss divided by 4 all the same, and the step reported a quarter of it."""
     from numwatch.integrations.lightning import NumwatchCallback
 
-    micro = []
-    module = lightning_module(pl)
-    training_step = module.training_step
-
-    def recorded(batch, batch_idx):
-        loss = training_step(batch, batch_idx)
-        micro.append(loss.item())
-        return loss
-
-    module.training_step = recorded
+    module, micro = recording_module(pl)
     callback = NumwatchCallback(**monitor_options())
     trainer = lightning_trainer(pl, [callback], steps=4, accumulate_grad_batches=4)
     trainer.fit(module, loader(5))  # two epochs: windows of 4 and 1 batches each
@@ -400,13 +396,8 @@ def test_lightning_a_fit_interrupted_after_backward_leaves_no_loss_behind(pl):
     reported it added to its own."""
     from numwatch.integrations.lightning import NumwatchCallback
 
-    module = lightning_module(pl)
-    training_step, losses, seen = module.training_step, [], []
-
-    def recorded(batch, batch_idx):
-        loss = training_step(batch, batch_idx)
-        losses.append(loss.item())
-        return loss
+    module, losses = recording_module(pl)
+    seen = []
 
     def interrupt():
         if module.global_step == 1:
@@ -416,7 +407,7 @@ def test_lightning_a_fit_interrupted_after_backward_leaves_no_loss_behind(pl):
         def on_train_batch_end(self, trainer, *args):
             seen.append(callback.monitor.snapshot().value("loss"))
 
-    module.training_step, module.on_after_backward = recorded, interrupt
+    module.on_after_backward = interrupt
     callback = NumwatchCallback(**monitor_options())
     with pytest.raises(RuntimeError, match="interrupted after backward"):
         lightning_trainer(pl, [callback], steps=3).fit(module, loader(3))
