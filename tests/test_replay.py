@@ -98,14 +98,20 @@ def test_logged_nonfinite_events_are_reported():
     assert [(e.kind, e.step) for e in without] == [("nonfinite", 19)]
 
 
-def _nan_in_forward_run(log, rules, steps=3):
-    """A run whose forward input holds a NaN at step 1 (module '0' first sees it)."""
+def _small_run(log, rules):
+    """A two-layer model, its SGD and a monitor flushing every step into ``log``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = numwatch.Monitor(model, flush_every=1, activations__every=1, rules=rules,
                                sinks__jsonl__path=str(log),
                                sinks__console__enabled=False).attach(opt)  # fmt: skip
+    return model, opt, monitor
+
+
+def _nan_in_forward_run(log, rules, steps=3):
+    """A run whose forward input holds a NaN at step 1 (module '0' first sees it)."""
+    model, opt, monitor = _small_run(log, rules)
     for step in range(steps):
         x = torch.randn(2, 4)
         x[0, 0] = float("nan") if step == 1 else x[0, 0]
@@ -188,12 +194,7 @@ def test_a_step_level_nonfinite_rule_on_a_step_metric_owns_every_origin(tmp_path
 def _nan_in_gradient_run(log, rules):
     """A run whose gradient holds a NaN at step 1 (loss finite); the NaN weights make step
     2's loss NaN unless the update was skipped."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    monitor = numwatch.Monitor(model, flush_every=1, activations__every=1, rules=rules,
-                               sinks__jsonl__path=str(log),
-                               sinks__console__enabled=False).attach(opt)  # fmt: skip
+    model, opt, monitor = _small_run(log, rules)
     for step in range(3):
         loss = model(torch.randn(2, 4)).pow(2).mean()
         loss.backward()
