@@ -241,6 +241,7 @@ class Aggregator:
         # shard_role of each row's parameter, per table: {"grad_table": ..., "opt": ...}
         self._roles: dict[str, tuple[int, ...]] = {}
         self._counted: dict[torch.device, torch.Tensor] = {}
+        self._one: dict[torch.device, torch.Tensor] = {}  # the 'has a norm' flag of an entry
         # per closed step: (3,) [counted norm^2 share, bad, has a norm]; every step has one, on
         # every rank (a failed or gradient-less step too), so the ranks' lists line up
         self._norms: list[torch.Tensor] = []
@@ -373,7 +374,9 @@ class Aggregator:
             sumsq = torch.where(counted, stats[:, ts.SUMSQ], 0.0).sum()
             # NaN as in clip_grad_norm_ when a counted gradient is non-finite
             sumsq = sumsq.masked_fill(torch.where(counted, bad_here, 0.0).sum() > 0, math.nan)
-            has = torch.ones((), dtype=sumsq.dtype, device=sumsq.device)
+            has = self._one.get(sumsq.device)  # kept: no fill launched per step
+            if has is None:
+                has = self._one[sumsq.device] = sumsq.new_ones(())
             parts.append(torch.stack([sumsq, (bad_here.sum() > 0).to(sumsq.dtype), has]))
         entry = parts[0]
         for p in parts[1:]:
