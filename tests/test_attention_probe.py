@@ -813,11 +813,35 @@ def test_float64_attention_and_calls_without_keys_are_skipped(make_monitor):
     assert snap.series("attn_calls") == []
 
 
-def test_sdpa_of_other_ranks_is_a_clear_error(make_monitor):
-    q = torch.randn(2, 1, 2, 4, 8)  # SDPA broadcasts leading dims; the statistics do not
-    model = Net(Fixed(q, q, q, F.scaled_dot_product_attention))
+def test_windowed_sdpa_folds_its_leading_dims(make_monitor):
+    """SDPA takes (B, ..., H, T, D) (windowed attention: B, windows, H, T, D), broadcasting the
+    leading dims: measured as the 4-D call of the sampled batch elements with all their windows,
+    a 4-D (windows, 1, T, S) mask following its window."""
+    q, k, v = planted_sink_attention(B=6, H=2, T=8, D=16, n_sink=2)
+    q, k, v = (t.view(2, 3, 2, 8, 16) for t in (q, k, v))
+    keep = torch.ones(3, 1, 8, 8, dtype=torch.bool)
+    keep[1, :, 4:, 0] = False  # window 1 loses a sink in rows 4-7
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k[:1], v, attn_mask=keep)
+    model = Net(Fixed(q, k, v, sdpa))
+    monitor = make_monitor(model, attention__batch=1)
+    model()
+    monitor.step()
+    snap = monitor.snapshot()
+    assert not any(monitor.errors.values())
+    rep, ties, rows = oracle(q[0], k[0], causal=False, mask=keep)
+    assert head_values(snap, "attn_rows", "block.attn", 2) == rows.tolist() == [24, 24]
+    assert head_values(snap, "attn_repeated_max_rows", "block.attn", 2) == rep.tolist()
+    assert rep.tolist() == [20, 20]
+    assert head_values(snap, "attn_tie_entries", "block.attn", 2) == ties.tolist()
+    assert snap.value("attn_output_error_rms", layer="block.attn", head="0") < 0.05
+    monitor.detach()
+
+
+def test_sdpa_of_mixed_ranks_is_a_clear_error(make_monitor):
+    q = torch.randn(2, 1, 2, 4, 8)
+    model = Net(Fixed(q, q[0], q[0], F.scaled_dot_product_attention))
     monitor = make_monitor(model, strict=True)
-    with pytest.raises(ValueError, match=r"4-D \(B, H, T, D\) or unbatched 3-D \(H, T, D\)"):
+    with pytest.raises(ValueError, match=r"\(B, ..., H, T, D\) or unbatched \(H, T, D\)"):
         model()
     monitor.detach()
 

@@ -522,15 +522,20 @@ class AttentionProbe:
         if q.dim() == k.dim() == v.dim() == 3:  # unbatched (H, T, D): one batch element
             q, k, v = q[None], k[None], v[None]
             out = out[None] if isinstance(out, torch.Tensor) else out
+        mask, n = call.attn_mask, None
+        if q.dim() == k.dim() == v.dim() > 4:  # (B, ..., H, T, D): windowed attention
+            n = self._n_batch(max(q.shape[0], k.shape[0], v.shape[0]))
+            q, k, v, out, mask = _fold_batch_dims(q, k, v, out, mask, n)
+            n = q.shape[0]
         if not q.dim() == k.dim() == v.dim() == 4:
             raise ValueError(
-                "attention statistics measure SDPA calls with 4-D (B, H, T, D) or unbatched 3-D "
-                f"(H, T, D) q, k, v; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+                "attention statistics measure SDPA calls with (B, ..., H, T, D) or unbatched "
+                f"(H, T, D) q, k, v of one rank; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"{tuple(v.shape)}"
             )
         q, k, v = _broadcast_like_sdpa(q, k, v)
         if not _measured(q) or k.shape[2] == 0:  # no keys: no score to measure
             return
-        mask = call.attn_mask
         groups = self._packed_gqa_groups(layer, q, k, call.is_causal)
         if groups:  # back to (B, heads, 1, D): the rows of one key head are query heads
             q = q.reshape(q.shape[0], -1, 1, q.shape[-1])
@@ -538,7 +543,7 @@ class AttentionProbe:
                 out = out.reshape(out.shape[0], -1, 1, out.shape[-1])
             if mask is not None and mask.dim() == 4 and mask.shape[-2] == groups:
                 mask = mask.reshape(mask.shape[0], -1, 1, mask.shape[-1])
-        n = self._n_batch(q.shape[0])
+        n = self._n_batch(q.shape[0]) if n is None else n
         if mask is not None and mask.dim() == 4 and mask.shape[0] == q.shape[0]:
             mask = mask[:n]
         with_error = (
@@ -820,6 +825,23 @@ class AttentionProbe:
 
 def _is_heads_key(key: str) -> bool:
     return key.startswith("attn/") and key.endswith("/heads")
+
+
+def _fold_batch_dims(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Any, mask: torch.Tensor | None, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, torch.Tensor | None]:
+    """A (B, ..., H, T, D) call (windowed attention: B, windows, H, T, D) as the 4-D call of its
+    first n batch elements, each with all of its windows: the leading dims broadcast as SDPA
+    broadcasts them, then fold into one. Copies of the sampled elements only."""
+    lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    lead = (min(n, lead[0]), *lead[1:])
+
+    def fold(t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape((1,) * (len(lead) + 3 - t.dim()) + tuple(t.shape))[: lead[0]]
+        return t.expand(*lead, *t.shape[-3:]).reshape(-1, *t.shape[-3:])
+
+    out = fold(out) if isinstance(out, torch.Tensor) else out
+    return fold(q), fold(k), fold(v), out, None if mask is None or mask.dim() < 4 else fold(mask)
 
 
 def _broadcast_like_sdpa(
