@@ -174,6 +174,24 @@ def _kernel_mode(mode: str, stabilize: bool, beta: float, split_sum: bool = Fals
     return kernel_mode
 
 
+def _foldable(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> bool:
+    """An unbatched (H, T, D) call, or one with extra leading batch dims (B, ..., H, T, D; e.g.
+    windowed attention), which the 4-D kernel serves once they fold into one batch dim."""
+    tensors = all(isinstance(t, Tensor) and t.layout == torch.strided for t in (q, k, v))
+    return (
+        tensors
+        and q.dim() == k.dim() == v.dim() != 4
+        and q.dim() >= 3
+        and (attn_mask is None or attn_mask.dim() <= q.dim())
+    )
+
+
+def _fold(t: Tensor, lead: tuple[int, ...]) -> Tensor:
+    """t's leading dims broadcast to ``lead``, as SDPA broadcasts them, then folded into one."""
+    t = t.reshape((1,) * (len(lead) + 3 - t.dim()) + tuple(t.shape))
+    return t.expand(*lead, *t.shape[-3:]).reshape(math.prod(lead), *t.shape[-3:])
+
+
 def _fallback_reason(
     q: Tensor,
     k: Tensor,
@@ -360,6 +378,14 @@ def _run(
     use_triton: bool,
 ) -> Tensor:
     q, k, v, attn_mask = autocast_like_sdpa(q, k, v, attn_mask)
+    if _foldable(q, k, v, attn_mask):
+        lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+        mask = attn_mask if attn_mask is None or attn_mask.dim() < 4 else _fold(attn_mask, lead)
+        out = _run(
+            _fold(q, lead), _fold(k, lead), _fold(v, lead), mask, dropout_p, is_causal, scale,
+            enable_gqa, mode, beta, use_triton,
+        )  # fmt: skip
+        return out.reshape(*lead, *out.shape[-3:])
     reason = _fallback_reason(q, k, v, attn_mask, dropout_p, scale, enable_gqa)
     if reason == "empty" and 0 in q.shape[:2]:
         # No output element; SDPA's CUDA path returns None for an empty batch (torch 2.11). The

@@ -838,7 +838,7 @@ def _fold_batch_dims(
 
     def fold(t: torch.Tensor) -> torch.Tensor:
         t = t.reshape((1,) * (len(lead) + 3 - t.dim()) + tuple(t.shape))[: lead[0]]
-        return t.expand(*lead, *t.shape[-3:]).reshape(-1, *t.shape[-3:])
+        return t.expand(*lead, *t.shape[-3:]).reshape(math.prod(lead), *t.shape[-3:])
 
     out = fold(out) if isinstance(out, torch.Tensor) else out
     return fold(q), fold(k), fold(v), out, None if mask is None or mask.dim() < 4 else fold(mask)

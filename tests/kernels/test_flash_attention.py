@@ -697,6 +697,36 @@ def test_fallbacks_are_counted_and_match_sdpa():
     assert (out["o"].float() - ref.float()).abs().max() <= 2 * EPS[torch.bfloat16] * ref.abs().max()
 
 
+@pytest.mark.parametrize("device", kernel_devices() or ["cpu"])
+def test_unbatched_and_windowed_calls_run_in_the_kernel(device):
+    """(H, T, D) calls and (B, windows, H, T, D) ones (K/V and a mask broadcast over leading
+    dims, as SDPA broadcasts them) give, forward and backward, what the folded 4-D call gives;
+    they went to SDPA, unstabilized."""
+    q, k, v, do = _inputs(6, 2, 2, 24, 24, 64, torch.bfloat16, device)
+    q, k, v, do = (t.detach().view(2, 3, 2, 24, 64) for t in (q, k, v, do))
+    keep = torch.rand(3, 1, 24, 24, generator=torch.Generator().manual_seed(1)) > 0.3
+    keep = keep.to(device)
+    k1, v1 = k[:1].clone().requires_grad_(), v[:1].clone().requires_grad_()
+    q.requires_grad_()
+    counts = _counts_after(lambda: flash_attention(q, k1, v1, attn_mask=keep).backward(do))
+    assert counts == {}
+    got = [t.grad for t in (q, k1, v1)]
+    q4 = q.detach().reshape(6, 2, 24, 64).requires_grad_()
+    k4 = k1.detach().expand(2, -1, -1, -1, -1).reshape(6, 2, 24, 64).requires_grad_()
+    v4 = v1.detach().expand(2, -1, -1, -1, -1).reshape(6, 2, 24, 64).requires_grad_()
+    o4 = flash_attention(q4, k4, v4, attn_mask=keep.repeat(2, 1, 1, 1))
+    o4.backward(do.reshape(6, 2, 24, 64))
+    o5 = flash_attention(q.detach(), k1.detach(), v1.detach(), attn_mask=keep)
+    assert torch.equal(o5, o4.detach().view(2, 3, 2, 24, 64))
+    assert torch.equal(got[0], q4.grad.view(q.shape))
+    assert torch.equal(got[1], k4.grad.view(2, 3, 2, 24, 64).sum(0, keepdim=True))
+    assert torch.equal(got[2], v4.grad.view(2, 3, 2, 24, 64).sum(0, keepdim=True))
+    unbatched = {}
+    counts = _counts_after(lambda: unbatched.update(o=flash_attention(q[0, 0], k[0, 0], v[0, 0])))
+    assert counts == {}
+    assert torch.equal(unbatched["o"], flash_attention(q[0, :1], k[0, :1], v[0, :1])[0])
+
+
 @pytest.mark.parametrize("device", kernel_devices())
 def test_broadcast_kv_heads_equal_gqa(device):
     """K/V expanded over the query heads (stride 0) give what the same heads give as GQA."""
