@@ -285,8 +285,7 @@ class Monitor(Joinable):
         self._attached = True
         try:
             if first:
-                self._window_start = time.perf_counter()
-                self._guard.overhead_seconds = 0.0  # a detach's final flush is not this window's
+                self._start_window()
                 if self.config.enabled:
                     _refuse_lazy_parameters(self.model)
                     self.rank = get_rank()  # torch.distributed may start after __init__
@@ -309,6 +308,22 @@ class Monitor(Joinable):
                 self._teardown()
             raise
         return self
+
+    def _start_window(self) -> None:
+        """An attach starts a clean window: what a ``detach(flush=False)`` left unwritten (its
+        steps, losses, NaN origins) belongs to the session it ended, and the detach's final
+        flush is not this window's overhead."""
+        self._window_steps = 0
+        self._window_start = time.perf_counter()
+        self._guard.overhead_seconds = 0.0
+        self._pending_losses.clear()
+        self._loss_window.reset()
+        self._loss = None
+        self._ctx.tracker.reset()
+        self._ctx.activity = False
+        self._late_loss_order = None
+        self._flush_after_loss = False
+        self._forwards_since_flush = False
 
     def _aggregation_settings(self) -> dict[str, Any]:
         """What decides when a rank's monitor issues collectives, and which (distributed)."""

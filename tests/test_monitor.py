@@ -534,6 +534,25 @@ def test_detach_without_the_last_flush_writes_nothing_and_restores_the_model(mak
     assert [r["step"] for r in read_jsonl(monitor.jsonl_path)] == [1]
 
 
+def test_an_attach_after_a_detach_without_flush_starts_a_clean_window(make_monitor):
+    """The steps a detach(flush=False) dropped are not the next attach's: it carried them (a
+    flush after 2 of its 5 steps, their NaN loss reported as its own, in its loss_max)."""
+    model = nn.Linear(2, 1)
+    monitor = make_monitor(model, flush_every=5, gradients__enabled=False).attach()
+    for loss in (torch.tensor(1000.0), float("nan"), torch.tensor(float("nan"))):
+        monitor.step(loss)
+    monitor.detach(flush=False)
+    monitor.attach()
+    monitor.step(torch.tensor(1.0))
+    monitor.step(torch.tensor(2.0))
+    assert read_jsonl(monitor.jsonl_path) == []  # 2 steps of 5: no flush yet
+    monitor.detach()
+    (record,) = read_jsonl(monitor.jsonl_path)
+    metrics = {m["name"]: m["value"] for m in record["metrics"]}
+    assert (record["step"], metrics["loss_max"], metrics["loss_mean"]) == (4, 2.0, 1.5)
+    assert record["events"] == []
+
+
 def test_a_deferred_detach_without_flush_does_not_flush(make_monitor):
     """detach(flush=False) asked by a step-level callback waits for the step close, and then
     flushed the step anyway."""
