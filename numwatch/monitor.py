@@ -268,8 +268,9 @@ class Monitor(Joinable):
         self, optimizer: torch.optim.Optimizer | None = None, *, scaler: Any = None
     ) -> Monitor:
         """Add the hooks (idempotent). With ``optimizer``, its step pre-hook closes each step
-        and the optimizer probe measures updates; ``scaler`` (a GradScaler) adds its loss scale.
-        An attach that fails leaves the model and the optimizer as they were.
+        and the optimizer probe measures updates; ``scaler`` (a GradScaler) adds its loss scale,
+        also given to a later call than the optimizer's. An attach that fails leaves the model
+        and the optimizer as they were.
         """
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -280,6 +281,10 @@ class Monitor(Joinable):
             raise NumwatchError(
                 "this monitor already watches another optimizer: numwatch closes steps on one "
                 "optimizer (detach() first to switch)"
+            )
+        if scaler is not None and self._scaler not in (None, scaler):
+            raise NumwatchError(
+                "this monitor already watches another GradScaler (detach() first to switch)"
             )
         first = not self._attached
         self._attached = True
@@ -302,7 +307,9 @@ class Monitor(Joinable):
                         UserHook(self._mark_activity)
                     )
             if optimizer is not None and self.config.enabled and self._optimizer is None:
-                self._attach_optimizer(optimizer, scaler)
+                self._attach_optimizer(optimizer, scaler or self._scaler)
+            elif scaler is not None and self.config.enabled:
+                self._use_scaler(scaler)
         except BaseException:
             if first:
                 self._teardown()
@@ -367,6 +374,15 @@ class Monitor(Joinable):
                     UserHook(running_step_pre_hook(self._on_optimizer_step))
                 ),
             ]
+
+    def _use_scaler(self, scaler: Any) -> None:
+        """A GradScaler passed to a later attach() than the optimizer's (AMP set up after the
+        monitor): its overflows are ``scaler_overflow`` anomalies from now on, not critical
+        ``nonfinite`` events, and the optimizer probe reports its scale."""
+        self._scaler = scaler
+        for probe in self._probes:
+            if isinstance(probe, OptimizerProbe):
+                probe.scaler = scaler
 
     def detach(self, *, within_step: bool = False, flush: bool = True) -> None:
         """Flush what is pending, remove every hook, close the sinks. The model is as before,

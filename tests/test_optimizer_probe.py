@@ -10,6 +10,7 @@ from conftest import OwnStepSize
 from torch import nn
 
 import numwatch
+from numwatch.errors import NumwatchError
 
 
 def monitor_for(model, opt, **kw):
@@ -116,6 +117,31 @@ def test_loss_scale_and_its_drops():
     snap = monitor.flush()
     assert snap.value("loss_scale") == 512.0
     assert snap.value("loss_scale_drops_total") == 1
+
+
+def test_a_scaler_given_to_a_later_attach_is_taken():
+    """attach(opt), then attach(opt, scaler=...) once AMP is set up: the scaler was ignored (no
+    loss scale, its overflow a critical nonfinite event). Another scaler is refused."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor = monitor_for(model, opt)
+    monitor.attach(opt, scaler=scaler)
+    for step in range(3):
+        loss = model(torch.ones(1, 2)).sum()
+        scaler.scale(loss).backward()
+        if step == 1:
+            model.weight.grad[0, 0] = float("inf")
+        monitor.step(loss)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    events = [(e.kind, e.severity, e.rule, e.step) for e in monitor.events]
+    assert events == [("anomaly", "info", "scaler_overflow", 1)]
+    assert [s.value("loss_scale") for s in monitor.history] == [1024, 1024, 512]
+    with pytest.raises(NumwatchError, match="another GradScaler"):
+        monitor.attach(opt, scaler=torch.amp.GradScaler("cpu"))
+    monitor.detach()
 
 
 def test_every_drop_of_a_run_of_overflows_is_counted():
