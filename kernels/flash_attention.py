@@ -111,6 +111,8 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -151,11 +153,24 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 # Host-side fallback counter, keyed by reason (see flash_attention_fallbacks).
 _FALLBACKS: Counter[str] = Counter()
+# The counter of the caller running calls now (count_fallbacks), counted in as well.
+_CALLER_FALLBACKS: ContextVar[Counter[str] | None] = ContextVar("fallbacks", default=None)
 
 
 def flash_attention_fallbacks() -> dict[str, int]:
     """Calls handed to ``F.scaled_dot_product_attention`` since import, by reason."""
     return dict(_FALLBACKS)
+
+
+@contextlib.contextmanager
+def count_fallbacks(counter: Counter[str]) -> Iterator[None]:
+    """Count the fallbacks of the calls made inside in ``counter`` too: the process-wide count
+    mixes every caller's (a monitor would report those of an earlier run)."""
+    token = _CALLER_FALLBACKS.set(counter)
+    try:
+        yield
+    finally:
+        _CALLER_FALLBACKS.reset(token)
 
 
 def _kernel_mode(mode: str, stabilize: bool, beta: float, split_sum: bool = False) -> int:
@@ -357,6 +372,9 @@ def _sdpa_fallback(
             f"the paper_repro modes cannot run this call ({reason}); they have no SDPA fallback"
         )
     _FALLBACKS[reason] += 1
+    caller = _CALLER_FALLBACKS.get()
+    if caller is not None:
+        caller[reason] += 1
     extra = {"enable_gqa": True} if enable_gqa else {}
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,

@@ -57,7 +57,6 @@ from numwatch.hooks import (
     settle_step_hooks,
 )
 from numwatch.kernels import launch
-from numwatch.kernels.flash_attention import flash_attention_fallbacks
 from numwatch.kernels.host_copy import to_device
 from numwatch.probes.attention import AttentionProbe
 from numwatch.probes.base import ProbeContext
@@ -1036,7 +1035,7 @@ class Monitor(Joinable):
                 if kernel is not None:  # which kernel, reproduction modes included
                     mode = {"layer": layer, "mode": kernel.mode_label}
                     records.append(MetricRecord("attn_kernel_mode", mode, 1.0))
-            for reason, n in sorted(flash_attention_fallbacks().items()):
+            for reason, n in sorted(ctx.kernel_fallbacks.items()):
                 records.append(
                     MetricRecord("attn_kernel_fallbacks_total", {"reason": reason}, float(n))
                 )

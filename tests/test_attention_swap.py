@@ -11,7 +11,7 @@ from torch import nn
 import numwatch
 from numwatch.actions import swap_kernel
 from numwatch.actions.library import SwapAttentionKernel
-from numwatch.kernels.flash_attention import flash_attention_fallbacks
+from numwatch.kernels.flash_attention import flash_attention, flash_attention_fallbacks
 from numwatch.testing import planted_sink_attention
 
 
@@ -268,6 +268,29 @@ def test_routed_models_under_torch_func_transforms(calls):
         assert flash_attention_fallbacks().get("functorch", 0) - before == routed
     assert calls == ["stabilized"] * 2  # the routed step's vmap call (fell back) and forward
     monitor.detach()
+
+
+def test_kernel_fallbacks_are_counted_per_monitor():
+    """attn_kernel_fallbacks_total was the process's count: a later run (another monitor, no
+    route) reported an earlier one's fallbacks, and calls outside the monitor counted in."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 32)  # fp32: each routed call falls back (reason 'dtype')
+    first = monitor_for(Attn())
+    first.swap_attention()
+    before = flash_attention_fallbacks().get("dtype", 0)
+    for step in range(3):
+        first.model(x)
+        if step == 2:  # numwatch's kernel called directly, not through the monitor's routes
+            flash_attention(x.view(2, 8, 2, 16), x.view(2, 8, 2, 16), x.view(2, 8, 2, 16))
+        first.step()
+    assert first.snapshot().value("attn_kernel_fallbacks_total", reason="dtype") == 3
+    assert flash_attention_fallbacks().get("dtype", 0) - before == 4
+    first.detach()
+    second = monitor_for(Attn())
+    second.model(x)
+    second.step()
+    assert second.snapshot().series("attn_kernel_fallbacks_total") == []
+    second.detach()
 
 
 def test_routes_that_name_only_multihead_attention_leave_forwards_alone(calls):

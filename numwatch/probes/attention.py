@@ -30,7 +30,11 @@ from torch.overrides import TorchFunctionMode
 from numwatch.config import AttentionConfig
 from numwatch.hooks import UserHook
 from numwatch.kernels import attention_stats as ats
-from numwatch.kernels.flash_attention import autocast_like_sdpa, flash_attention
+from numwatch.kernels.flash_attention import (
+    autocast_like_sdpa,
+    count_fallbacks,
+    flash_attention,
+)
 from numwatch.probes.base import ProbeContext
 from numwatch.selection import _warn_unmatched, matches
 from numwatch.snapshot import MetricRecord
@@ -436,7 +440,11 @@ class AttentionProbe:
         if route is not None and layer not in self._route_hooked:  # routed, first seen now
             self.hook_routed_layers()
         call = SdpaCall.from_args(args, kwargs) if route is not None else None
-        out = route(call) if call is not None and not call.extra else func(*args, **kwargs)
+        if call is not None and not call.extra:
+            with count_fallbacks(self.ctx.kernel_fallbacks):
+                out = route(call)
+        else:
+            out = func(*args, **kwargs)
         if self.sampling and self.cfg.sdpa and self._wanted(layer) and not _transformed(out):
             self.ctx.guard.run(self.component, self._observe_sdpa, layer, args, kwargs, out)
         return out

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +36,9 @@ class ProbeContext:
     # such as a frozen BatchNorm, is part of a training forward); None outside the model's
     # forward, where each module's own mode and the grad mode decide.
     eval_forward: bool | None = None
+    # Routed attention calls that numwatch's kernel handed to SDPA, by reason, since the
+    # monitor was made (the kernel's own count is the process's, every monitor's)
+    kernel_fallbacks: Counter[str] = field(default_factory=Counter)
 
     def backend_for(self, device: torch.device) -> str:
         """The kernel backend a computation on ``device`` uses: 'auto' = Triton on CUDA only."""
