@@ -1013,6 +1013,7 @@ class Monitor(Joinable):
         records += self._loss_window_records(host)
         own = self._own_records(local_host) if self._dist.keeps_local else None
         self._loss_window.reset()
+        self._loss = None  # a window whose steps record none has no loss, not an older one
         shared_from = len(records)  # records from here on are the same on every rank
         origin, seen = self._dist.first_nonfinite(ctx.tracker, host, local_host)
         nonfinite = [] if origin is None else [self._nonfinite_event(origin, step, seen)]

@@ -463,6 +463,20 @@ def test_no_loss_no_loss_window_metrics(make_monitor):
     assert monitor.snapshot().get("loss_max") is None
 
 
+def test_a_flush_whose_steps_recorded_no_loss_has_no_loss(make_monitor):
+    """A flush's loss is its last step's: one whose steps recorded none (closed by the optimizer
+    hook, or by step() without a loss) reported the loss of an earlier window."""
+    model = nn.Linear(2, 1)
+    monitor = make_monitor(model, flush_every=2, gradients__enabled=False).attach()
+    monitor.step(torch.tensor(1000.0))
+    monitor.step(5.0)
+    assert monitor.snapshot().value("loss") == 5.0
+    monitor.step()
+    monitor.step()
+    snap = monitor.snapshot()
+    assert (snap.step, snap.get("loss"), snap.get("loss_max")) == (3, None, None)
+
+
 def test_optimizer_pre_hook_closes_each_step_once(make_monitor):
     torch.manual_seed(0)
     model = Net()
