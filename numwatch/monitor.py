@@ -252,6 +252,7 @@ class Monitor(Joinable):
         self._closing_step = False  # inside a step close, before the step counts as closed
         self._flush_deferred = False  # flush() called there: it runs when the close ends
         self._told_nested_flush = False
+        self._told_no_optimizer = False  # steps closed with optimizer actions and no optimizer
 
     # ----------------------------------------------------------------------------- lifecycle
     @property
@@ -576,7 +577,29 @@ class Monitor(Joinable):
             self._run_waiting_flush()
             return
         self._last_close = "user"  # before closing: a halt raised by the flush leaves it right
+        if self._optimizer is None and not self._told_no_optimizer:
+            self._warn_no_optimizer()
         self._close_step(loss)
+
+    def _warn_no_optimizer(self) -> None:
+        """skip_step and lr_backoff act through the attached optimizer: steps closed with none
+        attached (``attach()`` alone, as ``with Monitor(model) as m:`` does) let through the
+        update they should withhold or slow, with only a failed action on record at the NaN.
+        Said once, at the first such step: ``attach()`` then ``attach(optimizer)`` is fine."""
+        self._told_no_optimizer = True
+        needing = {
+            f"{name} ({action.type})"
+            for name, acts in self._actions.items()
+            for action in acts
+            if isinstance(action, SkipStep | LrBackoff)
+        }
+        if needing:
+            log.warning(
+                "numwatch: rules %s act through the optimizer, and none is attached: their "
+                "actions would fail and the updates they should withhold or slow would reach "
+                "the weights; call monitor.attach(optimizer) before training",
+                ", ".join(sorted(needing)),
+            )
 
     def _on_optimizer_step(self, _optimizer: Any, args: tuple, kwargs: dict) -> Any:
         # step(closure) computes the gradients inside: close after the closure's first call,

@@ -118,6 +118,34 @@ def test_an_optimizer_that_leaves_parameters_to_another_is_named_at_attach(caplo
     ]
 
 
+def test_optimizer_actions_with_no_optimizer_attached_are_named_at_the_first_step(caplog):
+    """skip_step and lr_backoff act through the attached optimizer: with attach() alone (as in
+    `with Monitor(model) as m:`) nothing was said until the NaN, whose update then reached the
+    weights. qk_clip needs none; attach() then attach(optimizer) is fine."""
+    model = nn.Linear(4, 1)
+    threshold = dict(type="threshold", threshold=5.0)
+    add = [
+        dict(type="nonfinite", name="nan_guard", actions=["skip_step"]),
+        dict(threshold, name="hi", metric="loss", actions=["lr_backoff"]),
+        dict(threshold, name="qk", metric="attn_max_logit", actions=["qk_clip"]),
+    ]
+    rules = {"defaults": False, "add": add}
+    with caplog.at_level("WARNING", logger="numwatch"):
+        with monitor_for(model, rules=rules) as monitor:
+            for _ in range(2):
+                monitor.step(torch.tensor(1.0))
+        monitor = monitor_for(model, rules=rules).attach()
+        monitor.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+        monitor.step(torch.tensor(1.0))
+        monitor.detach()
+    warned = [r.getMessage() for r in caplog.records if "none is attached" in r.getMessage()]
+    assert warned == [
+        "numwatch: rules hi (lr_backoff), nan_guard (skip_step) act through the optimizer, and "
+        "none is attached: their actions would fail and the updates they should withhold or "
+        "slow would reach the weights; call monitor.attach(optimizer) before training"
+    ]
+
+
 def test_planted_ties_swap_exactly_the_affected_layer():
     torch.manual_seed(0)
     model = Model(plant=(False, True))  # only layer b has repeated maxima
