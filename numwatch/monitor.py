@@ -90,6 +90,7 @@ _COMPONENTS = (
     "sinks",
 )
 _OPTIMIZER_ACTIONS = (SkipStep, LrBackoff, QKClip)
+_LOSS_METRICS = ("loss", "loss_max", "loss_mean")  # what only step(loss) brings
 
 
 def _warn_uncovered(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -219,6 +220,11 @@ class Monitor(Joinable):
         # Kernel routing changes wait for a step boundary: (layer glob or None = all, kernel).
         self._pending_routes: list[tuple[str | None, AttentionKernel | None]] = []
         self._engine, self._actions = self._build_rules()
+        # the user's rules on the loss, until a first loss comes (warned about if none does)
+        added = {rule.name for rule in self.config.rules.add}
+        self._loss_rules = sorted(
+            r.name for r in self._engine.rules if r.name in added and r.metric in _LOSS_METRICS
+        )
         # names this monitor's records in the log: a resumed run (a new process, the same
         # run_name and step numbers going on) starts its rules over, and replay with them
         self.monitor_id = secrets.token_hex(4)
@@ -709,6 +715,7 @@ class Monitor(Joinable):
         """Record the loss of ``step``; returns the value kept (detached, or a float)."""
         if loss is None or (isinstance(loss, torch.Tensor) and loss.is_meta):
             return None  # a meta loss (a dry run) has no value to read
+        self._loss_rules = []  # a loss came: the rules on it are fed
         _check_loss(loss)
         reserved, self._late_loss_order = self._late_loss_order, None
 
@@ -936,6 +943,7 @@ class Monitor(Joinable):
         start = time.perf_counter()
         self._guard.run("flush", self._dist.settle, self._ctx.step)
         self._guard.run("flush", self._warn_new_trainable)
+        self._warn_no_loss()
         with gc_paused():
             snapshot, fired = self._guard.run("flush", self._collect) or (None, [])
             if snapshot is not None:
@@ -984,6 +992,20 @@ class Monitor(Joinable):
                 ),
             )
             self._errors_flushed = Counter(self._guard.errors)
+
+    def _warn_no_loss(self) -> None:
+        """Rules of the user's on the loss read what ``step(loss)`` records: in a loop where the
+        optimizer hook closes the steps and no loss is passed, they never fire. Said once, from
+        a flush after two steps on: a loss passed after optimizer.step() comes after the first
+        step's flush."""
+        if self._loss_rules and self._ctx.step >= 2:
+            log.warning(
+                "numwatch: rules %s read the loss, but no loss has reached numwatch (steps "
+                "closed by the optimizer hook, or by step() without one), so they cannot fire; "
+                "pass it every step: monitor.step(loss), before or after optimizer.step()",
+                ", ".join(self._loss_rules),
+            )
+            self._loss_rules = []
 
     def _warn_new_trainable(self) -> None:
         """Parameters that began to require grad after attach (gradual unfreezing) are outside

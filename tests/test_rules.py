@@ -224,6 +224,39 @@ def test_a_rule_on_a_metric_no_flush_carries_is_reported_once(caplog):
     assert caplog.records == []
 
 
+def test_rules_of_the_users_on_a_loss_that_never_comes_are_reported_once(caplog):
+    """The optimizer hook closes the steps and step(loss) is optional: a rule added on the loss
+    then never fired, with no word. Said at the flush after 2 steps; a loss passed after
+    optimizer.step() (after the first step's flush) and the default loss rules say nothing."""
+    import torch
+
+    add = [
+        {"type": "threshold", "name": "loss_high", "metric": "loss", "threshold": 5.0},
+        {"type": "threshold", "name": "worst", "metric": "loss_max", "threshold": 5.0},
+    ]
+    said = []
+    with caplog.at_level("WARNING", logger="numwatch"):
+        for late_loss in (True, False):
+            model = torch.nn.Linear(4, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            monitor = _quiet_monitor(model, flush_every=1, rules={"add": add}).attach(opt)
+            for _ in range(4):
+                loss = model(torch.randn(8, 4)).square().mean() + 100.0
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if late_loss:
+                    monitor.step(loss)
+                said.append(len(caplog.records))
+            monitor.detach()
+    assert said == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert caplog.records[0].getMessage() == (
+        "numwatch: rules loss_high, worst read the loss, but no loss has reached numwatch (steps "
+        "closed by the optimizer hook, or by step() without one), so they cannot fire; pass it "
+        "every step: monitor.step(loss), before or after optimizer.step()"
+    )
+
+
 def test_default_rules_quiet_on_a_healthy_run_shape():
     """A healthy flush history (DESIGN.md §1b: max logit 10-120, no ties) raises nothing."""
     engine = RuleEngine(default_rules())
