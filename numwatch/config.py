@@ -489,7 +489,7 @@ def expand_path(path: str) -> str:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     where = f"config file {str(path)!r}"
-    path = path.expanduser()
+    path = Path(expand_path(str(path)))
     if not path.is_file():
         raise NumwatchConfigError(
             f"{where} " + ("is not a file" if path.exists() else "does not exist")

@@ -278,6 +278,10 @@ def test_paths_expand_home_and_variables(tmp_path, monkeypatch):
     cfg = MonitorConfig.load(env={"NUMWATCH_SINKS__JSONL__PATH": "$RUNDIR/{run_name}.jsonl"})
     assert cfg.sinks.jsonl.path == f"{tmp_path}/runs/{{run_name}}.jsonl"
     assert ForensicSnapshot(directory="~/snap").directory == f"{tmp_path}/snap"
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "nw.yaml").write_text("flush_every: 7\n")  # the config file's own path
+    assert MonitorConfig.load("$RUNDIR/nw.yaml", env={}).flush_every == 7
+    assert MonitorConfig.from_yaml("${RUNDIR}/nw.yaml").flush_every == 7
 
 
 @pytest.mark.parametrize(
