@@ -5,13 +5,15 @@ file) < ``NUMWATCH_*`` environment variables < keyword overrides. Nested fields 
 double underscore in both env names and keywords: ``NUMWATCH_SINKS__JSONL__PATH=run.jsonl`` or
 ``Monitor(model, sinks__jsonl__path="run.jsonl")``. An env value for a text field is taken as is
 (``NUMWATCH_RUN_NAME=0042``); others are parsed as YAML, so ``NUMWATCH_FLUSH_EVERY=5`` is an int
-and ``NUMWATCH_GRADIENTS__PARAMS="[h.*]"`` a list. Section objects (``GradientConfig(every=7)``)
-count for the fields they were given, like the equivalent dict.
+(``010`` is 10: numbers are decimal) and ``NUMWATCH_GRADIENTS__PARAMS="[h.*]"`` a list. Section
+objects (``GradientConfig(every=7)``) count for the fields they were given, like the equivalent
+dict.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import types
 from collections.abc import Mapping
 from pathlib import Path
@@ -580,7 +582,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
             flat[key] = raw
             continue
         try:
-            flat[key] = yaml.safe_load(raw)
+            flat[key] = yaml.load(raw, _EnvLoader)  # a SafeLoader
         except yaml.YAMLError as e:
             if raw.lstrip()[:1] in "[{":  # meant as a list or mapping: say why it is not one
                 raise NumwatchConfigError(
@@ -589,6 +591,32 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
                 ) from None
             flat[key] = raw
     return _expand_dunder(flat)
+
+
+class _EnvLoader(yaml.SafeLoader):
+    """YAML for NUMWATCH_* values, with decimal numbers only: YAML 1.1 read a zero-padded
+    ``NUMWATCH_FIRST_STEP=000500`` as octal (320) and ``NUMWATCH_FLUSH_EVERY=1:30`` as base 60
+    (90). Such a value is now 500, or text that validation refuses."""
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_EnvLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_EnvLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+_EnvLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(  # YAML 1.1's float without its base-60 form
+        r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?
+        |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+.0123456789"),
+)
+_EnvLoader.add_constructor(_INT, lambda loader, node: int(loader.construct_scalar(node)))
 
 
 def _takes_text(key: str) -> bool:

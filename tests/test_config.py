@@ -223,6 +223,23 @@ def test_a_bad_value_names_where_it_came_from(tmp_path):
     assert "integer (from" not in str(err.value)
 
 
+def test_env_numbers_are_decimal():
+    """YAML 1.1 read zero-padded numbers as octal and time-like ones as base 60: a job script's
+    NUMWATCH_FIRST_STEP=000500 started at step 320, NUMWATCH_FLUSH_EVERY=1:30 flushed every 90."""
+    env = {"NUMWATCH_FIRST_STEP": "000500", "NUMWATCH_FLUSH_EVERY": "010",
+           "NUMWATCH_SINKS__PROMETHEUS__PORT": "07070", "NUMWATCH_GRADIENTS__EVERY": "+08",
+           "NUMWATCH_DISTRIBUTED__ATTACH_TIMEOUT": "0.5"}  # fmt: skip
+    cfg = MonitorConfig.load(env=env)
+    assert (cfg.first_step, cfg.flush_every, cfg.sinks.prometheus.port) == (500, 10, 7070)
+    assert (cfg.gradients.every, cfg.distributed.attach_timeout) == (8, 0.5)
+    with pytest.raises(NumwatchConfigError) as err:
+        MonitorConfig.load(
+            env={"NUMWATCH_FLUSH_EVERY": "1:30", "NUMWATCH_DISTRIBUTED__ATTACH_TIMEOUT": "5:00"}
+        )
+    assert "flush_every: got '1:30'" in str(err.value)
+    assert "attach_timeout: got '5:00'" in str(err.value)
+
+
 def test_a_section_given_whole_in_one_variable_is_named_by_it():
     """The source was rebuilt from the leaf's path: a variable that does not exist was named."""
     with pytest.raises(NumwatchConfigError, match=r"\(from NUMWATCH_SINKS\)$"):
