@@ -678,8 +678,12 @@ def _source(loc: tuple[Any, ...], sources: Mapping[tuple[str, ...], tuple[int, s
 def _describe(exc: ValidationError, sources: Mapping[tuple[str, ...], tuple[int, str]]) -> str:
     lines = []
     for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "<root>"
         kind = err["type"]
+        if kind == "bool_count":  # a section's check of one of its fields: the field's source
+            where = (*err["loc"], err["ctx"]["field"])
+            lines.append(".".join([*map(str, err["loc"]), err["msg"]]) + _source(where, sources))
+            continue
+        field = ".".join(str(p) for p in err["loc"]) or "<root>"
         if kind == "extra_forbidden":
             key = str(err["loc"][-1]) if err["loc"] else ""
             if "." in key:  # a dotted name given as one key

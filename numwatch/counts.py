@@ -12,13 +12,16 @@ from collections.abc import Mapping
 from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, model_validator
+from pydantic_core import PydanticCustomError
 
 __all__ = ["NoBoolCounts"]
 
 
 class NoBoolCounts(BaseModel):
     """Base of the config sections, rules and actions: an int field given a boolean is an
-    error naming the field."""
+    error naming the field. Raised by the model (a field validator cannot cover a rule's
+    discriminator ``type``), so its ``ctx`` names the field: a config error's source is the
+    field's, not every source of the section."""
 
     @model_validator(mode="before")
     @classmethod
@@ -27,7 +30,11 @@ class NoBoolCounts(BaseModel):
             for name, value in data.items():
                 field = cls.model_fields.get(name) if isinstance(name, str) else None
                 if isinstance(value, bool) and field is not None and _takes_int(field.annotation):
-                    raise ValueError(f"{name}: a number is expected, got the boolean {value}")
+                    raise PydanticCustomError(
+                        "bool_count",
+                        "{field}: a number is expected, got the boolean {value}",
+                        {"field": name, "value": str(value)},
+                    )
         return data
 
 

@@ -315,6 +315,30 @@ def test_a_boolean_is_not_taken_for_a_number(tmp_path, yaml_text, field):
         MonitorConfig.load(path, env={})
 
 
+def test_a_boolean_count_names_only_its_own_source(tmp_path):
+    """The check ran on the whole section: its error was placed at '<root>' and named every
+    source that set something (the good file along with the bad variable)."""
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("run_name: exp1\nsinks: {prometheus: {host: x}}\n")
+    bad.write_text("flush_every: on\n")
+    with pytest.raises(NumwatchConfigError) as err:
+        MonitorConfig.load(good, env={"NUMWATCH_FLUSH_EVERY": "yes"})
+    assert str(err.value) == (
+        "invalid numwatch config: flush_every: a number is expected, got the boolean True "
+        "(from NUMWATCH_FLUSH_EVERY)"
+    )
+    with pytest.raises(NumwatchConfigError) as err:
+        MonitorConfig.load(bad, env={"NUMWATCH_RUN_NAME": "exp1", "NUMWATCH_STRICT": "true"})
+    assert str(err.value).endswith(f"flush_every: a number is expected, got the boolean True "
+                                   f"(from config file {str(bad)!r})")  # fmt: skip
+    with pytest.raises(NumwatchConfigError) as err:
+        MonitorConfig.load(good, env={"NUMWATCH_SINKS__PROMETHEUS__PORT": "no"})
+    assert str(err.value).endswith(
+        "sinks.prometheus.port: a number is expected, got the boolean False "
+        "(from NUMWATCH_SINKS__PROMETHEUS__PORT)"
+    )
+
+
 @pytest.mark.parametrize(
     ("setting", "field", "value"),
     [("for_flushes: yes", "for_flushes", True), ("cooldown: yes", "cooldown", True),
