@@ -28,13 +28,14 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from numwatch.counts import NoBoolCounts
 from numwatch.errors import NumwatchConfigError
-from numwatch.rules import RuleConfig
+from numwatch.rules import Rule, RuleConfig, default_rules
 from numwatch.rules.engine import check_step_rule
 
 __all__ = [
@@ -219,6 +220,27 @@ class RulesConfig(_Section):
         default_factory=list,
         description="Rules to add; one named like a default rule replaces it.",
     )
+
+    @field_validator("disable")
+    @classmethod
+    def _disable_names_defaults(cls, names: list[str], info: ValidationInfo) -> list[str]:
+        """A misspelled name would leave the rule on; only ``Monitor`` refused it, without
+        naming the file or variable it came from."""
+        known = {rule.name for rule in default_rules()} if info.data.get("defaults") else set()
+        if unknown := [name for name in names if name not in known]:
+            have = f"the defaults are {sorted(known)}" if known else "rules.defaults is false"
+            raise ValueError(f"no default rule named {', '.join(map(repr, unknown))}; {have}")
+        return names
+
+    @field_validator("add")
+    @classmethod
+    def _add_names_are_unique(cls, rules: list[Rule]) -> list[Rule]:
+        """Names are ids (events' ``rule``, ``disable``): two with one name are an error, not
+        a silent choice of the last."""
+        names = [rule.name for rule in rules]
+        if dupes := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"duplicate rule names {dupes}; names are ids")
+        return rules
 
     @model_validator(mode="after")
     def _actions_are_valid(self) -> RulesConfig:
@@ -703,8 +725,8 @@ def _describe(exc: ValidationError, sources: Mapping[tuple[str, ...], tuple[int,
             hint = f"allowed values: {err['ctx']['expected']}"
         if kind == "list_type" and isinstance(value, str):
             hint += f" (a list in YAML: ['{value}'])"
-        if isinstance(value, Mapping) and kind == "value_error":  # a section's own check: its
-            got = hint.removeprefix("Value error, ")  # message says what, not the whole section
+        if kind == "value_error":  # numwatch's own checks: the message says what was wrong
+            got = hint.removeprefix("Value error, ")
         else:
             got = f"got {value!r}; {hint}"
         lines.append(f"{field}: {got}" + _source(err["loc"], sources))

@@ -54,8 +54,8 @@ def replay(
     ``records``: parsed JSONL records (``read_jsonl`` or, read one by one, ``iter_jsonl``) of
     one run; a log whose path was reused holds several (``RunBoundaries`` says where each begins).
     Each event carries the time of the flush that raised it."""
-    if isinstance(rules, (list, tuple)):
-        rules = RulesConfig(defaults=False, add=list(rules))
+    if isinstance(rules, (list, tuple)):  # validated as config: two with one name are refused
+        rules = MonitorConfig.validated({"rules": {"defaults": False, "add": list(rules)}}).rules
     cfg = rules or RulesConfig()
     out: list[Event] = []
     monitor = None

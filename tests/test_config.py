@@ -277,6 +277,32 @@ def test_an_action_type_that_is_not_a_name_is_a_config_error(tmp_path):
         MonitorConfig.load(path, env={})
 
 
+def test_rule_names_are_checked_with_the_config_and_name_their_source(tmp_path):
+    """A disable naming no default rule and two added rules of one name passed load/from_yaml
+    (what a CI check runs); Monitor refused them later, naming neither file nor variable."""
+    path = tmp_path / "dup.yaml"
+    path.write_text("rules:\n  add:\n    - {type: threshold, name: x, metric: loss, threshold: 5}\n"
+                    "    - {type: zscore, name: x, metric: loss, sigma: 6}\n")  # fmt: skip
+    with pytest.raises(NumwatchConfigError) as err:
+        MonitorConfig.from_yaml(path)
+    assert str(err.value) == (
+        "invalid numwatch config: rules.add: duplicate rule names ['x']; names are ids "
+        f"(from config file {str(path)!r})"
+    )
+    with pytest.raises(NumwatchConfigError) as err:
+        MonitorConfig.load(env={"NUMWATCH_RULES__DISABLE": "[attn_saturate]"})
+    assert str(err.value).startswith(
+        "invalid numwatch config: rules.disable: no default rule named 'attn_saturate'; the "
+        "defaults are ['activation_overflow_risk', "
+    )
+    assert str(err.value).endswith("(from NUMWATCH_RULES__DISABLE)")
+    with pytest.raises(NumwatchConfigError, match=r"'loss_spike'; rules\.defaults is false"):
+        MonitorConfig.load(rules={"defaults": False, "disable": ["loss_spike"]}, env={})
+    added = {"type": "zscore", "name": "loss_spike", "metric": "loss", "sigma": 3}
+    cfg = MonitorConfig.load(rules={"disable": ["loss_spike"], "add": [added]}, env={})
+    assert cfg.rules.disable == ["loss_spike"]  # disabled and added again: valid
+
+
 def test_from_yaml_reads_joined_names_as_load_does(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("rules__disable: [attn_saturated]\n")

@@ -11,6 +11,7 @@ import pytest
 
 from numwatch.config import MonitorConfig, RulesConfig
 from numwatch.errors import NumwatchConfigError
+from numwatch.replay import replay
 from numwatch.rules import (
     GrowthRule,
     NonfiniteRule,
@@ -194,7 +195,9 @@ def test_rules_add_rejects_duplicate_names_and_replaces_a_default():
         ThresholdRule(name="r", metric="loss", threshold=0),
     ]
     with pytest.raises(NumwatchConfigError, match=r"rules.add: duplicate rule names \['r'\]"):
-        configured_rules(RulesConfig(defaults=False, add=twice))
+        MonitorConfig.load(rules={"defaults": False, "add": twice}, env={})
+    with pytest.raises(NumwatchConfigError, match=r"rules.add: duplicate rule names \['r'\]"):
+        replay([], twice)
     mine = ZScoreRule(name="loss_spike", metric="loss", sigma=3)
     rules = configured_rules(RulesConfig(add=[mine]))
     assert rules["loss_spike"].sigma == 3

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from numwatch.errors import NumwatchConfigError
 from numwatch.rules.base import Rule
 from numwatch.rules.growth import GrowthRule
 from numwatch.rules.nonfinite import NonfiniteRule
@@ -28,18 +27,11 @@ __all__ = ["configured_rules", "default_rules"]
 def configured_rules(cfg: RulesConfig) -> dict[str, Rule]:
     """The rules ``cfg`` asks for, by name, with fresh state: the defaults (unless
     ``defaults=False``) less ``disable``, plus ``add`` (a rule named like a default replaces it,
-    README's way to change a default; two in ``add`` with one name are an error, not a silent
-    choice of the last)."""
-    added = [rule.name for rule in cfg.add]
-    dupes = sorted({n for n in added if added.count(n) > 1})
-    if dupes:
-        raise NumwatchConfigError(f"rules.add: duplicate rule names {dupes}; names are ids")
-    rules = {r.name: r for r in (default_rules() if cfg.defaults else [])}
-    for name in cfg.disable:
-        if rules.pop(name, None) is None:
-            raise NumwatchConfigError(
-                f"rules.disable: no default rule {name!r}; have {sorted(rules)}"
-            )
+    README's way to change a default). ``RulesConfig`` checked the names: ``disable`` names
+    default rules, ``add`` has no name twice."""
+    rules = {
+        r.name: r for r in (default_rules() if cfg.defaults else []) if r.name not in cfg.disable
+    }
     for rule in cfg.add:
         rules[rule.name] = type(rule).model_validate(rule.model_dump())  # fresh state
     return rules
