@@ -116,6 +116,28 @@ def test_a_record_of_late_events_prints_its_events_only(tmp_path, capsys):
     ]
 
 
+def test_n_counts_flushes_not_the_records_of_late_events(tmp_path, capsys):
+    """The record a detach or halt writes (late events, no metrics) counted as one of the -n
+    flushes: on a halted run `-n 1` printed only the halt, `-n 1 --no-events` nothing."""
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path, "t")
+    sink.emit_events([Event(kind="action", step=0, message="before", rule="r")])
+    for step in (1, 2, 3):
+        sink.emit(Snapshot(step, [MetricRecord("loss", {}, 0.5)], time=1.0), [])
+        if step > 1:
+            sink.emit_events([Event(kind="action", step=step, message="halt", rule="r")])
+    sink.close()
+    gz = tmp_path / "run.jsonl.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    written = [(0, False), (1, True), (2, True), (2, False), (3, True), (3, False)]  # (step, flush)
+    for log in (path, gz):
+        kept = {n: [(r["step"], bool(r["metrics"])) for r in backlog(log, n)[0]] for n in range(5)}
+        # a flush with the late records after it; those before the first flush only with -n 4
+        assert kept == {0: [], 1: written[4:], 2: written[2:], 3: written[1:], 4: written}
+    assert cli(["tail", str(path), "--no-follow", "-n", "1", "--no-events"]) == 0
+    assert capsys.readouterr().out.startswith("numwatch step 3 | loss 0.5")
+
+
 def test_lines_that_are_not_records_are_skipped(tmp_path, capsys, caplog):
     """A crash cut the run's last line short; a new run on the path appended after it."""
     path = tmp_path / "run.jsonl"

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -121,16 +121,18 @@ def print_record(console: Console, record: dict[str, Any], *, events: bool = Tru
 
 
 def backlog(path: Path, last: int, *, partial: bool = False) -> tuple[list[dict[str, Any]], int]:
-    """The last ``last`` complete records of the log now, and the byte offset after them (where
-    ``follow`` goes on: a line still being written is its to read). ``partial``: a last line
-    without its newline counts too, if it is a record (nothing will follow it). A plain log
-    is read backwards from its end, in growing blocks, until they are found: a long run's log
-    is gigabytes. A compressed one (an archive, not followed) is read through, holding
-    ``last`` records."""
+    """The complete records of the log now from its ``last``-th flush from the end on (the
+    records of late events written at detach or halt come with the flush before them: ``-n 1``
+    is the last flush and what followed it), and the byte offset after them (where ``follow``
+    goes on: a line still being written is its to read). ``partial``: a last line without its
+    newline counts too, if it is a record (nothing will follow it). A plain log is read
+    backwards from its end, in growing blocks, until they are found: a long run's log is
+    gigabytes. A compressed one (an archive, not followed) is read through, holding the last
+    ``last`` flushes' records."""
     if not path.is_file():
         return [], 0
     if compression(path):
-        return list(deque(iter_jsonl(path), maxlen=max(last, 0))), 0
+        return _from_last_flushes(iter_jsonl(path), last), 0
     with path.open("rb") as f:
         size = f.seek(0, os.SEEK_END)
         block = 1 << 16
@@ -147,8 +149,9 @@ def backlog(path: Path, last: int, *, partial: bool = False) -> tuple[list[dict[
             lines = data[:cut].split(b"\n")[:-1][1 if start else 0 :]
             unended = parse_record(data[cut:]) if partial and data[cut:].strip() else None
             records, skipped = [unended] if unended and last else [], []  # skipped: indexes
+            flushes = sum(map(is_flush, records))
             for i in range(len(lines) - 1, -1, -1):
-                if len(records) >= last:
+                if flushes >= last:
                     break
                 if lines[i].strip():
                     record = parse_record(lines[i])
@@ -156,13 +159,32 @@ def backlog(path: Path, last: int, *, partial: bool = False) -> tuple[list[dict[
                         skipped.append(i)
                     else:
                         records.append(record)
-            if len(records) >= last or start == 0:
+                        flushes += is_flush(record)
+            if flushes >= last or start == 0:
                 break
             block *= 4
         if skipped:  # their line numbers: lines[0] is the line after the one cut at start
             first = _newlines_before(f, start) + 2 if start else 1
             warn_unreadable(path, [first + i for i in reversed(skipped)])
     return records[::-1], start + cut
+
+
+def _from_last_flushes(records: Iterable[dict[str, Any]], last: int) -> list[dict[str, Any]]:
+    """``records`` from the ``last``-th flush from the end on, read through holding only those
+    (as ``backlog`` finds them backwards: late records before the first flush are kept only
+    when the log has fewer flushes than ``last``)."""
+    head: list[dict[str, Any]] = []  # late records before the first flush
+    groups: deque[list[dict[str, Any]]] = deque(maxlen=max(last, 0))  # a flush + its late ones
+    flushes = 0
+    for record in records:
+        if is_flush(record):
+            flushes += 1
+            groups.append([record])
+        elif not flushes:
+            head.append(record)
+        elif groups:
+            groups[-1].append(record)
+    return (head if flushes < last else []) + [r for group in groups for r in group]
 
 
 def _newlines_before(f: IO[bytes], offset: int) -> int:
