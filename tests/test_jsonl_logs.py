@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 from numwatch.events import Event
 from numwatch.sinks.jsonl import JsonlSink, read_jsonl, run_starts
@@ -300,3 +301,38 @@ def test_a_default_name_is_not_renamed_per_rank(tmp_path, monkeypatch):
             numwatch.Monitor(torch.nn.Linear(2, 1), sinks__console__enabled=False).attach()
     finally:
         first.detach()
+
+
+def test_an_unusable_log_path_is_a_config_error_naming_the_setting(tmp_path):
+    """A parent that is a file, a folder as the path, a folder that cannot be created: attach
+    raised a raw OSError ('File exists' for the first) that did not name sinks.jsonl.path."""
+    import sys
+
+    import pytest
+    import torch
+
+    import numwatch
+    from numwatch.errors import NumwatchConfigError
+
+    (tmp_path / "afile").touch()
+    cases = [
+        (tmp_path / "afile" / "run.jsonl", f"{str(tmp_path / 'afile')!r} is a file, not a folder"),
+        (tmp_path / "afile" / "sub" / "run.jsonl", f"{str(tmp_path / 'afile')!r} is a file"),
+        (tmp_path, "it is a folder, not a file"),
+    ]
+    if sys.platform == "linux":  # procfs refuses new folders
+        cases.append(
+            (Path("/proc/numwatch/run.jsonl"), "its folder '/proc/numwatch' cannot be created")
+        )
+    model = torch.nn.Linear(4, 4)
+    for path, problem in cases:
+        monitor = numwatch.Monitor(
+            model, sinks__jsonl__path=str(path), sinks__console__enabled=False
+        )
+        with pytest.raises(NumwatchConfigError) as err:
+            monitor.attach()
+        assert str(err.value).startswith(
+            f"sinks.jsonl.path {str(path)!r} cannot be written: {problem}"
+        )
+        assert not monitor.attached and not model._forward_pre_hooks and not model._forward_hooks
+        assert not model.weight._post_accumulate_grad_hooks

@@ -107,7 +107,6 @@ class JsonlSink:
                 "every flush, readable while the run goes on); drop the suffix and compress the "
                 "finished log (gzip, or bench/archive_log.py): the readers open .gz and .xz"
             )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_name = run_name
         self.monitor = monitor
         self.every = every
@@ -124,7 +123,14 @@ class JsonlSink:
                 "process: two runs would interleave their records in one file (give each "
                 "monitor its own run_name or path)"
             )
-        self._file = self.path.open("a", encoding="utf-8")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        except OSError as err:
+            raise NumwatchConfigError(
+                f"sinks.jsonl.path {str(path)!r} cannot be written: {_unwritable(self.path, err)}; "
+                "set a file path in a folder this process can write"
+            ) from None
         _lock(self._file, path)
         _end_partial_line(self.path)
         _WRITING.add(self._key)
@@ -245,6 +251,19 @@ _OPEN_LOGS: weakref.WeakSet[IO[str]] = weakref.WeakSet()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=lambda: [f.close() for f in list(_OPEN_LOGS)])
 _LOCK_UNSUPPORTED: list[str] = []  # said once per process
+
+
+def _unwritable(path: Path, err: OSError) -> str:
+    """Why the log cannot be opened, in words: the OSError alone did not name the setting, and
+    said 'File exists' for a parent that is a file."""
+    if path.is_dir():
+        return "it is a folder, not a file"
+    for parent in reversed(path.parents):
+        if parent.exists() and not parent.is_dir():
+            return f"{str(parent)!r} is a file, not a folder"
+    if not path.parent.is_dir():
+        return f"its folder {str(path.parent)!r} cannot be created ({err.strerror})"
+    return f"{err.strerror} ({str(err.filename)!r})"
 
 
 def _lock(file: IO[str], path: str | Path) -> None:
