@@ -445,3 +445,32 @@ def test_a_plot_that_cannot_be_drawn_costs_that_plot_only(log, tmp_path, monkeyp
     )
     assert len(re.findall(r"src='data:image/png;base64,", page)) == 3  # attention, tensors, cost
     assert "steps 9 .. 39 in 4 flushes" in text_of(page)
+
+
+def drawn(monkeypatch, draw, run):
+    """{axes title: {label: y values}} of the plot ``draw`` makes of ``run``."""
+    from numwatch.sinks import report
+
+    monkeypatch.setattr(report, "_finish", lambda fig, axes, run: axes)
+    return {
+        ax.get_title(loc="left"): {line.get_label(): list(line.get_ydata()) for line in ax.lines}
+        for ax in draw(run)
+    }
+
+
+def test_the_entropy_plot_draws_the_mean_not_the_causal_zero_minimum(tmp_path, monkeypatch):
+    """The plot drew attn_entropy_min, 0 in every causal layer: a flat line at 0."""
+    from numwatch.sinks.report import _attention_plot
+
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path, "entropy")
+    for step, low in ((9, 2.5), (19, 0.75)):
+        records = []
+        for head, mean in (("0", 3.0), ("1", low)):
+            labels = {"layer": "h.0.attn", "head": head}
+            records.append(MetricRecord("attn_entropy_min", labels, 0.0))
+            records.append(MetricRecord("attn_entropy_mean", labels, mean))
+        sink.emit(Snapshot(step, records, time=float(step)), [])
+    sink.close()
+    plots = drawn(monkeypatch, _attention_plot, load_run(path))
+    assert plots == {"Mean softmax-row entropy, nats (lowest head)": {"h.0.attn": [2.5, 0.75]}}

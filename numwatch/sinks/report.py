@@ -46,7 +46,8 @@ ATTENTION_PLOTS = [
     ("attn_max_logit", "Max attention logit (worst head)", True),
     ("attn_output_bias", "Output error bias mean(err)/mean|err| (worst head, signed)", False),
     ("attn_output_systematic_error", "Systematic output error beyond rounding (worst head)", False),
-    ("attn_entropy_min", "Lowest softmax-row entropy, nats", False),
+    # the mean over rows: the minimum is 0 in any causal layer (its first row has one key)
+    ("attn_entropy_mean", "Mean softmax-row entropy, nats (lowest head)", False),
     ("attn_qk_logit_bound", "QK logit bound sigma_q sigma_k / sqrt(d) (largest head)", True),
 ]
 # Per-parameter/module timelines: (metric, label, title, log scale); the ``top`` worst series.
