@@ -100,7 +100,7 @@ def test_summary_heads_and_events(log):
     text = text_of(page)
     assert "steps 9 .. 39 in 4 flushes" in text
     assert "events 1 precursor, 1 action, 1 nonfinite" in text
-    assert "loss last 1.2, lowest 1.2" in text
+    assert "loss last 1.2, lowest 1.2, largest 3 at flush step 9" in text
     assert "grad_nonfinite elements first at flush step 29, 3 in all" in text
     assert "largest attention logit 120 at step 29 (head=2, layer=blocks.1.attn)" in text
     assert "most repeated-max rows 0.3 at step 19 (head=2, layer=blocks.1.attn)" in text
@@ -474,3 +474,36 @@ def test_the_entropy_plot_draws_the_mean_not_the_causal_zero_minimum(tmp_path, m
     sink.close()
     plots = drawn(monkeypatch, _attention_plot, load_run(path))
     assert plots == {"Mean softmax-row entropy, nats (lowest head)": {"h.0.attn": [2.5, 0.75]}}
+
+
+def test_a_loss_spike_between_flushes_shows_in_the_plot_and_the_summary(tmp_path, monkeypatch):
+    """Only each flush's last-step loss was read: a spike, even an Inf, at a step between two
+    flushes was in the log (loss_max, loss_mean) and nowhere in the report."""
+    from numwatch.sinks.report import _training_plot
+
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path, "spike")
+    windows = [(9, 3.0, 4.0, 3.5), (19, 2.75, 232.0, 25.5), (29, 2.5, 3.0, 2.75)]
+    for step, last, top, mean in windows:
+        records = [MetricRecord(n, {}, v) for n, v in zip(LOSSES, (last, top, mean), strict=True)]
+        sink.emit(Snapshot(step, records, time=float(step)), [])
+    assert dict(summary_rows(load_run(path)))["loss"] == (
+        "last 2.5, lowest 2.5, largest 232 at flush step 19"
+    )
+    inf = math.inf
+    records = [MetricRecord(n, {}, v) for n, v in zip(LOSSES, (2.25, inf, inf), strict=True)]
+    sink.emit(Snapshot(39, records, time=39.0), [])
+    sink.close()
+    run = load_run(path)
+    assert dict(summary_rows(run))["loss"] == "last 2.25, lowest 2.25, largest inf at flush step 39"
+    assert drawn(monkeypatch, _training_plot, run) == {
+        "Loss": {
+            "loss": [3.0, 2.75, 2.5, 2.25],
+            "loss_max": [4.0, 232.0, 3.0, inf],
+            "loss_mean": [3.5, 25.5, 2.75, inf],
+            "loss_max NaN/Inf": [1.0],
+        }
+    }
+
+
+LOSSES = ("loss", "loss_max", "loss_mean")

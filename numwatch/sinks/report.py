@@ -320,6 +320,8 @@ def _training_plot(run: Run) -> str | None:
     for ax, (metric, title) in zip(axes, panels, strict=False):
         _plot(ax, run.scalar(metric), metric)
         _title(ax, title)
+        if metric == "loss":
+            _window_loss(ax, run)
         if metric == "grad_norm" and _positive(run.scalar(metric)):
             ax.set_yscale("log")
     if nonfinite:
@@ -329,6 +331,29 @@ def _training_plot(run: Run) -> str | None:
         _title(ax, "Non-finite elements per flush window")
         _legend(ax, len(nonfinite))
     return _finish(fig, axes, run)
+
+
+def _window_loss(ax: Any, run: Run) -> None:
+    """Beside each flush's last-step loss, the largest and the mean of its window's steps: a
+    spike between two flushes shows only there; a NaN/Inf there (no point drawn) as a cross."""
+    windows = [m for m in ("loss_max", "loss_mean") if m in run.series]
+    if not windows:  # a log from before loss_max
+        return
+    for metric in windows:
+        _plot(ax, run.scalar(metric), metric)
+    bad = [s for s, v in run.scalar("loss_max") if not math.isfinite(v)]
+    if bad:  # at the axes' top edge
+        top, color = ax.get_xaxis_transform(), EVENT_COLORS["nonfinite"]
+        ax.plot(
+            bad,
+            [1.0] * len(bad),
+            "x",
+            color=color,
+            transform=top,
+            clip_on=False,
+            label="loss_max NaN/Inf",
+        )
+    _legend(ax, 1 + len(windows) + bool(bad))
 
 
 def _positive(points: list[tuple[int, float]]) -> bool:
@@ -447,9 +472,12 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     loss = run.scalar("loss")
     if loss:
         finite = [v for _, v in loss if math.isfinite(v)]
-        rows.append(
-            ("loss", f"last {_fmt(loss[-1][1])}, lowest {_fmt(min(finite, default=math.nan))}")
-        )
+        # the largest of every step (loss_max), not only of each flush's last: NaN first
+        windows = run.scalar("loss_max") or loss
+        nan = [(s, v) for s, v in windows if math.isnan(v)]
+        step, top = nan[0] if nan else max(windows, key=lambda p: p[1])
+        text = f"last {_fmt(loss[-1][1])}, lowest {_fmt(min(finite, default=math.nan))}"
+        rows.append(("loss", f"{text}, largest {_fmt(top)} at flush step {step}"))
     for metric in ("grad_nonfinite", "activation_nonfinite"):
         points = [(s, v) for s, v in run.scalar(metric) if v > 0]
         if metric in run.series:
