@@ -942,6 +942,7 @@ class Monitor(Joinable):
         self._forwards_since_flush = False
         start = time.perf_counter()
         self._guard.run("flush", self._dist.settle, self._ctx.step)
+        self._guard.run("sinks", self._log_own_values)
         self._guard.run("flush", self._warn_new_trainable)
         self._warn_no_loss()
         with gc_paused():
@@ -964,6 +965,28 @@ class Monitor(Joinable):
         if snapshot is not None:
             self._run_actions(fired)  # after the sinks: a halt leaves the log complete
         return snapshot
+
+    def _log_own_values(self) -> None:
+        """Once a rank ran out of inputs under Join, each rank reports and acts on its own values:
+        a rank without a log of its own (not rank 0, with ``distributed.jsonl='rank0'``) starts
+        one, named as 'per_rank' names it, and prints to the console, or its events and skipped
+        updates would reach no one."""
+        if self._dist.joined_step is None:
+            return
+        cfg = self.config.sinks
+        if cfg.jsonl.enabled and not any(isinstance(s, JsonlSink) for s in self._sinks):
+            stem, suffix = os.path.splitext(cfg.jsonl.path)
+            path = cfg.jsonl.path if "{rank}" in cfg.jsonl.path else f"{stem}.rank{{rank}}{suffix}"
+            self._jsonl_path = path.format(run_name=self.run_name, rank=self.rank)
+            self._sinks.append(self._jsonl_sink())
+            log.warning(
+                "numwatch: rank %d logs its own values to %s from step %d on (uneven inputs)",
+                self.rank,
+                self._jsonl_path,
+                self._dist.joined_step,
+            )
+        if cfg.console.enabled and not any(isinstance(s, ConsoleSink) for s in self._sinks):
+            self._sinks.append(ConsoleSink(every=cfg.console.every))
 
     def _emit_late_events(self) -> None:
         """The events no flush carried (what the last flush's actions did) to the sinks that

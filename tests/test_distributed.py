@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import io
 import math
 import os
 import sys
@@ -531,6 +532,41 @@ def scenario_ddp_join(rank: int, out: Path, accumulate: int) -> dict:
     }
 
 
+def scenario_join_logs(rank: int, out: Path) -> dict:
+    """Uneven inputs, one log of global values (distributed.jsonl='rank0', a path without
+    {rank}): rank 0 has 2 steps, rank 1 has 4 and a NaN in its input at step 3, after the join;
+    what each rank's console printed and the logs' records."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+    path = out / "join_logs.jsonl"
+    monitor = _monitor(
+        net, out, "join_logs", rules=_skip_rules(), sinks__console__enabled=True,
+        sinks__jsonl__path=str(path),
+    ).attach(opt)  # fmt: skip
+    console = io.StringIO()
+    with contextlib.redirect_stderr(console), Join([ddp, monitor]):
+        for step in range(2 if rank == 0 else 4):
+            x = batch(rank, step)
+            x[0, 0, 0] = math.nan if step == 3 else x[0, 0, 0]
+            loss = ddp(x).square().mean()
+            loss.backward()
+            monitor.step(loss)
+            opt.step()
+            opt.zero_grad()
+        monitor.detach()
+    return {
+        "errors": {k: v for k, v in monitor.errors.items() if v},
+        "console": console.getvalue(),
+        "jsonl": monitor.jsonl_path,
+        "log": read_jsonl(monitor.jsonl_path) if monitor.jsonl_path else None,
+    }
+
+
 def _fsdp_net() -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
@@ -868,6 +904,7 @@ SCENARIOS = {
     "join": lambda r, o: scenario_ddp_join(r, o, accumulate=1),
     "join_accumulate": lambda r, o: scenario_ddp_join(r, o, accumulate=2),
     "join_disabled": scenario_join_disabled,
+    "join_logs": scenario_join_logs,
     "rule_mismatch": scenario_rule_mismatch,
     "layouts_differ": scenario_layouts_differ,
     "reattach_unfrozen": scenario_reattach_unfrozen,
@@ -1354,6 +1391,33 @@ def test_uneven_inputs_under_join_stop_aggregating_instead_of_hanging(runs, name
             assert loss == pytest.approx(r1["losses"][step], rel=1e-12)
             assert numel == per_rank
     assert [s for s, *_ in r1["flushed"]] == [0, 1, 2, 3]
+
+
+def test_after_a_join_a_rank_without_a_log_logs_its_own_values_and_events(runs):
+    """Once rank 0 ran out of inputs, rank 1 trained on alone on its own values, with no log
+    and no console (rank 0's): its NaN at step 3 and the update it skipped were logged nowhere."""
+    r0, r1 = _ok(runs["join_logs"])
+    assert r0["errors"] == r1["errors"] == {}
+    assert Path(r0["jsonl"]).name == "join_logs.jsonl"
+    assert [(rec["rank"], rec["step"]) for rec in r0["log"]] == [(0, 0), (0, 1)]
+    assert Path(r1["jsonl"]).name == "join_logs.rank1.jsonl"  # the path has no {rank}
+    assert [(rec["rank"], rec["step"]) for rec in r1["log"]] == [(1, 2), (1, 3)]
+    assert [(e["step"], e["kind"], e["message"]) for e in r1["log"][1]["events"]] == [
+        (3, "nonfinite", "[nonfinite] NaN/Inf in the step's gradients or loss (nan)"),
+        (3, "action", "skip_step: skipped the optimizer update of step 3 (rule nonfinite)"),
+        (
+            3,
+            "nonfinite",
+            "NaN/Inf first seen in the forward output of module 'a.qkv' (forward) at step 3",
+        ),
+    ]
+    lines = [line.split(" | ")[0] for line in r1["console"].splitlines()]
+    assert [line for line in lines if line.startswith("numwatch ")] == [
+        "numwatch rank 1 step 2",
+        "numwatch rank 1 step 3",
+    ]
+    assert "skip_step: skipped the optimizer update of step 3" in r1["console"]
+    assert f"numwatch: rank 1 logs its own values to {r1['jsonl']} from step 2 on" in r1["console"]
 
 
 def test_a_monitor_attached_on_one_rank_only_raises_instead_of_hanging(runs):

@@ -61,7 +61,10 @@ def _attention(snapshot: Snapshot) -> str | None:
 
 def summary_line(snapshot: Snapshot, events: Sequence[Event]) -> str:
     """Rich-markup summary of one flush (plain text once markup is stripped)."""
-    parts = [f"[bold]numwatch[/] step {snapshot.step}"]
+    # a rank other than 0: its own values (its per-rank log, its console once a Join stopped
+    # the aggregation)
+    rank = f" rank {snapshot.rank}" if snapshot.rank else ""
+    parts = [f"[bold]numwatch[/]{rank} step {snapshot.step}"]
     loss = snapshot.get("loss")
     if loss is not None:
         parts.append(f"loss {loss:.4g}")
