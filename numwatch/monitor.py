@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.amp.grad_scaler import OptState
 from torch.distributed.algorithms.join import Joinable
 
 from numwatch.actions.base import Action
@@ -664,6 +665,7 @@ class Monitor(Joinable):
         if loss is None and self._late_losses:  # its order now, before the gradients'
             origin = NonfiniteOrigin("loss", "", "loss", self._ctx.step)
             self._late_loss_order = (self._ctx.step, self._ctx.tracker.next_order(origin))
+        self._ctx.grad_scale = self._guard.run("step", self._gradient_scale)
         for probe in self._probes:
             if hasattr(probe, "on_step"):
                 self._guard.run(probe.component, probe.on_step)
@@ -1155,6 +1157,18 @@ class Monitor(Joinable):
             return None
         scale = getattr(scaler, "_scale", None)
         return scale.reshape(()) if isinstance(scale, torch.Tensor) else None
+
+    def _gradient_scale(self) -> torch.Tensor | None:
+        """The loss scale the gradients carry now: the GradScaler's until
+        ``scaler.unscale_(optimizer)``, which ``scaler.step()`` runs before ``optimizer.step()``.
+        So the step ``monitor.step()`` closes before ``scaler.step()`` has scaled gradients
+        (x65536 at the default scale), and the one the optimizer hook closes has true ones."""
+        scale = self._scaler_scale()
+        states = getattr(self._scaler, "_per_optimizer_states", None)
+        if scale is None or states is None:
+            return None
+        state = states.get(id(self._optimizer))  # none yet this iteration: READY, scaled
+        return scale if state is None or state["stage"] is OptState.READY else None
 
     def _scaler_overflows(
         self, nonfinite: list[Event], host: Mapping[str, torch.Tensor]

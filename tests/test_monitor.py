@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import io
@@ -98,6 +99,68 @@ def test_underflow_dtype_counts_values_an_fp16_cast_would_flush(make_monitor):
     snap = monitor.snapshot()
     assert snap.value("grad_underflow_fraction", param="weight") == pytest.approx(2 / 3)
     assert snap.value("grad_subnormal", param="weight") == 0  # none subnormal in fp32
+
+
+def test_gradient_statistics_under_a_grad_scaler_are_of_the_true_gradients(make_monitor):
+    """README's GradScaler loop closes the step with monitor.step() before scaler.step(), while
+    the gradients are still multiplied by the loss scale: grad_norm, grad_absmax... came out
+    x1024 here (x65536 at the default scale) and moved with every change of the scale."""
+    model = nn.Linear(4, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor = make_monitor(model, flush_every=1).attach(opt, scaler=scaler)
+    x = torch.tensor([[1.0, -2.0, 0.5, 4.0]])  # the gradient of model(x).sum()
+    seen = []
+    for step, how in enumerate(["step", "overflow", "step", "unscale_ first", "optimizer hook"]):
+        loss = model(x).sum()
+        scaler.scale(loss).backward()
+        if how == "overflow":
+            model.weight.grad[0, 0] = math.inf  # the scaler skips it and halves its scale
+        if how == "unscale_ first":
+            scaler.unscale_(opt)  # the gradients are true ones already: divided once only
+        if how != "optimizer hook":
+            monitor.step(loss)
+        scaler.step(opt)  # unscales, then optimizer.step(), whose pre-hook closes a step
+        scaler.update()
+        opt.zero_grad()
+        snap = monitor.snapshot()
+        assert snap.step == step
+        p = {"param": "weight"}
+        seen.append(
+            [snap.value(f"grad_{k}", **p) for k in ("absmax", "min", "max", "mean", "rms")]
+            + [snap.value("grad_norm"), snap.value("loss_scale")]
+        )
+    true = [4.0, -2.0, 4.0, 0.875, math.sqrt(21.25 / 4), math.sqrt(21.25)]
+    assert seen[0] == [*true, 1024.0]
+    assert seen[1][:3] == [4.0, -2.0, 4.0] and math.isnan(seen[1][5])  # the overflow step
+    assert seen[2:] == [[*true, 512.0]] * 3  # the scale halved: divided by the new one
+
+
+@requires_gpu
+def test_unscaled_gradient_statistics_do_not_sync_on_gpu(make_monitor):
+    """The statistics are divided by the loss scale on the device, with new factors each time
+    the scale changes (here every step), and the host never waits for the GPU."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=1)
+    monitor = make_monitor(model, flush_every=100).attach(opt, scaler=scaler)
+    x = torch.randn(8, 64, device="cuda")
+
+    def step(check: bool) -> None:
+        loss = model(x).square().mean()
+        scaler.scale(loss).backward()
+        with host_never_waits() if check else contextlib.nullcontext():
+            monitor.step(loss)
+        scaler.step(opt)
+        scaler.update()  # the scale doubles: new factors at the next step
+        opt.zero_grad()
+
+    step(False)  # warm: kernels loaded, plans made
+    step(True)
+    true = torch.autograd.grad(model(x).square().mean(), model.weight)[0]
+    snap = monitor.flush()
+    assert snap.value("grad_absmax", param="weight") == pytest.approx(true.abs().max().item())
 
 
 def test_planted_activation_outputs_of_any_structure(make_monitor):

@@ -146,6 +146,8 @@ def _norm_sq(stats: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
 
 
 _GRAD = attrgetter("grad")
+# The power of the loss scale that a stat column of scaled gradients holds (counts: none)
+_SCALE_POWERS = {ts.ABSMAX: 1, ts.MIN: 1, ts.MAX: 1, ts.SUM: 1, ts.SUMSQ: 2}
 # Measured forwards a device holds before they are merged into the table (forwards that close no
 # step, as validation, generate() or an inference loop run, merged one per forward otherwise)
 _FOLD_AT = 64
@@ -256,6 +258,8 @@ class GradientProbe:
         self._norm_max: torch.Tensor | None = None
         # (table rows, stats) read at the last closed step: cross-rank gradient norms use them
         self.step_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # per device: ((device, address, version) of the loss scale, its unscaling factors)
+        self._factors: dict[torch.device, tuple[tuple, torch.Tensor]] = {}
 
     def attach(self) -> None:
         self._arm()
@@ -317,6 +321,8 @@ class GradientProbe:
             # table order: every gradient in order when they all are on this device
             tensors = grads if len(indices) == len(grads) else [grads[i] for i in indices]
             stats = ts.tensor_stats(tensors, self.ctx.underflow_dtype, self.ctx.backend)
+            if self.ctx.grad_scale is not None:
+                stats = stats * self._unscaling(self.ctx.grad_scale, stats.device)
             first = self.ctx.tracker.reserve("backward", "param", names, self.ctx.step)
             measured.append((entry, stats, first))
             self.step_stats.append((rows, stats))
@@ -324,6 +330,21 @@ class GradientProbe:
             self._pending.append(measured)
             if len(self._pending) >= SETTLE_STEPS:
                 self._settle()
+
+    def _unscaling(self, scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """(N_STATS,) float64 factors from the stat rows of gradients multiplied by a GradScaler's
+        ``scale`` to those of the true gradients: 1/scale for the extremes and the sum, 1/scale²
+        for the sum of squares; counts stay (the subnormal and underflow counts are of the
+        gradients as held: the underflow the scale guards against). Made again only when the
+        scale changed (GradScaler.update() writes it in place), so a step costs one multiply."""
+        key = (device, scale.data_ptr(), scale._version)
+        cached = self._factors.get(device)
+        if cached is None or cached[0] != key:
+            powers = [-float(_SCALE_POWERS.get(i, 0)) for i in range(ts.N_STATS)]
+            powers = to_device(powers, torch.float64, device)
+            factors = scale.detach().to(device, torch.float64).pow(powers)  # (N_STATS,)
+            cached = self._factors[device] = (key, factors)
+        return cached[1]
 
     def _plan(self, grads: list[Any], usable: tuple[Any, ...]) -> list[tuple]:
         """Per device: (device, indices, table rows, rank, names) of the usable gradients in
