@@ -1281,16 +1281,18 @@ class Monitor(Joinable):
         return engine, actions
 
     def _run_actions(self, fired: Sequence[tuple[Event, Rule | None]]) -> None:
+        """Run the fired rules' actions in order. A halt is raised once all of them ran: a
+        snapshot of a later rule in the halting flush is the forensics the halt is for."""
         done = []
-        halted = False
+        halt: NumwatchHalt | None = None
         try:
             for event, rule in fired:
                 for action in self._actions.get(rule.name, []) if rule is not None else []:
                     failures = self._guard.errors["actions"]
                     try:
                         what = self._guard.run("actions", action.maybe_run, self, event)
-                    except NumwatchHalt:
-                        halted = True
+                    except NumwatchHalt as exc:
+                        halt = halt or exc  # the first halt's report
                         done.append(
                             Event(
                                 kind="action",
@@ -1304,7 +1306,7 @@ class Monitor(Joinable):
                                 evidence={"action": action.type},
                             )
                         )
-                        raise
+                        continue
                     # A failed action is on record as one: the error count of the last flush
                     # before detach reaches no flush record (a snapshot to a full disk at the
                     # NaN that ended a run read as no error in the log and the report).
@@ -1328,12 +1330,14 @@ class Monitor(Joinable):
                                 else {"action": action.type},
                             )
                         )
-        finally:  # a halt among the actions: those that ran before it are on record too
+        finally:  # an action raising in strict mode: those that ran are on record too
             for event in done:
                 self._event_counts[(event.kind, event.rule)] += 1
             self._publish(done)
-            if halted:  # and in the log now: a loop that dies of the halt never detaches
+            if halt is not None:  # and in the log now: a loop that dies of the halt never detaches
                 self._guard.run("sinks", self._emit_late_events)
+        if halt is not None:
+            raise halt
 
     @property
     def optimizer_control(self) -> OptimizerControl | None:

@@ -448,6 +448,30 @@ def test_an_action_before_a_halt_in_the_same_flush_is_on_record(tmp_path):
     assert [e["rule"] for e in logged] == ["a_backoff", "b_halt"]
 
 
+def test_an_action_after_a_halt_in_the_same_flush_still_runs(tmp_path):
+    """A halt stopped the flush's other actions: the snapshot of a rule after the halting one
+    (the forensics of the NaN that stopped the run) was never written."""
+    forensics = tmp_path / "forensics"
+    rules = {"defaults": False, "add": [
+        {"type": "nonfinite", "name": "nonfinite", "actions": ["halt"]},
+        {"type": "threshold", "name": "nan_grads", "metric": "grad_nonfinite", "threshold": 0,
+         "actions": [{"type": "snapshot", "directory": str(forensics)}]},
+    ]}  # fmt: skip
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    monitor = monitor_for(model, rules=rules).attach()
+    model(torch.randn(2, 4)).sum().backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    with pytest.raises(NumwatchHalt) as err:
+        monitor.step()
+    assert err.value.report["rule"] == "nonfinite"
+    assert [(e.rule, e.message.split(":")[0]) for e in monitor.events if e.kind == "action"] == [
+        ("nonfinite", "halt"),
+        ("nan_grads", "snapshot"),
+    ]
+    assert set(torch.load(next(forensics.glob("*.pt")))) == {"0.weight", "0.weight.grad"}
+    monitor.detach()
+
+
 def test_a_halted_loop_that_never_detaches_has_the_halting_flushs_actions_in_its_log(tmp_path):
     """The actions of the halting flush waited for detach() to reach the log: a script that
     dies of the halt never calls it, and the log lacked where the snapshot went, and the halt."""
