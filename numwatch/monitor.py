@@ -1363,6 +1363,25 @@ class Monitor(Joinable):
                         return p
         return None
 
+    def nonfinite_origin(self) -> dict[str, str] | None:
+        """The labels of where the step under way first saw a NaN/Inf on this rank ({}: the
+        loss), for the actions of a step-level event, whose global gradient norm and loss name
+        none (a snapshot's offending tensors); None outside a step close or without one. The
+        flush names it too, but after skip_step has cleared the gradients.
+
+        SYNC: one read of the tracker, only when an action asks (a snapshot at a NaN step).
+        """
+        if not self._closing_step:
+            return None
+        self._settle_losses()
+        if self._gradients is not None:
+            self._gradients.settle()
+        tracker = self._ctx.tracker
+        origin = tracker.first_origin(read_to_host(tracker.device_tensors()))
+        if origin is None or origin.step != self._ctx.step:
+            return None
+        return {origin.label: origin.name} if origin.label else {}
+
     # ----------------------------------------------------------------------------- queries
     def snapshot(self) -> Snapshot | None:
         """The latest flushed metrics (None before the first flush)."""

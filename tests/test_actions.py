@@ -507,6 +507,28 @@ def test_snapshot_action_saves_bounded_forensics(tmp_path):
     assert record["event"]["labels"] == {"param": "1.weight"}
 
 
+def test_a_skip_step_rules_snapshot_saves_the_nan_origin_before_the_skip_clears_it(tmp_path):
+    """A nonfinite rule with skip_step decides from the step's global gradient norm, whose event
+    names no parameter: its snapshot saved no tensor, and the flush that named the origin came
+    after the skip had cleared the gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    save = {"type": "snapshot", "directory": str(tmp_path)}
+    rules = only("nonfinite", "nonfinite", None, "skip_step", save)
+    monitor = monitor_for(model, rules=rules).attach(opt)
+    model(torch.randn(2, 4)).sum().backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    grad = model[0].weight.grad.clone()
+    monitor.step()
+    opt.step()
+    assert model[0].weight.grad is None  # skipped: the gradients are cleared
+    saved = torch.load(next(tmp_path.glob("*.pt")))
+    assert set(saved) == {"0.weight", "0.weight.grad"}
+    torch.testing.assert_close(saved["0.weight.grad"], grad, rtol=0, atol=0, equal_nan=True)
+    monitor.detach()
+
+
 def test_callback_action_and_bad_action_names():
     got = []
     model = nn.Linear(2, 1)

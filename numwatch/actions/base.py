@@ -50,6 +50,8 @@ class ActionContext(Protocol):
 
     def parameter(self, label: str) -> torch.Tensor | None: ...
 
+    def nonfinite_origin(self) -> dict[str, str] | None: ...
+
 
 class Action(NoBoolCounts):
     """Base of every action; subclasses set ``type`` and implement ``run``."""

@@ -292,7 +292,9 @@ _MAX_NAME = 150  # the name's share of a file name (at most 255 bytes on most fi
 
 
 def _offending_tensors(ctx: ActionContext, event: Event):
-    labels = event.labels
+    """The event's parameter or module; a step-level event names none: its step's NaN/Inf
+    origin's, read before skip_step clears the gradients (at the optimizer's step)."""
+    labels = event.labels or ctx.nonfinite_origin() or {}
     p = ctx.parameter(labels["param"]) if "param" in labels else None
     if p is not None:
         yield labels["param"], p

@@ -329,7 +329,7 @@ class GradientProbe:
         if measured:
             self._pending.append(measured)
             if len(self._pending) >= SETTLE_STEPS:
-                self._settle()
+                self.settle()
 
     def _unscaling(self, scale: torch.Tensor, device: torch.device) -> torch.Tensor:
         """(N_STATS,) float64 factors from the stat rows of gradients multiplied by a GradScaler's
@@ -389,8 +389,9 @@ class GradientProbe:
         return plan
 
     @torch.no_grad()
-    def _settle(self) -> None:
-        """Merge the pending steps into the table, the non-finite tracker and the norms."""
+    def settle(self) -> None:
+        """Merge the pending steps into the table, the non-finite tracker and the norms (also
+        for the monitor, which names a step's NaN/Inf origin before its flush)."""
         pending, self._pending = self._pending, []
         if not pending:
             return
@@ -430,7 +431,7 @@ class GradientProbe:
         return total
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
-        self._settle()
+        self.settle()
         out = self._tables.device_tensors()
         if self._norm_sq_last is not None:
             out["grad_norm_sq_last"] = self._norm_sq_last
