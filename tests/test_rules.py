@@ -260,6 +260,28 @@ def test_rules_of_the_users_on_a_loss_that_never_comes_are_reported_once(caplog)
     )
 
 
+def test_a_rule_on_a_label_key_no_series_carries_is_reported_once(caplog):
+    """A misspelled label key (``module`` on a gradient metric, whose series carry ``param``)
+    reads as '' and matches nothing: the rule never fired, and nothing said why."""
+    typo = ThresholdRule(name="typo", metric="grad_absmax", threshold=0, labels={"module": "0.*"})
+    ok = ThresholdRule(name="ok", metric="grad_absmax", threshold=0, labels={"param": "0.*"})
+    on_counts = ThresholdRule(
+        name="counts", metric="events_total", threshold=0, labels={"rule": "ok"}
+    )
+    engine = RuleEngine([typo, ok, on_counts])
+    records = [MetricRecord("grad_absmax", {"param": "0.weight"}, 1.0)]
+    counts = [MetricRecord("events_total", {"kind": "precursor", "rule": "ok"}, 1.0)]
+    with caplog.at_level("WARNING", logger="numwatch"):
+        for flush in range(6):
+            fired = engine.evaluate(flush, records, late=lambda events: counts)
+            assert len(caplog.records) == (flush >= 2)
+            assert sorted({e.rule for e, _ in fired}) == ["counts", "ok"]
+    assert caplog.records[0].getMessage() == (
+        "rule 'typo' selects by label 'module', which no series of metric 'grad_absmax' carried "
+        "in the first 3 flushes (a missing label reads as ''); its labels: param"
+    )
+
+
 def test_default_rules_quiet_on_a_healthy_run_shape():
     """A healthy flush history (DESIGN.md §1b: max logit 10-120, no ties) raises nothing."""
     engine = RuleEngine(default_rules())

@@ -107,6 +107,12 @@ class RuleEngine:
         # rules on what the others did run last (see LATE_METRICS)
         self.flush_rules.sort(key=lambda r: r.metric in LATE_METRICS)
         self._names_seen: set[str] | None = set()  # None once the metric names were checked
+        # metrics a rule filters by label (a nonfinite rule's labels select origins, not series),
+        # and the label keys their series carried, until the metric names were checked
+        self._labelled = {
+            r.metric for r in self.flush_rules if r.labels and not isinstance(r, NonfiniteRule)
+        }
+        self._label_keys: dict[str, set[str]] = {}
         self._flushes = 0
         self._step_fired: set[str] = set()  # nonfinite step rules that fired since the flush
 
@@ -142,7 +148,10 @@ class RuleEngine:
                 counted = True
                 for name in LATE_METRICS:
                     by_name[name] = []
-                for r in late([e for e, _ in fired]):
+                late_records = late([e for e, _ in fired])
+                if self._names_seen is not None:
+                    self._note_label_keys(late_records)
+                for r in late_records:
                     if r.name in wanted:
                         by_name[r.name].append(r)
             if isinstance(rule, NonfiniteRule):
@@ -188,11 +197,27 @@ class RuleEngine:
 
     def _check_metric_names(self, records: Sequence[MetricRecord]) -> None:
         """Warn once about rules on a metric that no flush carries and numwatch does not
-        document: a misspelled name is valid config, and its rule would stay silent for ever."""
+        document, or filtering by a label key its series do not carry: a misspelled name is
+        valid config, and its rule would stay silent for ever."""
         self._names_seen.update(r.name for r in records)
+        self._note_label_keys(records)
         self._flushes += 1
         if self._flushes < UNSEEN_METRIC_FLUSHES:
             return
+        for rule in self.flush_rules:
+            keys = self._label_keys.get(rule.metric)
+            missing = [] if keys is None else sorted(set(rule.labels) - keys)
+            if missing and not isinstance(rule, NonfiniteRule):
+                _log.warning(
+                    "rule %r selects by label %s, which no series of metric %r carried in the "
+                    "first %d flushes (a missing label reads as ''); its labels: %s",
+                    rule.name,
+                    ", ".join(map(repr, missing)),
+                    rule.metric,
+                    self._flushes,
+                    ", ".join(sorted(keys)) or "none",
+                )
+        self._label_keys = {}
         known = self._names_seen | DOCUMENTED_METRICS
         for rule in self.flush_rules:
             if rule.metric not in known and not isinstance(rule, NonfiniteRule):
@@ -206,6 +231,13 @@ class RuleEngine:
                     ", ".join(close) or "none",
                 )
         self._names_seen = None
+
+    def _note_label_keys(self, records: Iterable[MetricRecord]) -> None:
+        """Add the label keys of the series of metrics that a rule filters by label (a missing
+        key reads as '', so a misspelled one matches nothing)."""
+        for r in records:
+            if r.name in self._labelled:
+                self._label_keys.setdefault(r.name, set()).update(r.labels)
 
     @staticmethod
     def _observe(rule: Rule, step: int, labels: Mapping[str, str], value: float) -> Event | None:
