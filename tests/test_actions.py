@@ -507,6 +507,27 @@ def test_snapshot_action_saves_bounded_forensics(tmp_path):
     assert record["event"]["labels"] == {"param": "1.weight"}
 
 
+def test_a_snapshots_json_is_strict_json_with_the_logs_nonfinite_strings(tmp_path):
+    """The history of a snapshot taken at a NaN/Inf holds non-finite values: they were written
+    as NaN/Infinity tokens, which strict parsers (JSON.parse, serde_json) refuse."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    rules = only("nonfinite", "nonfinite", None, {"type": "snapshot", "directory": str(tmp_path)})
+    monitor = monitor_for(model, rules=rules).attach()
+    model(torch.randn(2, 4)).sum().backward()
+    model[1].weight.grad[0, 0] = float("inf")
+    monitor.step()
+
+    def refuse(token):
+        raise ValueError(f"not strict JSON: {token}")
+
+    text = next(tmp_path.glob("*.json")).read_text()
+    record = json.loads(text, parse_constant=refuse)
+    (flush,) = record["history"]
+    values = {m["name"]: m["value"] for m in flush["metrics"] if not m["labels"]}
+    assert values["grad_norm"] == "nan"  # a non-finite gradient makes the norm NaN
+    monitor.detach()
+
+
 def test_a_skip_step_rules_snapshot_saves_the_nan_origin_before_the_skip_clears_it(tmp_path):
     """A nonfinite rule with skip_step decides from the step's global gradient norm, whose event
     names no parameter: its snapshot saved no tensor, and the flush that named the origin came

@@ -29,6 +29,7 @@ from numwatch.errors import NumwatchConfigError, NumwatchError, NumwatchHalt
 from numwatch.events import Event
 from numwatch.probes.optimizer import numeric_lr
 from numwatch.probes.qk_layout import QKLayout, find_qk_layout, reads_parameters
+from numwatch.sinks.jsonl import json_safe
 
 _log = logging.getLogger("numwatch")
 
@@ -265,7 +266,7 @@ class ForensicSnapshot(Action):
         stem = self._claim(event)
         torch.save(tensors, f"{stem}.pt")
         with open(f"{stem}.json", "x") as f:
-            json.dump(record, f, default=str)
+            json.dump(json_safe(record), f, default=str, allow_nan=False)  # as the JSONL log
         return f"saved {len(tensors)} tensors and {len(history)} flushes to {stem}.pt/.json"
 
     def _claim(self, event: Event) -> Path:
