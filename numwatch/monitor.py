@@ -1122,10 +1122,10 @@ class Monitor(Joinable):
         for probe in self._probes:
             self._guard.run(probe.component, probe.reset)
         ctx.tracker.reset()
-        fired: list[tuple[Event, Rule | None]] = []
+        ruled: list[tuple[Event, Rule | None]] = []
         if step != self._rules_step:  # a flush with no new step adds no observation
             self._rules_step = step
-            fired += (
+            ruled = (
                 self._guard.run(
                     "rules",
                     self._engine.evaluate,
@@ -1133,14 +1133,14 @@ class Monitor(Joinable):
                     records,
                     nonfinite,
                     lambda so_far: self._mitigation_records(
-                        [*so_far, *unadopted(nonfinite, so_far), *overflows]
+                        [*self._firings(so_far), *unadopted(nonfinite, so_far), *overflows]
                     ),
                 )
                 or []
             )
-        fired += [(e, None) for e in unadopted(nonfinite, [e for e, _ in fired])]
-        fired += [(e, None) for e in overflows]
-        for event, _ in fired:
+        mine = [*unadopted(nonfinite, [e for e, _ in ruled]), *overflows]
+        fired = [*ruled, *((e, None) for e in mine)]
+        for event in [*self._firings(e for e, _ in ruled), *mine]:
             self._event_counts[(event.kind, event.rule)] += 1
         records += self._mitigation_records()
         snapshot = Snapshot(step, records, time=time.time(), rank=self.rank)
@@ -1213,6 +1213,13 @@ class Monitor(Joinable):
         if values is None:
             return []
         return [MetricRecord("loss_max", {}, values[0]), MetricRecord("loss_mean", {}, values[1])]
+
+    def _firings(self, events: Iterable[Event]) -> list[Event]:
+        """The rule engine's ``events`` that count in events_total: the NaN/Inf origins a
+        step-level rule takes over at the flush (without running its actions again) are the
+        firing it counted at its step, and one NaN would count twice."""
+        step_rules = {rule.name for rule in self._engine.step_rules}
+        return [e for e in events if e.rule not in step_rules]
 
     def _mitigation_records(self, pending: Sequence[Event] = ()) -> list[MetricRecord]:
         """events_total (with ``pending``: events of this flush not counted yet), skipped

@@ -99,6 +99,30 @@ def test_nonfinite_gradient_skip_step_leaves_state_bitwise_unchanged():
     assert snap.value("events_total", kind="action", rule="nonfinite") == 1
 
 
+def test_a_nan_that_skip_step_skips_counts_once_in_events_total():
+    """A nonfinite rule with skip_step fires at the step, and takes the NaN's origin over at the
+    flush without running its actions again: both counted, one NaN read as two in events_total
+    (one without skip_step), and a rule on that count fired at the first NaN."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twice = {"type": "threshold", "name": "nan_twice", "metric": "events_total", "op": ">=",
+             "threshold": 2, "labels": {"kind": "nonfinite"}}  # fmt: skip
+    rules = {"defaults": False, "add": [*SKIP_NONFINITE["add"], twice]}
+    monitor = monitor_for(model, rules=rules).attach(opt)
+    model(torch.randn(2, 4)).sum().backward()
+    model.weight.grad[0, 0] = float("nan")
+    monitor.step()
+    opt.step()
+    assert [e.message.split(" ")[0] for e in monitor.events if e.kind == "nonfinite"] == [
+        "[nonfinite]",  # the step's decision
+        "NaN/Inf",  # its origin, named at the flush
+    ]
+    assert monitor.snapshot().value("events_total", kind="nonfinite", rule="nonfinite") == 1
+    assert not [e for e in monitor.events if e.rule == "nan_twice"]
+    monitor.detach()
+
+
 def test_an_optimizer_that_leaves_parameters_to_another_is_named_at_attach(caplog):
     """skip_step withholds the attached optimizer's update only: with a second optimizer for
     some parameters (Muon + AdamW splits), a skipped step still applied the other's update, with
