@@ -278,6 +278,26 @@ def test_detach_restores_the_step_that_was_installed_before(before):
     assert len(calls) == (2 if before == "user wrapper" else 0)
 
 
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_two_monitors_on_one_optimizer_restore_its_step_in_either_detach_order(first):
+    """Detached in attach order, the first monitor's wrapper, wrapped by the second's, stayed
+    as a pass-through, and the second's restored it: optimizer.step stayed an instance
+    attribute for good."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a = monitor_for(model, rules=SKIP_NONFINITE).attach(opt)
+    b = monitor_for(model, rules=SKIP_NONFINITE).attach(opt)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    before = model.weight.detach().clone()
+    (a if first == "a" else b).detach()
+    (b if first == "a" else a).detach()
+    assert "step" not in opt.__dict__
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert not torch.equal(model.weight, before)  # the class's own step, updating
+
+
 def test_qk_clip_brings_max_logit_under_tau():
     torch.manual_seed(0)
     attn = Attn(d=16, heads=2)

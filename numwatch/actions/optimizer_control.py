@@ -6,6 +6,8 @@ is: an LR scheduler built after us wraps ``optimizer.step.__func__``. ``uninstal
 was there (the class's method, or a wrapper a user or an LR scheduler had installed before us)
 unless something wrapped ours after us, in which case ours stays as a pass-through: it keeps
 nothing of the monitor once it needs nothing more (a skip kept for the step under way taken).
+Another monitor's wrapper over ours takes it along when it goes (two monitors on one
+optimizer, detached in attach order); an LR scheduler's cannot.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class OptimizerControl:
         # warn that optimizer.step() was overridden after it.
         if getattr(self._original, "_wrapped_by_lr_sched", False):
             step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        step._numwatch_control = self  # type: ignore[attr-defined]  # see _pass_through
         self._wrapper = types.MethodType(step, optimizer)
         optimizer.step = self._wrapper  # type: ignore[method-assign]
 
@@ -181,10 +184,20 @@ class OptimizerControl:
 
     def _remove(self) -> None:
         if self.optimizer.__dict__.get("step") is self._wrapper:
-            if self._instance_step is None:
+            previous = self._instance_step
+            while (left := _pass_through(previous)) is not None:  # goes with ours
+                previous = left._instance_step
+            if previous is None:
                 del self.optimizer.step
             else:
-                self.optimizer.step = self._instance_step  # type: ignore[method-assign]
+                self.optimizer.step = previous  # type: ignore[method-assign]
+
+
+def _pass_through(step: Any) -> OptimizerControl | None:
+    """The control whose wrapper ``step`` is, if that wrapper only passes calls on now: another
+    monitor's on this optimizer, detached while ours wrapped it (uninstalled, no skip kept)."""
+    control = getattr(getattr(step, "__func__", None), "_numwatch_control", None)
+    return control if control is not None and not (control.active or control._skip) else None
 
 
 def _skipped_by_scaler(optimizer: torch.optim.Optimizer) -> bool:
