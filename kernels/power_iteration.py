@@ -41,8 +41,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from operator import attrgetter
@@ -539,10 +538,6 @@ def _start_vectors(view: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tens
     return torch.where(ok, t / norm.clamp_min(_TINY), rnd), c
 
 
-def _gone(state: _State) -> bool:
-    return any((t := ref()) is None or t.data_ptr() != ptr for ref, ptr in state.sources)
-
-
 class _State(NamedTuple):
     """What a step over one list layout needs, valid while the vectors keep ``signature``."""
 
@@ -557,10 +552,6 @@ class _State(NamedTuple):
     # (graph, sigma) (None: capture failed)
     runs: Counter[Hashable]
     graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None]
-    # the caller's matrices (weakly) and where their data was: once one is gone or its data
-    # moved (model.half(), .to(device): same Parameters, new storage) the layout is not met
-    # again, and its views would keep the old weights' memory alive
-    sources: tuple[tuple[weakref.ref, int], ...] = ()
 
 
 # Iterations of a call whose vectors are new (the first, or an entry whose shape changed): at one
@@ -597,13 +588,14 @@ class PowerIteration:
         self.seed = seed
         self._signature: tuple = ()
         self._vec: Vectors | None = None  # flat vectors and scales (initial: restart values)
-        self._states: OrderedDict[tuple, _State] = OrderedDict()  # by memory layout of the list
+        # the list's memory layout (data pointers, shapes, strides, dtypes) and its state
+        self._state: tuple[tuple, _State] | None = None
         self._cfg = _CONFIG
         self._restarted = 0  # entries given new vectors so far (each restart warms up)
 
     def reset(self) -> None:
         """Forget every vector; the next step starts from fresh random ones."""
-        self._signature, self._vec = (), None
+        self._signature, self._vec, self._state = (), None, None
 
     def step(self, matrices: Sequence[torch.Tensor], iters: int | None = None) -> torch.Tensor:
         """Run ``iters`` (default ``self.iters``) iterations; ``(N,)`` float32 estimates."""
@@ -620,19 +612,19 @@ class PowerIteration:
             tuple(map(torch.Tensor.stride, matrices)),
             tuple(map(_DTYPE, matrices)),
         )
-        state = self._states.get(key)
-        if state is None or state.signature is not self._signature:
+        cached = self._state
+        if cached is not None and cached[0] == key and cached[1].signature is self._signature:
+            state = cached[1]
+        else:
             restarted = self._restarted
             state = self._prepare(matrices)
             fresh = fresh or self._restarted > restarted
-            if state.cacheable:
-                for old in [k for k, st in self._states.items() if _gone(st)]:
-                    del self._states[old]
-                self._states[key] = state._replace(
-                    sources=tuple((weakref.ref(t), t.data_ptr()) for t in matrices)
-                )
-                if len(self._states) > 8:
-                    self._states.popitem(last=False)
+            # One layout is kept: a new one means the matrices moved (model.half(), .to(device),
+            # a swapped or reloaded Parameter), and the old views would keep the old weights'
+            # memory alive. Nothing refers to the caller's tensors (a weak reference to a
+            # Parameter makes torch.utils.swap_tensors refuse it: model.to() and
+            # load_state_dict under swap_module_params_on_conversion, tensor subclasses).
+            self._state = (key, state) if state.cacheable else None
         if fresh:  # new vectors: converge once, or the first estimates read ~20 % low and
             iters = max(iters, WARMUP_ITERS)  # "grow" over the next samples (weights constant)
         if state.plan is not None:
@@ -707,7 +699,7 @@ class PowerIteration:
                 self._restarted += 1
         self._vec = Vectors(*(torch.cat(column) for column in zip(*parts, strict=True)))
         self._signature = signature
-        self._states.clear()
+        self._state = None
 
     @staticmethod
     def _split(signature: tuple, vec: Vectors) -> list[tuple[torch.Tensor, ...]]:

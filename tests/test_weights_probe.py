@@ -606,3 +606,40 @@ def test_a_module_replaced_after_attach_is_measured_at_the_next_flush():
     monitor.detach()
     assert new == pytest.approx(sigma(model[1].weight), rel=1e-3)
     assert new > 10 * old
+
+
+@pytest.fixture
+def swap_params_on_conversion():
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+def test_model_to_and_load_state_dict_swap_the_measured_weights(swap_params_on_conversion):
+    """torch.utils.swap_tensors (model.to and load_state_dict under
+    swap_module_params_on_conversion, and for tensor-subclass parameters) refuses a tensor with
+    a weak reference: the power iteration kept one to each weight, so both raised after the
+    first flush. The swapped weights are then read from their new storage."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("attn", Attn())
+    model.add_module("out", nn.Linear(32, 8))
+    checkpoint = {k: v * 2.0 for k, v in model.state_dict().items()}
+    monitor = monitor_for(model, weights__iters=300)
+    for p in model.parameters():  # after a backward: .grad is swapped too
+        p.grad = torch.ones_like(p)
+    monitor.step()
+    assert monitor.snapshot().value("weight_spectral_norm", param="out.weight") == pytest.approx(
+        sigma(model.out.weight), rel=1e-3
+    )
+    weight = model.out.weight
+    model.to(torch.float64)
+    assert model.out.weight is weight and weight.dtype == torch.float64  # swapped in place
+    model.load_state_dict(checkpoint)
+    monitor.step()
+    snap = monitor.snapshot()
+    monitor.detach()
+    assert snap.value("weight_spectral_norm", param="out.weight") == pytest.approx(
+        sigma(checkpoint["out.weight"]), rel=1e-3
+    )
+    assert_head_norms(snap, checkpoint["attn.qkv.weight"])

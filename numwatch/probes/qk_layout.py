@@ -80,22 +80,26 @@ class QKLayout:
 
     def views(self, side: str) -> torch.Tensor:
         """All heads of one side ('q' or 'k') as one strided (heads, head_dim, d) or
-        (heads, d, head_dim) view, the batch ``PowerIteration`` takes."""
+        (heads, d, head_dim) view, the batch ``PowerIteration`` takes. A view of the weight's
+        detached alias: a view of the Parameter itself holds a reference to it, and
+        torch.utils.swap_tensors (``model.to``, ``load_state_dict``) refuses a Parameter
+        referenced elsewhere."""
         from numwatch.kernels.power_iteration import head_views
 
         heads = self.q if side == "q" else self.k
         first = heads[0]
         hd = first.stop - first.start
         stride = heads[1].start - first.start if len(heads) > 1 else hd
+        weight = first.weight.detach()
         if stride != hd:  # heads interleaved with other rows (GPT-BigCode: [q | k | v] per head)
-            w, (s0, s1) = first.weight, first.weight.stride()
+            w, (s0, s1) = weight, weight.stride()
             step = s0 if first.dim == 0 else s1
             size = (len(heads), hd, w.shape[1]) if first.dim == 0 else (len(heads), w.shape[0], hd)
             inner = (s0, s1)
             return w.as_strided(
                 size, (stride * step, *inner), w.storage_offset() + first.start * step
             )
-        block = first.weight.narrow(first.dim, first.start, heads[-1].stop - first.start)
+        block = weight.narrow(first.dim, first.start, heads[-1].stop - first.start)
         return head_views(block, len(heads), out_dim=first.dim)
 
     def k_for(self, q_head: int) -> HeadSlice:

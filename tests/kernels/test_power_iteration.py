@@ -98,9 +98,22 @@ def test_weights_moved_to_new_storage_are_not_kept_alive(backend: str, device: s
     for w in ws:
         w.data = w.data.half() if backend == "triton" else w.data.double()
     out = est.step(ws, iters=30).cpu()
-    held = [v for st in est._states.values() for v in st.views]
+    held = est._state[1].views
     assert not any(v.untyped_storage().data_ptr() in old for v in held)
     torch.testing.assert_close(out, torch.tensor([2.0, 2.0]), rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize(("backend", "device"), BACKENDS)
+def test_matrices_stay_swappable(backend: str, device: str) -> None:
+    """torch.utils.swap_tensors (model.to, load_state_dict) refuses a tensor with a weak
+    reference: the iteration kept one to each matrix. A swapped matrix is read anew."""
+    w = torch.nn.Parameter(_planted(16, 12, [2.0, 1.0], seed=1).float().to(device))
+    est = PowerIteration(backend=backend)
+    est.step([w], iters=30)
+    torch.utils.swap_tensors(w, torch.nn.Parameter(w.detach() * 3.0))
+    torch.testing.assert_close(
+        est.step([w], iters=30).cpu(), torch.tensor([6.0]), rtol=1e-4, atol=0
+    )
 
 
 @pytest.mark.parametrize(("backend", "device"), BACKENDS)
@@ -292,7 +305,7 @@ def test_one_iteration_is_v_to_AtAv(
             torch.testing.assert_close(new[j].double(), want_v, rtol=0, atol=2e-5)
             assert est[j].item() == pytest.approx(want_sigma, rel=2e-5)
     if backend == "triton":
-        plan = next(iter(p._states.values())).plan
+        plan = p._state[1].plan
         assert plan is not None and plan.n_tiles > len(flat)  # several segments really ran
         assert not plan.done.any()  # every matrix's count was reset by its finishing program
 
@@ -346,7 +359,7 @@ def test_rows_longer_than_a_program_holds_run_on_torch(monkeypatch: pytest.Monke
         torch.testing.assert_close(split.step(mats), ref.step(mats), rtol=1e-5, atol=0)
     torch.testing.assert_close(split._vec.v, ref._vec.v, rtol=0, atol=1e-6)
     assert torch.equal(split._vec.c, ref._vec.c)
-    state = next(iter(split._states.values()))
+    state = split._state[1]
     assert state.plan is not None and state.plan.n_mats == 3 and state.rest == [0, 2]
 
 
