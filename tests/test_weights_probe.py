@@ -643,3 +643,23 @@ def test_model_to_and_load_state_dict_swap_the_measured_weights(swap_params_on_c
         sigma(checkpoint["out.weight"]), rel=1e-3
     )
     assert_head_norms(snap, checkpoint["attn.qkv.weight"])
+
+
+def test_a_weight_on_the_meta_device_alone_is_left_out(caplog):
+    """One meta weight (a module offloaded to disk) dropped every spectral norm, silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("a", nn.Linear(16, 32))
+    model.add_module("b", nn.Linear(32, 32, device="meta"))
+    model.add_module("attn", Attn())
+    model.add_module("c", nn.Linear(32, 8))
+    monitor = monitor_for(model, weights__iters=300)
+    monitor.step()
+    snap = monitor.snapshot()
+    monitor.detach()
+    series = {labels["param"]: v for _, labels, v in snap.series("weight_spectral_norm")}
+    assert series.keys() == {"a.weight", "attn.qkv.weight", "attn.proj.weight", "c.weight"}
+    for name, module in (("a", model.a), ("c", model.c), ("attn.proj", model.attn.proj)):
+        assert series[f"{name}.weight"] == pytest.approx(sigma(module.weight), rel=1e-3)
+    assert_head_norms(snap, model.attn.qkv.weight)
+    assert "1 weight(s) or layer(s) on the meta device are not measured (b.weight)" in caplog.text

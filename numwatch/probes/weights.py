@@ -90,6 +90,7 @@ class WeightProbe:
         self._pi: dict[torch.device, PowerIteration] = {}
         self._sigma: torch.Tensor | None = None  # (N,) float32, latest estimates
         self._fresh = False  # estimated since the last flush: only then are they reported
+        self._meta_said: set[str] = set()  # meta weights already warned about
         self._select()
 
     def _select(self) -> None:
@@ -152,6 +153,8 @@ class WeightProbe:
         # the device that gathers them
         self._groups: list[tuple[torch.device, list[torch.Tensor]]] = []
         self._order: torch.Tensor | None = None
+        # per matrix (each weight, then each layer's q and k heads): whether it has values
+        self._present = [True] * (len(self.params) + 2 * len(self.layers))
 
     def _drop_sharded(self) -> None:
         sharded = [n for n, p in self.params if is_dtensor(p)]
@@ -183,9 +186,23 @@ class WeightProbe:
             out: list[torch.Tensor] = [p for _, p in self.params]
             for _, layout in self.layers:
                 out += [layout.views("q"), layout.views("k")]
+            # a meta weight (a model not yet materialized, a module offloaded to disk) has no
+            # values: it alone is left out
+            self._present = [not m.is_meta for m in out]
+            names = [n for n, _ in self.params] + [n for n, _ in self.layers for _ in "qk"]
+            meta = sorted({n for n, ok in zip(names, self._present, strict=True) if not ok})
+            meta = [n for n in meta if n not in self._meta_said]
+            self._meta_said.update(meta)
+            if meta:
+                log.warning(
+                    "numwatch: weights: %d weight(s) or layer(s) on the meta device are not "
+                    "measured (%s): they hold no values",
+                    len(meta),
+                    _first_names(meta),
+                )
             groups: dict[torch.device, list[int]] = {}
-            if not any(m.is_meta for m in out):  # a meta model has no values yet
-                for i, m in enumerate(out):
+            for i, m in enumerate(out):
+                if self._present[i]:
                     groups.setdefault(m.device, []).append(i)
             self._groups = [(d, [out[i] for i in idx]) for d, idx in groups.items()]
             self._order = None
@@ -193,7 +210,8 @@ class WeightProbe:
                 # a 2-D weight has one estimate, a stack of head views one per head
                 sizes = [1 if m.dim() == 2 else m.shape[0] for m in out]
                 starts = list(itertools.accumulate(sizes, initial=0))
-                # the model-order position of each estimate, in the groups' order
+                # the model-order position of each estimate, in the groups' order (left-out
+                # matrices leave gaps, which the argsort closes)
                 concat = [
                     j for idx in groups.values() for i in idx for j in range(*starts[i : i + 2])
                 ]
@@ -225,8 +243,8 @@ class WeightProbe:
             target = self._order.device
             gathered = torch.cat([s.to(target, non_blocking=True) for s in sigmas])
             self._sigma = gathered.index_select(0, self._order)
-        elif sigmas:
-            self._sigma = sigmas[0]
+        else:  # none at all: every matrix on the meta device
+            self._sigma = sigmas[0] if sigmas else None
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         # A flush without a new estimate reports none: rules count observations, and the
@@ -236,16 +254,22 @@ class WeightProbe:
     def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
         if "weights/sigma" not in host:
             return []
-        sigma = host["weights/sigma"].tolist()
+        values, present = iter(host["weights/sigma"].tolist()), iter(self._present)
+
+        def take(n: int) -> list[float] | None:
+            """The next matrix's ``n`` estimates; None for one left out (it has none)."""
+            return [next(values) for _ in range(n)] if next(present) else None
+
         out = [
-            MetricRecord("weight_spectral_norm", {"param": name}, sigma[i])
-            for i, (name, _) in enumerate(self.params)
+            MetricRecord("weight_spectral_norm", {"param": name}, sigma[0])
+            for name, _ in self.params
+            if (sigma := take(1)) is not None
         ]
-        i = len(self.params)
         for layer, layout in self.layers:
-            nq, nk = len(layout.q), len(layout.k)
-            sq, sk = sigma[i : i + nq], sigma[i + nq : i + nq + nk]
-            i += nq + nk
+            sq, sk = take(len(layout.q)), take(len(layout.k))
+            if sq is None or sk is None:
+                continue
+            nq, nk = len(sq), len(sk)
             head_dim = layout.q[0].stop - layout.q[0].start
             for h in range(nq):
                 labels = {"layer": layer, "head": str(h)}
