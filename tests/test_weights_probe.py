@@ -317,6 +317,66 @@ def test_fused_qkv_with_key_heads_under_another_name():
     assert find_qk_layout(Unnamed()) is None
 
 
+class LoRALinear(nn.Module):
+    """A LoRA adapter that shows its frozen base Linear's weight as its own, as peft's does."""
+
+    def __init__(self, base: nn.Linear, r: int = 2):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A, self.lora_B = nn.Linear(base.in_features, r), nn.Linear(r, base.out_features)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> nn.Parameter:
+        return self.base_layer.bias
+
+
+def test_a_fused_qkv_linear_under_an_adapter_is_sliced_by_rows(caplog):
+    """A LoRA-wrapped fused Linear was sliced by columns as GPT-2's Conv1D (any projection that
+    was not an nn.Linear), where its (3d, d) weight also split into heads: every per-head norm
+    was wrong, and QK-clip scaled columns. A weight whose owner does not say which dim holds the
+    outputs, and whose both dims split into heads, is no layout."""
+    from numwatch.actions.library import qk_clip
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("attn", Attn(d=48, n_heads=4))  # (144, 48): 48 columns = 12 heads of 4
+    model.attn.qkv = LoRALinear(model.attn.qkv)
+    w = model.attn.qkv.weight
+    assert find_qk_layout(model.attn).q[1].dim == 0
+    monitor = monitor_for(model, weights__iters=300)
+    monitor.step()
+    snap = monitor.snapshot()
+    monitor.detach()
+    for h in range(4):
+        labels = {"layer": "attn", "head": str(h)}
+        q, k = w[12 * h : 12 * h + 12], w[48 + 12 * h : 60 + 12 * h]
+        assert snap.value("attn_q_spectral_norm", **labels) == pytest.approx(sigma(q), rel=1e-2)
+        assert snap.value("attn_k_spectral_norm", **labels) == pytest.approx(sigma(k), rel=1e-2)
+    before = w.detach().clone()
+    qk_clip(model, "attn", 1, 400.0, tau=100.0)  # head 1's rows 12:24 (q), 60:72 (k), halved
+    halved = torch.zeros(144, 1, dtype=torch.bool)
+    halved[12:24] = halved[60:72] = True
+    torch.testing.assert_close(w.detach(), torch.where(halved, before * 0.5, before))
+
+    class Custom(nn.Module):  # a weight of unknown orientation
+        def __init__(self, shape: tuple[int, int]):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(shape))
+
+    attn = Attn(d=48, n_heads=4)
+    attn.qkv = Custom((144, 48))
+    assert find_qk_layout(attn) is None
+    assert "splits into heads along both dims" in caplog.text
+    attn.qkv = Custom((40, 120))  # 120 columns are 12 heads of 10, 40 rows no whole heads
+    assert [(s.dim, s.start, s.stop) for s in find_qk_layout(attn).k] == [
+        (1, 40 + 10 * h, 50 + 10 * h) for h in range(4)
+    ]
+
+
 def test_multihead_attention_with_kdim_and_the_default_bias():
     """Separate q/k weights (kdim != embed_dim) come with one [q | k | v] bias by default: no
     per-head norms were reported for it."""

@@ -10,10 +10,13 @@ and ``nn.MultiheadAttention``'s ``in_proj_weight`` or separate ``q/k_proj_weight
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+log = logging.getLogger("numwatch")
 
 __all__ = ["HeadSlice", "QKLayout", "find_qk_layout", "reads_parameters"]
 
@@ -238,15 +241,45 @@ def _find(module: nn.Module, n_heads: int | None) -> QKLayout | None:
         if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
             continue
         bias = getattr(fused, "bias", None)
-        dim = 0 if isinstance(fused, nn.Linear) else 1  # GPT-2 Conv1D stores (in, out)
-        out = weight.shape[dim]
         kvh = kv_heads or heads
+        dim = _output_dim(module, fused, weight, heads + 2 * kvh)
+        if dim is None:
+            continue
+        out = weight.shape[dim]
         hd = out // (heads + 2 * kvh)
         if not hd or heads % kvh or hd * (heads + 2 * kvh) != out or _wrong_head_dim(module, hd):
             continue
         return QKLayout(
             _slices(weight, bias, dim, 0, heads, hd),
             _slices(weight, bias, dim, heads * hd, kvh, hd),
+        )
+    return None
+
+
+def _output_dim(module: nn.Module, proj: nn.Module, weight: torch.Tensor, parts: int) -> int | None:
+    """The dim of a fused projection's weight that holds its outputs: 0 for ``nn.Linear``'s
+    (out, in), 1 for GPT-2's ``Conv1D`` (in, out). Told by the module that owns the weight (an
+    adapter such as LoRA wraps a Linear and shows its weight as its own), else by the one dim
+    that splits into ``parts`` whole heads; None, with a warning, when neither tells: slicing
+    the wrong dim gives every head a wrong norm and QK-clip would scale the wrong entries."""
+    owner = next((m for m in proj.modules() if m._parameters.get("weight") is weight), None)
+    if isinstance(owner, nn.Linear):
+        return 0
+    if type(owner).__name__ == "Conv1D" and getattr(owner, "nf", None) == weight.shape[1]:
+        return 1
+    fits = [
+        d for d in (0, 1)
+        if weight.shape[d] % parts == 0 and not _wrong_head_dim(module, weight.shape[d] // parts)
+    ]  # fmt: skip
+    if len(fits) == 1:
+        return fits[0]
+    if fits:
+        log.warning(
+            "numwatch: the fused Q/K/V weight %s of a %s (%s) splits into heads along both dims: "
+            "its per-head Q/K layout is unknown, no per-head norms are measured or clipped",
+            tuple(weight.shape),
+            type(module).__name__,
+            type(proj).__name__,
         )
     return None
 
