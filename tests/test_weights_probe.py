@@ -144,6 +144,42 @@ def test_layouts_of_real_model_families():
     assert snap.value("attn_k_spectral_norm", **labels) == pytest.approx(want, rel=1e-2)
 
 
+def test_gated_attention_reads_the_query_rows_of_each_head(caplog):
+    """Qwen3-Next / Qwen3.5 q_proj holds [query | gate] rows per head: each "query head" was
+    read as query and gate rows together, each "key head" as two key heads. An unknown
+    projection whose rows per head are not the module's head_dim is no layout, with a warning."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=16, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, num_hidden_layers=1, layer_types=["full_attention"], intermediate_size=32,
+        moe_intermediate_size=16, num_experts=2, num_experts_per_tok=1,
+        shared_expert_intermediate_size=16, linear_num_value_heads=2, linear_num_key_heads=2,
+    )  # fmt: skip
+    model = transformers.Qwen3NextForCausalLM(cfg)
+    attn = model.model.layers[0].self_attn
+    wq, wk = attn.q_proj.weight, attn.k_proj.weight  # (4 * 2 * 8, 32), (2 * 8, 32)
+    monitor = monitor_for(model, weights__iters=300)
+    monitor.step()
+    snap = monitor.snapshot()
+    monitor.detach()
+    for h in range(4):
+        labels = {"layer": "model.layers.0.self_attn", "head": str(h)}
+        q, k = wq[16 * h : 16 * h + 8], wk[8 * (h // 2) : 8 * (h // 2) + 8]
+        assert snap.value("attn_q_spectral_norm", **labels) == pytest.approx(sigma(q), rel=1e-2)
+        assert snap.value("attn_k_spectral_norm", **labels) == pytest.approx(sigma(k), rel=1e-2)
+
+    class OtherGated(SplitAttn):
+        def __init__(self):
+            super().__init__(d=16, heads=2)
+            self.head_dim = 4
+            self.q_proj = nn.Linear(16, 2 * 2 * 4)  # rows of an unknown order
+            self.k_proj = nn.Linear(16, 8)
+
+    assert find_qk_layout(OtherGated()) is None
+    assert "q_proj of a OtherGated has 8 rows per head and its head_dim is 4" in caplog.text
+
+
 def test_warm_start_tracks_a_growing_weight_with_one_iteration():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32))

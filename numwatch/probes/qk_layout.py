@@ -2,7 +2,8 @@
 
 Shared by the per-head spectral norms (weights probe) and QK-clip (actions): both need the rows
 of W_q and W_k that produce head h, whatever the model calls them. Known layouts: separate
-``q_proj``/``k_proj`` Linears (Llama, Mistral, most of transformers), one fused Linear
+``q_proj``/``k_proj`` Linears (Llama, Mistral, most of transformers; Qwen3-Next's and Qwen3.5's
+gated ``q_proj`` of [query | gate] rows per head), one fused Linear
 ``qkv``/``c_attn``/``Wqkv`` of 3*d outputs (nanoGPT), GPT-2's transposed Conv1D ``c_attn``,
 GPT-BigCode's per-head ``[q | k | v]`` ``c_attn``, BERT's ``query``/``key`` and T5's ``q``/``k``,
 and ``nn.MultiheadAttention``'s ``in_proj_weight`` or separate ``q/k_proj_weight``.
@@ -114,6 +115,9 @@ class QKLayout:
 _KV_HEAD_NAMES = (
     "num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_query_groups", "kv_heads",
 )  # fmt: skip
+# Gated attention (Qwen3-Next, Qwen3.5): q_proj holds [query | gate] rows per head, the output
+# gate after the attention.
+_GATED_Q = ("Qwen3NextAttention", "Qwen3_5Attention", "Qwen3_5MoeAttention")
 # Children that normalize q and k per head after the projections (QK-norm).
 _QK_NORM_NAMES = ("q_norm", "k_norm", "qk_norm", "q_layernorm", "k_layernorm",
                   "query_layernorm", "key_layernorm", "q_ln", "k_ln")  # fmt: skip
@@ -189,13 +193,26 @@ def _find(module: nn.Module, n_heads: int | None) -> QKLayout | None:
         if isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear):
             break
     if isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear):
-        hd = q_proj.out_features // heads
-        kvh = k_proj.out_features // hd if hd else 0
-        whole = hd * heads == q_proj.out_features and hd * kvh == k_proj.out_features
-        if not kvh or not whole or heads % kvh:
+        rows = q_proj.out_features // heads  # q_proj rows per query head
+        parts = 2 if type(module).__name__ in _GATED_Q else 1
+        hd = rows // parts
+        if _wrong_head_dim(module, hd):
+            log.warning(
+                "numwatch: the q_proj of a %s has %d rows per head and its head_dim is %d (a "
+                "gate or other rows in the projection?): its per-head Q/K layout is unknown, no "
+                "per-head norms are measured or clipped",
+                type(module).__name__,
+                rows,
+                module.head_dim,
+            )
             return None
+        kvh = k_proj.out_features // hd if hd else 0
+        whole = rows * heads == q_proj.out_features and hd * parts == rows
+        if not kvh or not whole or hd * kvh != k_proj.out_features or heads % kvh:
+            return None
+        w, b = q_proj.weight, q_proj.bias
         return QKLayout(
-            _slices(q_proj.weight, q_proj.bias, 0, 0, heads, hd),
+            [HeadSlice(w, b, 0, rows * h, rows * h + hd) for h in range(heads)],
             _slices(k_proj.weight, k_proj.bias, 0, 0, kvh, hd),
         )
     if isinstance(module, nn.MultiheadAttention):
