@@ -676,7 +676,8 @@ def test_parametrized_weights_are_left_out_not_reported_by_their_originals(caplo
 
 def test_a_module_replaced_after_attach_is_measured_at_the_next_flush():
     """The probe kept the Parameters of attach time: a new lm_head went on being reported as
-    the old one's norm, under its name, for the rest of the run."""
+    the old one's norm, under its name, for the rest of the run (then, until a fix, at the
+    first flush after the replacement)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -696,7 +697,6 @@ def test_a_module_replaced_after_attach_is_measured_at_the_next_flush():
     with torch.no_grad():
         model[1].weight.mul_(100)
     opt.add_param_group({"params": model[1].parameters()})
-    train_step()  # measured the old one: the selection is made again at its flush
     train_step()
     new = monitor.snapshot().value("weight_spectral_norm", param="1.weight")
     monitor.detach()

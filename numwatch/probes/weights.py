@@ -94,9 +94,10 @@ class WeightProbe:
         self._select()
 
     def _select(self) -> None:
-        """Choose the weights and attention layers, and what reads them. Again at a flush
-        after the model's parameters changed (a module replaced after attach): a Parameter
-        kept from before would go on being reported under the name of its replacement."""
+        """Choose the weights and attention layers, and what reads them. Again at a sampled
+        step after the model's parameters changed (a module replaced after attach), before
+        the weights are read: a Parameter kept from before would be reported under the name
+        of its replacement."""
         model, cfg = self.model, self.cfg
         self._param_ids = tuple(map(id, model.parameters()))
         tables = set() if cfg.embeddings else _embedding_tables(model)
@@ -224,6 +225,9 @@ class WeightProbe:
     def on_step(self) -> None:
         if self.ctx.step % self.cfg.every:
             return
+        if tuple(map(id, self.model.parameters())) != self._param_ids:  # host-side ids only
+            self._select()
+            self._pi.clear()
         self._fresh = True
         if self._sharded is not None:
             self._sigma = self._sharded.step(self._blocks)
@@ -282,14 +286,8 @@ class WeightProbe:
         return out
 
     def reset(self) -> None:
-        """Estimates are kept: they are the state the next step warm-starts from, unless the
-        model's parameters changed (then the selection is made again and the iterations
-        start over)."""
+        """Estimates are kept: they are the state the next step warm-starts from."""
         self._fresh = False
-        if tuple(map(id, self.model.parameters())) != self._param_ids:
-            self._select()
-            self._pi.clear()
-            self._sigma = None
 
 
 def _interleaved(layout: QKLayout) -> bool:
