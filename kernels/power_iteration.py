@@ -554,10 +554,10 @@ class _State(NamedTuple):
     graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None]
 
 
-# Iterations of a call whose vectors are new (the first, or an entry whose shape changed): at one
-# iteration per call, estimates of GPT-2-sized weights start 20-25 % low and take ~10 calls to
-# come within 2 % (a lower bound that converges: read as growth by a trend rule). 30 iterations
-# once cost one sample's time 30 times, once.
+# Iterations of a call whose vectors are new (the first, or a list whose shapes changed) or
+# restarted (``warm_up``): at one iteration per call, estimates of GPT-2-sized weights start
+# 20-25 % low and take ~10 calls to come within 2 % (a lower bound that converges: read as growth
+# by a trend rule). 30 iterations once cost one sample's time 30 times, once.
 WARMUP_ITERS = 30
 
 
@@ -569,7 +569,8 @@ class PowerIteration:
     ``(sum of batch sizes,)`` float32 estimates in list order, on the matrices' device, without a
     host sync. Vectors persist between calls; an entry whose shape (or orientation) changes is
     re-initialized, the others keep theirs. ``iters`` iterations run per call, each reading every
-    matrix once.
+    matrix once; ``WARMUP_ITERS`` at least at the first call, after a change of shapes, and
+    after ``warm_up()`` (a restart seen in ``age``).
 
     ``backend``: ``"triton"`` (one launch per dtype and row-length class over every matrix; on a
     CPU only under ``TRITON_INTERPRET=1``), ``"torch"``
@@ -591,11 +592,27 @@ class PowerIteration:
         # the list's memory layout (data pointers, shapes, strides, dtypes) and its state
         self._state: tuple[tuple, _State] | None = None
         self._cfg = _CONFIG
-        self._restarted = 0  # entries given new vectors so far (each restart warms up)
+        self._age: torch.Tensor | None = None  # (N,) float32, see ``age``
+        self._warm_next = False  # ``warm_up()`` was called: the next step warms up
 
     def reset(self) -> None:
         """Forget every vector; the next step starts from fresh random ones."""
-        self._signature, self._vec, self._state = (), None, None
+        self._signature, self._vec, self._state, self._age = (), None, None, None
+
+    @property
+    def age(self) -> torch.Tensor | None:
+        """``(N,)`` float32, on the matrices' device: the iterations each estimate has had since
+        its vector last restarted. 0 where the last step's estimate was 0 or NaN (a zero or
+        non-finite matrix: its vector restarts from its first value), below ``WARMUP_ITERS``
+        for an estimate still rising from such a restart (a weight that starts to train from
+        0, or recovers from a NaN): a lower bound ~20 % low that creeps up at one iteration a
+        step. Read it with the estimates (one sync), then ``warm_up()``."""
+        return self._age
+
+    def warm_up(self) -> None:
+        """Run at least ``WARMUP_ITERS`` iterations at the next step, as for new vectors: for a
+        restarted estimate, seen in ``age``."""
+        self._warm_next = True
 
     def step(self, matrices: Sequence[torch.Tensor], iters: int | None = None) -> torch.Tensor:
         """Run ``iters`` (default ``self.iters``) iterations; ``(N,)`` float32 estimates."""
@@ -604,7 +621,6 @@ class PowerIteration:
         iters = self.iters if iters is None else iters
         if iters < 1:
             raise ValueError(f"PowerIteration.step iters must be >= 1, got {iters}")
-        fresh = self._vec is None
         # hot path: a list laid out as before reuses its table (weights do not move)
         key = (
             tuple(map(torch.Tensor.data_ptr, matrices)),
@@ -616,22 +632,26 @@ class PowerIteration:
         if cached is not None and cached[0] == key and cached[1].signature is self._signature:
             state = cached[1]
         else:
-            restarted = self._restarted
             state = self._prepare(matrices)
-            fresh = fresh or self._restarted > restarted
             # One layout is kept: a new one means the matrices moved (model.half(), .to(device),
             # a swapped or reloaded Parameter), and the old views would keep the old weights'
             # memory alive. Nothing refers to the caller's tensors (a weak reference to a
             # Parameter makes torch.utils.swap_tensors refuse it: model.to() and
             # load_state_dict under swap_module_params_on_conversion, tensor subclasses).
             self._state = (key, state) if state.cacheable else None
-        if fresh:  # new vectors: converge once, or the first estimates read ~20 % low and
-            iters = max(iters, WARMUP_ITERS)  # "grow" over the next samples (weights constant)
+        fresh = self._age is None  # new vectors (the first call, a list whose shapes changed)
+        if fresh or self._warm_next:  # or restarted ones: converge once, or the first
+            # estimates read ~20 % low and "grow" over the next samples (weights constant)
+            iters = max(iters, WARMUP_ITERS)
+            self._warm_next = False
         if state.plan is not None:
             run = functools.partial(_run_split, state, self._vec, iters, self._cfg)
-            return self._run(state, iters, run)
-        with torch.no_grad():
-            return power_iteration_reference(state.views, self._vec, iters)
+            sigma = self._run(state, iters, run)
+        else:
+            with torch.no_grad():
+                sigma = power_iteration_reference(state.views, self._vec, iters)
+        self._age = torch.where(sigma > 0, iters if fresh else self._age + iters, 0.0)
+        return sigma
 
     @staticmethod
     def _run(state: _State, kind: Hashable, launches: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -696,10 +716,9 @@ class PowerIteration:
             else:
                 v, c = _start_vectors(e.view, gen)
                 parts.append((v.reshape(-1), v.reshape(-1), c, c))
-                self._restarted += 1
         self._vec = Vectors(*(torch.cat(column) for column in zip(*parts, strict=True)))
         self._signature = signature
-        self._state = None
+        self._state, self._age = None, None
 
     @staticmethod
     def _split(signature: tuple, vec: Vectors) -> list[tuple[torch.Tensor, ...]]:

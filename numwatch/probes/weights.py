@@ -18,7 +18,7 @@ from torch import nn
 from numwatch.config import WeightsConfig
 from numwatch.distributed import ShardedPowerIteration, is_dtensor, weight_blocks
 from numwatch.kernels.host_copy import to_device
-from numwatch.kernels.power_iteration import PowerIteration, qk_logit_bound
+from numwatch.kernels.power_iteration import WARMUP_ITERS, PowerIteration, qk_logit_bound
 from numwatch.probes.base import ProbeContext, gathering_device
 from numwatch.probes.qk_layout import QKLayout, find_qk_layout, reads_parameters
 from numwatch.selection import _warn_unmatched, matches, select_parameters
@@ -89,6 +89,7 @@ class WeightProbe:
         self._aggregate = aggregate
         self._pi: dict[torch.device, PowerIteration] = {}
         self._sigma: torch.Tensor | None = None  # (N,) float32, latest estimates
+        self._age: torch.Tensor | None = None  # (N,) float32, PowerIteration.age of each
         self._fresh = False  # estimated since the last flush: only then are they reported
         self._meta_said: set[str] = set()  # meta weights already warned about
         self._select()
@@ -230,12 +231,12 @@ class WeightProbe:
             self._pi.clear()
         self._fresh = True
         if self._sharded is not None:
-            self._sigma = self._sharded.step(self._blocks)
+            self._sigma, self._age = self._sharded.step(self._blocks), None
             return
         groups = self._matrix_groups()
         if len(self._pi) > len(groups):  # a device the model left: its iteration holds old views
             self._pi = {d: pi for d, pi in self._pi.items() if any(d == g for g, _ in groups)}
-        sigmas = []
+        sigmas, ages = [], []
         for device, matrices in groups:
             pi = self._pi.get(device)
             if pi is None:
@@ -243,31 +244,51 @@ class WeightProbe:
                     iters=self.cfg.iters, backend=self.ctx.backend_for(device)
                 )
             sigmas.append(pi.step(matrices))
-        if self._order is not None:  # several devices: gathered without a host sync
-            target = self._order.device
-            gathered = torch.cat([s.to(target, non_blocking=True) for s in sigmas])
-            self._sigma = gathered.index_select(0, self._order)
-        else:  # none at all: every matrix on the meta device
-            self._sigma = sigmas[0] if sigmas else None
+            ages.append(pi.age)
+        self._sigma, self._age = self._model_order(sigmas), self._model_order(ages)
+
+    def _model_order(self, parts: list[torch.Tensor]) -> torch.Tensor | None:
+        """The groups' ``(n_i,)`` tensors as one in model order (None: no group, every matrix
+        on the meta device); of several devices gathered without a host sync."""
+        if self._order is None:
+            return parts[0] if parts else None
+        target = self._order.device
+        gathered = torch.cat([t.to(target, non_blocking=True) for t in parts])
+        return gathered.index_select(0, self._order)
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         # A flush without a new estimate reports none: rules count observations, and the
         # same value repeated would satisfy "for N flushes" from one measurement.
-        return {"weights/sigma": self._sigma} if self._fresh and self._sigma is not None else {}
+        if not self._fresh or self._sigma is None:
+            return {}
+        age = {} if self._age is None else {"weights/age": self._age}
+        return {"weights/sigma": self._sigma, **age}
 
     def records(self, host: Mapping[str, torch.Tensor]) -> list[MetricRecord]:
         if "weights/sigma" not in host:
             return []
-        values, present = iter(host["weights/sigma"].tolist()), iter(self._present)
+        sigma = host["weights/sigma"].tolist()
+        # An estimate restarted since its weight read 0 or NaN (a zero-initialized weight that
+        # starts to train, a recovery from a NaN) is a lower bound still rising at one iteration
+        # a step: it is not reported, and the next step warms up, as the first one did.
+        ages = (
+            host["weights/age"].tolist() if "weights/age" in host else [WARMUP_ITERS] * len(sigma)
+        )
+        rising = [0 < a < WARMUP_ITERS for a in ages]
+        if any(rising):
+            for pi in self._pi.values():
+                pi.warm_up()
+        values = iter(None if r else v for v, r in zip(sigma, rising, strict=True))
+        present = iter(self._present)
 
-        def take(n: int) -> list[float] | None:
-            """The next matrix's ``n`` estimates; None for one left out (it has none)."""
+        def take(n: int) -> list[float | None] | None:
+            """The next matrix's ``n`` estimates (None: rising); None for one left out."""
             return [next(values) for _ in range(n)] if next(present) else None
 
         out = [
-            MetricRecord("weight_spectral_norm", {"param": name}, sigma[0])
+            MetricRecord("weight_spectral_norm", {"param": name}, est[0])
             for name, _ in self.params
-            if (sigma := take(1)) is not None
+            if (est := take(1)) is not None and est[0] is not None
         ]
         for layer, layout in self.layers:
             sq, sk = take(len(layout.q)), take(len(layout.k))
@@ -277,11 +298,13 @@ class WeightProbe:
             head_dim = layout.q[0].stop - layout.q[0].start
             for h in range(nq):
                 labels = {"layer": layer, "head": str(h)}
-                kv = h // (nq // nk)
-                out.append(MetricRecord("attn_q_spectral_norm", labels, sq[h]))
-                out.append(MetricRecord("attn_k_spectral_norm", labels, sk[kv]))
-                if not layout.qk_norm:  # after a QK-norm the product bounds no logit
-                    bound = qk_logit_bound(sq[h], sk[kv], head_dim**-0.5)
+                q, k = sq[h], sk[h // (nq // nk)]
+                if q is not None:
+                    out.append(MetricRecord("attn_q_spectral_norm", labels, q))
+                if k is not None:
+                    out.append(MetricRecord("attn_k_spectral_norm", labels, k))
+                if q is not None and k is not None and not layout.qk_norm:
+                    bound = qk_logit_bound(q, k, head_dim**-0.5)  # after a QK-norm: no bound
                     out.append(MetricRecord("attn_qk_logit_bound", labels, bound))
         return out
 
