@@ -671,8 +671,34 @@ def test_parametrized_weights_are_left_out_not_reported_by_their_originals(caplo
     assert snap.value("weight_spectral_norm", param="4.weight") == pytest.approx(
         sigma(model[4].weight), rel=1e-3
     )
-    assert "4 weight(s) computed from parametrizations are left out (0.weight, 1.weight, " in (
-        caplog.text
+    assert (
+        "4 weight(s) computed from parametrizations or pruning masks are left out (0.weight, "
+        in (caplog.text)
+    )
+
+
+def test_pruned_weights_are_left_out_not_reported_by_their_originals(caplog):
+    """torch.nn.utils.prune computes weight = weight_orig * weight_mask at each forward:
+    weight_orig's norm (the weight before pruning) was reported, silently, as a weight."""
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16))
+    prune.l1_unstructured(model[0], "weight", amount=0.9)
+    prune.random_structured(model[1], "weight", amount=0.5, dim=0)
+    prune.l1_unstructured(model[1], "weight", amount=0.5)  # a PruningContainer
+    monitor = monitor_for(model, attention__enabled=False, weights__iters=300)
+    model(torch.randn(3, 16)).sum().backward()
+    monitor.step()
+    snap = monitor.snapshot()
+    monitor.detach()
+    assert [labels["param"] for _, labels, _ in snap.series("weight_spectral_norm")] == ["2.weight"]
+    assert snap.value("weight_spectral_norm", param="2.weight") == pytest.approx(
+        sigma(model[2].weight), rel=1e-3
+    )
+    assert (
+        "2 weight(s) computed from parametrizations or pruning masks are left out (0.weight, "
+        "1.weight)" in caplog.text
     )
 
 

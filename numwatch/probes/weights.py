@@ -49,12 +49,15 @@ def _first_names(names: list[str]) -> str:
 
 def _computed_weights(model: nn.Module) -> dict[int, str]:
     """ids of the parameters that a weight is computed from, each with that weight's name:
-    the originals of torch.nn.utils.parametrize (weight_norm, spectral_norm, orthogonal) and of
-    the older hook-based weight_norm and spectral_norm. Their norms are not the weight's (a
+    the originals of torch.nn.utils.parametrize (weight_norm, spectral_norm, orthogonal), of
+    the older hook-based weight_norm and spectral_norm, and of torch.nn.utils.prune (``weight =
+    weight_orig * weight_mask`` at each forward). Their norms are not the weight's (a
     weight_norm magnitude is an (out, 1) column; a spectral_norm original is the weight before
-    its division by sigma), and reading the weight itself runs the parametrization, which
-    spectral_norm's updates its own state by: they are left out."""
+    its division by sigma; a pruned original still holds the pruned entries), and reading the
+    weight itself runs the parametrization, which spectral_norm's updates its own state by:
+    they are left out."""
     from torch.nn.utils.parametrize import ParametrizationList
+    from torch.nn.utils.prune import BasePruningMethod
     from torch.nn.utils.spectral_norm import SpectralNorm
     from torch.nn.utils.weight_norm import WeightNorm
 
@@ -67,11 +70,15 @@ def _computed_weights(model: nn.Module) -> dict[int, str]:
                 if isinstance(plist, ParametrizationList):
                     out |= dict.fromkeys(map(id, plist.parameters()), prefix + name)
         for hook in module._forward_pre_hooks.values():
-            suffixes = {WeightNorm: ("_g", "_v"), SpectralNorm: ("_orig",)}.get(type(hook), ())
+            if isinstance(hook, BasePruningMethod):  # the pruned tensor's name, a suffix
+                name, suffixes = hook._tensor_name, ("_orig",)
+            else:
+                name = getattr(hook, "name", "")
+                suffixes = {WeightNorm: ("_g", "_v"), SpectralNorm: ("_orig",)}.get(type(hook), ())
             for suffix in suffixes:
-                source = getattr(module, hook.name + suffix, None)
+                source = getattr(module, name + suffix, None)
                 if isinstance(source, nn.Parameter):
-                    out[id(source)] = prefix + hook.name
+                    out[id(source)] = prefix + name
     return out
 
 
@@ -111,9 +118,9 @@ class WeightProbe:
         left_out = sorted({computed[id(p)] for _, p in self.params if id(p) in computed})
         if left_out:
             log.warning(
-                "numwatch: weights: %d weight(s) computed from parametrizations are left out "
-                "(%s): their originals' norms are not the weight's, and reading the weight "
-                "would run the parametrization",
+                "numwatch: weights: %d weight(s) computed from parametrizations or pruning "
+                "masks are left out (%s): their originals' norms are not the weight's, and "
+                "reading the weight would run the parametrization",
                 len(left_out),
                 _first_names(left_out),
             )
