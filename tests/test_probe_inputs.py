@@ -179,6 +179,69 @@ def test_an_unreadable_output_raises_in_strict_mode(make_monitor):
     monitor.detach()
 
 
+class Scaled(torch.Tensor):
+    """A minimal __torch_dispatch__ wrapper (quantization-library style): mul and sum only."""
+
+    @staticmethod
+    def __new__(cls, data, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype)
+
+    def __init__(self, data, scale):
+        self.data_, self.scale = data, scale
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.sum.default:
+            return (args[0].data_ * args[0].scale).sum()
+        raise NotImplementedError(f"Scaled: {func}")
+
+
+class Uncollectable(nn.Module):
+    """Beside a Linear, a module whose output the collection cannot walk or detach."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(2, 2, bias=False)
+        self.odd = nn.Identity()
+        self.odd.register_forward_hook(lambda m, i, o: self.wrap(o))
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, -2.0]]))
+
+    def wrap(self, h):
+        if self.kind == "subclass":
+            return Scaled(h, 2.0)
+        out = {"h": h}
+        out["self"] = out  # a back reference: the walk never ends
+        return out
+
+    def forward(self, x):
+        out = self.odd(self.lin(x))
+        return out.sum() if self.kind == "subclass" else out["h"].sum()
+
+
+@pytest.mark.parametrize("kind", ["subclass", "cyclic"])
+def test_an_output_the_collection_fails_on_is_counted_not_raised(make_monitor, kind):
+    """The activation hook collected outputs unguarded: an output it could not detach (a
+    subclass without aten.detach) or walk (a structure holding itself: RecursionError) raised
+    into the user's forward, with strict off."""
+    model = Uncollectable(kind)
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    for _ in range(2):
+        out = model(torch.tensor([[1.0, 3.0]]))  # lin: [1, -6]
+        monitor.step()
+    assert out.item() == (-10.0 if kind == "subclass" else -5.0)
+    assert monitor.errors == {"activations": 2}
+    assert min_max(monitor.snapshot(), "activation", module="lin") == (-6.0, 1.0)
+    monitor.detach()
+    strict = make_monitor(model, activations__every=1, strict=True).attach()
+    with pytest.raises(NotImplementedError if kind == "subclass" else RecursionError):
+        model(torch.tensor([[1.0, 3.0]]))
+    strict.detach()
+
+
 def test_per_sample_gradients_through_the_model_are_left_out_alone(make_monitor):
     """torch.func's vmap(grad(...)) over the monitored model (per-sample gradients): its
     batched tensors failed the activation statistics (vmap refuses a value read), an error

@@ -545,8 +545,11 @@ class ActivationProbe:
         # The probe's own torch calls skip __torch_function__ handling: on sampled steps the
         # attention probe's TorchFunctionMode is active, and its Python dispatch on each of
         # these calls (~1,500 per GPT-2 forward) cost more than the statistics themselves.
+        # Guarded: an output the collection cannot walk or detach (a __torch_dispatch__ subclass
+        # without aten.detach, a structure that holds itself) is a failure of the probe, counted,
+        # never the user's forward's.
         with torch._C.DisableTorchFunction():
-            self._collect(index, module, output)
+            self.ctx.guard.run(self.component, self._collect, index, module, output)
 
     def _collect(self, index: int, module: nn.Module, output: Any) -> None:
         if self.cfg.training_only and self._eval_forward(module):
