@@ -218,6 +218,7 @@ class Monitor(Joinable):
         self._window_start = 0.0
         self._attention: AttentionProbe | None = None
         self._gradients: GradientProbe | None = None
+        self._activations: ActivationProbe | None = None
         # Kernel routing changes wait for a step boundary: (layer glob or None = all, kernel).
         self._pending_routes: list[tuple[str | None, AttentionKernel | None]] = []
         self._engine, self._actions = self._build_rules()
@@ -453,7 +454,7 @@ class Monitor(Joinable):
         for sink in self._sinks:
             self._guard.run("sinks", sink.close)
         self._probes, self._sinks, self._optimizer_handles = [], [], []
-        self._attention = self._gradients = None
+        self._attention = self._gradients = self._activations = None
         self._optimizer = None
         self._scaler = None
         self._pending_routes.clear()
@@ -483,7 +484,8 @@ class Monitor(Joinable):
             )
             self._probes.append(self._gradients)
         if cfg.activations.enabled:
-            self._probes.append(ActivationProbe(self.model, cfg.activations, self._ctx))
+            self._activations = ActivationProbe(self.model, cfg.activations, self._ctx)
+            self._probes.append(self._activations)
         if cfg.weights.enabled:
             aggregate = self.config.distributed.aggregate
             self._probes.append(WeightProbe(self.model, cfg.weights, self._ctx, aggregate))
@@ -659,7 +661,12 @@ class Monitor(Joinable):
     def _close_step_body(self, loss: torch.Tensor | float | None) -> None:
         if self._control is not None:
             self._control.new_step()
-        # The loss first: it came before the gradients, so a NaN loss is named as the origin.
+        # Outputs of modules run outside the model's forward (Lightning's training_step calls
+        # submodules) are still held: they came before the loss and the gradients, so they take
+        # their order numbers first, and a NaN they hold is named as the origin.
+        if self._activations is not None:
+            self._guard.run("activations", self._activations.measure_held)
+        # The loss next: it came before the gradients, so a NaN loss is named as the origin.
         # Guarded on its own: a loss it cannot read (an optimizer closure's) costs the loss only.
         loss = self._guard.run("step", self._record_loss, loss, self._ctx.step)
         if loss is None and self._late_losses:  # its order now, before the gradients'

@@ -480,6 +480,26 @@ def test_first_nonfinite_in_forward_order(make_monitor):
     assert event.step == 0
 
 
+@pytest.mark.parametrize("close", ["step(loss)", "optimizer"])
+def test_first_nonfinite_in_forward_order_outside_the_model_forward(make_monitor, close):
+    """Training code that calls submodules (Lightning's training_step): their outputs were
+    measured after the loss and the gradients had taken their order numbers, and the NaN
+    made in 'second' was named as the loss's or a gradient's."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach(opt)
+    with torch.no_grad():
+        model[1].bias[0] = float("inf")
+    loss = model[2](model[1](model[0](torch.randn(2, 4)))).sum()
+    loss.backward()
+    if close == "step(loss)":
+        monitor.step(loss)
+    opt.step()
+    (event,) = [e for e in monitor.events if e.kind == "nonfinite"]
+    assert (event.labels, event.evidence["phase"], event.step) == ({"module": "1"}, "forward", 0)
+    monitor.detach()
+
+
 def test_nonfinite_loss_event(make_monitor):
     model = nn.Linear(2, 1)
     monitor = make_monitor(model, flush_every=1, gradients__enabled=False).attach()

@@ -586,11 +586,17 @@ class ActivationProbe:
             with torch._C.DisableTorchFunction():
                 self.ctx.guard.run(self.component, self._measure)
 
-    def on_step(self) -> None:
-        """Outputs of modules run outside the model's own forward are measured at step end;
-        the hooks are armed for the next step if it is sampled."""
+    def measure_held(self) -> None:
+        """Measure the outputs still held: those of modules run outside the model's own forward
+        (a forward's are measured when it returns). The monitor calls it as the step closes,
+        before the loss and the gradients take their order numbers, which come after."""
         if self._pending:
-            self._measure()
+            with torch._C.DisableTorchFunction():
+                self._measure()
+
+    def on_step(self) -> None:
+        """The step's rows are merged; the hooks are armed for the next step if it is
+        sampled."""
         if self._measured:
             self._settle()
         if (self.ctx.step + 1) % self.cfg.every == 0:
