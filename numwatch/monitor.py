@@ -857,7 +857,7 @@ class Monitor(Joinable):
         # (A model in eval mode with grad on may be training, e.g. without dropout: its forward
         # begins a step.)
         grad = torch.is_grad_enabled()
-        self._ctx.eval_forward = not grad or not self.model.training
+        self._ctx.eval_forward = self._eval_forward()
         self._forwards_since_flush = True
         if grad:
             self._run_waiting_flush()
@@ -865,11 +865,19 @@ class Monitor(Joinable):
         if self._join_config.enable:  # inside Join: tell joined ranks this one still trains
             self._guard.run("step", self._dist.announce, self)
 
+    def _eval_forward(self) -> bool:
+        """A forward starting now is no training forward: no grad, or the model in eval mode."""
+        return not torch.is_grad_enabled() or not self.model.training
+
     def begin_forward(self) -> None:
         """Open one forward of the model by hand (attention interception and kernel routing
         follow model.forward otherwise); Lightning's training_step needs it. Pair each call
         with ``end_forward()``; nested real forwards inside are fine. Under no_grad (a
-        validation batch) it opens no training step, as the model's own forward would not."""
+        validation batch) it opens no training step, as the model's own forward would not.
+        The modules run until ``end_forward()`` belong to this forward, as they would to the
+        model's: with grad on and the model in train mode, a reentrant checkpoint's no_grad
+        forward and a submodule kept in eval mode are measured (activations.training_only)."""
+        self._ctx.eval_forward = self._ctx.opened_eval_forward = self._eval_forward()
         self._forwards_since_flush = True
         if torch.is_grad_enabled():
             self._run_waiting_flush()
@@ -879,6 +887,7 @@ class Monitor(Joinable):
 
     def end_forward(self) -> None:
         """Close the forward ``begin_forward()`` opened."""
+        self._ctx.eval_forward = self._ctx.opened_eval_forward = None
         if self._attention is not None:
             self._attention.end_forward()
 

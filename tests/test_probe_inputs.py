@@ -460,6 +460,35 @@ def test_activation_checkpointing_counts_each_output_once(make_monitor, reentran
     assert snap.value("activation_zeros", module="body.1") == (relu == 0).sum().item()
 
 
+def test_a_forward_opened_by_hand_measures_its_reentrant_checkpoint_and_eval_submodules(
+    make_monitor,
+):
+    """Training code that calls submodules (Lightning's training_step) inside begin_forward():
+    reentrant checkpointing runs its blocks' first forward under no_grad, and they were taken
+    for a validation forward and left out, as was a submodule kept in eval mode. A model forward
+    under no_grad inside (a teacher's targets) is still validation, and the opened forward's
+    decision applies again after it."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.BatchNorm1d(8).eval()
+    )
+    monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
+    x = torch.randn(4, 8)
+    monitor.begin_forward()
+    with torch.no_grad():
+        model(x)  # not measured
+    h = checkpoint(model[1], model[0](x), use_reentrant=True)
+    model[2](h).sum().backward()  # the recompute in backward is not counted again
+    monitor.end_forward()
+    monitor.step()
+    snap = monitor.snapshot()
+    numel = {r.labels["module"]: r.value for r in snap.series("activation_numel")}
+    assert numel == {"0": 32, "1": 32, "1.0": 32, "1.1": 32, "2": 32}
+    assert no_errors(monitor)
+    monitor.detach()
+
+
 def test_a_failure_of_the_statistics_on_plain_tensors_leaves_nothing_out_for_good(
     make_monitor, monkeypatch
 ):

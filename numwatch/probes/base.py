@@ -32,9 +32,9 @@ class ProbeContext:
     activity: bool = False  # a hook fired since the last closed step
     # The model's running forward is no training forward: the model is in eval mode, or the
     # call runs under no_grad / inference_mode (validation left in train mode). Set at the
-    # model's entry (a reentrant checkpoint's no_grad segment, or a submodule kept in eval mode
-    # such as a frozen BatchNorm, is part of a training forward); None outside the model's
-    # forward, where each module's own mode and the grad mode decide.
+    # model's entry, or by Monitor.begin_forward() (a reentrant checkpoint's no_grad segment, or
+    # a submodule kept in eval mode such as a frozen BatchNorm, is part of a training forward);
+    # None outside both, where each module's own mode and the grad mode decide.
     eval_forward: bool | None = None
     # Routed attention calls that numwatch's kernel handed to SDPA, by reason, since the
     # monitor was made (the kernel's own count is the process's, every monitor's)
@@ -42,6 +42,9 @@ class ProbeContext:
     # The loss scale the closing step's gradients still carry (a GradScaler's, before
     # unscale_), which the gradient statistics divide out; None: they are the true gradients.
     grad_scale: torch.Tensor | None = None
+    # eval_forward of the forward begin_forward() opened (None: none open): what applies again
+    # when a model forward run inside it returns
+    opened_eval_forward: bool | None = None
 
     def backend_for(self, device: torch.device) -> str:
         """The kernel backend a computation on ``device`` uses: 'auto' = Triton on CUDA only."""

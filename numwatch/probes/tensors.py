@@ -574,14 +574,15 @@ class ActivationProbe:
             self.ctx.guard.run(self.component, self._measure)
 
     def _eval_forward(self, module: nn.Module) -> bool:
-        """No training forward: the model's, decided at its entry; outside it, the module's."""
+        """No training forward: the model's (or begin_forward()'s), decided at its entry;
+        outside any, the module's."""
         if self.ctx.eval_forward is not None:
             return self.ctx.eval_forward
         return not module.training or not torch.is_grad_enabled()
 
     @torch.compiler.disable
     def _forward_done(self, *_: Any) -> None:
-        self.ctx.eval_forward = None  # submodules run outside the model's forward: their own
+        self.ctx.eval_forward = self.ctx.opened_eval_forward  # None: each module's own
         if self._pending:
             with torch._C.DisableTorchFunction():
                 self.ctx.guard.run(self.component, self._measure)
