@@ -665,7 +665,7 @@ class Monitor(Joinable):
         # submodules) are still held: they came before the loss and the gradients, so they take
         # their order numbers first, and a NaN they hold is named as the origin.
         if self._activations is not None:
-            self._guard.run("activations", self._activations.measure_held)
+            self._guard.run("activations", self._activations.end_forward)
         # The loss next: it came before the gradients, so a NaN loss is named as the origin.
         # Guarded on its own: a loss it cannot read (an optimizer closure's) costs the loss only.
         loss = self._guard.run("step", self._record_loss, loss, self._ctx.step)
@@ -888,6 +888,8 @@ class Monitor(Joinable):
     def end_forward(self) -> None:
         """Close the forward ``begin_forward()`` opened."""
         self._ctx.eval_forward = self._ctx.opened_eval_forward = None
+        if self._activations is not None:
+            self._guard.run("activations", self._activations.end_forward)
         if self._attention is not None:
             self._attention.end_forward()
 

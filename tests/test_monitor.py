@@ -224,17 +224,20 @@ def test_activation_sampling_every_and_training_only(make_monitor):
     assert monitor.snapshot().get("activation_numel", module="0") is None
 
 
-def test_forwards_that_close_no_step_hold_bounded_memory_and_name_a_late_nan(make_monitor):
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_forwards_that_close_no_step_hold_bounded_memory_and_name_a_late_nan(make_monitor, context):
     """With training_only off, forwards that close no step (validation, generate(), an
     inference loop) held one stats row and one origin entry per forward until the next flush:
-    +155 MB over 40k forwards of 25 modules. A NaN in the last of many still names its module."""
+    +155 MB over 40k forwards of 25 modules. Under inference_mode, where each output is
+    measured in its module's hook, one origin entry per module per forward. A NaN in the last
+    of many still names its module."""
     from numwatch.probes.tensors import ActivationProbe
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
     monitor = make_monitor(model, activations__training_only=False).attach()
     probe = next(p for p in monitor._probes if isinstance(p, ActivationProbe))
     x = torch.randn(2, 4)
-    with torch.no_grad():
+    with context():
         for _ in range(300):
             model(x)
         assert sum(map(len, probe._measured.values())) < 64

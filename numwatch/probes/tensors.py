@@ -149,7 +149,8 @@ _GRAD = attrgetter("grad")
 # The power of the loss scale that a stat column of scaled gradients holds (counts: none)
 _SCALE_POWERS = {ts.ABSMAX: 1, ts.MIN: 1, ts.MAX: 1, ts.SUM: 1, ts.SUMSQ: 2}
 # Measured forwards a device holds before they are merged into the table (forwards that close no
-# step, as validation, generate() or an inference loop run, merged one per forward otherwise)
+# step, as validation, generate() or an inference loop run, merged one per forward otherwise);
+# also the measurements outside any forward that wait for their order numbers
 _FOLD_AT = 64
 
 
@@ -499,6 +500,9 @@ class ActivationProbe:
         # MaskedTensor): left out from then on, so that they cannot sink other modules' rows
         self._unreadable: set[tuple[type, torch.dtype]] = set()
         self._told: set[int] = set()  # modules warned about an output left out
+        # (device, module indices, stat rows, dtypes) per measurement of the running forward,
+        # waiting for their order numbers: the forward's end reserves them in one tracker batch
+        self._unordered: list[tuple[torch.device, list[int], torch.Tensor, tuple]] = []
         # device -> (first order number, module indices, stat rows, dtypes) per measurement
         self._measured: dict[torch.device, list[tuple[int, list[int], torch.Tensor, tuple]]] = {}
         self._plans: dict[tuple[torch.device, tuple[int, ...]], tuple[Any, Any, int]] = {}
@@ -522,6 +526,7 @@ class ActivationProbe:
             h.remove()
         self._handles.clear()
         self._pending.clear()
+        self._unordered.clear()
         self._measured.clear()
 
     def _arm(self) -> None:
@@ -583,17 +588,35 @@ class ActivationProbe:
     @torch.compiler.disable
     def _forward_done(self, *_: Any) -> None:
         self.ctx.eval_forward = self.ctx.opened_eval_forward  # None: each module's own
-        if self._pending:
-            with torch._C.DisableTorchFunction():
-                self.ctx.guard.run(self.component, self._measure)
+        if self._pending or self._unordered:
+            self.ctx.guard.run(self.component, self.end_forward)
 
-    def measure_held(self) -> None:
-        """Measure the outputs still held: those of modules run outside the model's own forward
-        (a forward's are measured when it returns). The monitor calls it as the step closes,
-        before the loss and the gradients take their order numbers, which come after."""
+    def end_forward(self) -> None:
+        """Measure the outputs still held and give the forward's rows their order numbers.
+        Run when the model's forward returns, at ``Monitor.end_forward()``, and as the step
+        closes, before the loss and the gradients take theirs (outputs of modules run outside
+        any forward are held until then: they came first)."""
         if self._pending:
             with torch._C.DisableTorchFunction():
                 self._measure()
+        self._order()
+
+    def _order(self) -> None:
+        """One tracker batch for the rows waiting for their order numbers, in the order they
+        were measured. Per forward, not per measurement: a forward measured output by output
+        (inference tensors, in their hooks) then reserves the batch the previous forward did,
+        which the tracker keeps as one entry (validation, generate(), inference loops)."""
+        parts, self._unordered = self._unordered, []
+        if not parts:
+            return
+        names = tuple(self.modules[i][0] for _, indices, _, _ in parts for i in indices)
+        first = self.ctx.tracker.reserve("forward", "module", names, self.ctx.step)
+        for device, indices, stats, dtypes in parts:
+            measured = self._measured.setdefault(device, [])
+            measured.append((first, indices, stats, dtypes))
+            first += len(indices)
+        if max(map(len, self._measured.values())) >= _FOLD_AT:  # forwards with no step
+            self._settle()  # closing (validation, generate(), inference): not held one by one
 
     def on_step(self) -> None:
         """The step's rows are merged; the hooks are armed for the next step if it is
@@ -625,8 +648,9 @@ class ActivationProbe:
     @torch.no_grad()
     def _measure(self) -> None:
         """One fused statistics call per device over the held outputs; the rows wait in
-        ``_measured`` (a GPT-2 forward measures ~11 times under the default memory bound, and
-        merging each time cost ~0.6 ms of host time)."""
+        ``_unordered`` for the forward's end, then in ``_measured`` (a GPT-2 forward measures
+        ~11 times under the default memory bound, and merging each time cost ~0.6 ms of host
+        time)."""
         pending, self._pending = self._pending, []
         self._pending_bytes = 0
         groups: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
@@ -638,16 +662,11 @@ class ActivationProbe:
             self._dtypes[index] = t.dtype
         for device, group in groups.items():
             items, stats = self._stats(group)
-            if not items:
-                continue
-            indices = [i for i, _ in items]
-            names = tuple(self.modules[i][0] for i in indices)
-            first = self.ctx.tracker.reserve("forward", "module", names, self.ctx.step)
-            dtypes = tuple(t.dtype for _, t in items)
-            measured = self._measured.setdefault(device, [])
-            measured.append((first, indices, stats, dtypes))
-            if len(measured) >= _FOLD_AT:  # forwards with no step closing (validation,
-                self._settle()  # generate(), inference): merged, not held one per forward
+            if items:
+                dtypes = tuple(t.dtype for _, t in items)
+                self._unordered.append((device, [i for i, _ in items], stats, dtypes))
+        if self.ctx.eval_forward is None and len(self._unordered) >= _FOLD_AT:
+            self._order()  # outside any forward: no end to wait for
 
     def _stats(
         self, items: list[tuple[int, torch.Tensor]]
@@ -735,6 +754,7 @@ class ActivationProbe:
                 self._note_headroom(device, idx, st, dtypes)
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
+        self.end_forward()  # outputs of modules run outside any forward since the step closed
         self._settle()
         out = self._tables.device_tensors()
         out.update({f"act_headroom/{i}": t for i, t in enumerate(self._headroom.values())})
