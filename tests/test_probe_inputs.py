@@ -72,16 +72,25 @@ class SparseBranch(nn.Module):
         return self.out(h)
 
 
-def test_sparse_module_output_is_left_out_alone(make_monitor):
+def test_sparse_module_output_is_left_out_alone_and_said_once(make_monitor, caplog):
+    """A sparse output was left out silently, where complex ones and sparse gradients are
+    warned about."""
     model = SparseBranch()
     monitor = make_monitor(model, flush_every=1, activations__every=1).attach()
-    model(torch.tensor([[1.0, 3.0]]))  # lin: [1, -6]; out: -5
-    monitor.step()
+    with caplog.at_level("WARNING", logger="numwatch"):
+        for _ in range(2):
+            model(torch.tensor([[1.0, 3.0]]))  # lin: [1, -6]; out: -5
+            monitor.step()
     snap = monitor.snapshot()
     assert no_errors(monitor)
     assert min_max(snap, "activation", module="lin") == (-6.0, 1.0)
     assert snap.value("activation_min", module="out") == -5.0
     assert snap.get("activation_numel", module="sp") is None
+    warned = [r.getMessage() for r in caplog.records if "not measured" in r.getMessage()]
+    assert warned == [
+        "numwatch: an output of module 'sp' is not measured (torch.sparse_coo Tensor of "
+        "torch.float32); its activation_* statistics leave it out"
+    ]
 
 
 class NestedBranch(nn.Module):

@@ -210,13 +210,14 @@ def _floating_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 def _unmeasured_kind(t: torch.Tensor) -> str | None:
     """Why a tensor with values that ``_floating`` refuses is left out, when a user would
-    expect it measured (complex, or a floating dtype the kernels do not read); None for the
-    tensors that are not statistics anyway (integer, boolean, empty, meta, nested, sparse)."""
-    if t.dtype in _MEASURABLE_DTYPES or not (t.is_complex() or t.is_floating_point()):
+    expect it measured (complex, a floating dtype the kernels do not read, sparse); None for
+    the tensors that are not statistics anyway (integer, boolean, empty, meta, nested)."""
+    if t.is_nested or t.is_meta or not t.numel() or not (t.is_complex() or t.is_floating_point()):
         return None
-    if t.layout is not torch.strided or t.is_nested or t.is_meta or not t.numel():
-        return None
-    return f"{type(t).__name__} of {t.dtype}"
+    kind = f"{type(t).__name__} of {t.dtype}"
+    if t.layout is not torch.strided:  # sparse (see _floating)
+        return f"{t.layout} {kind}"
+    return None if t.dtype in _MEASURABLE_DTYPES else kind
 
 
 class GradientProbe:
@@ -697,8 +698,8 @@ class ActivationProbe:
     def _tell_unmeasured(
         self, index: int, t: torch.Tensor, exc: BaseException | None = None
     ) -> None:
-        """Warn once per module about an output left out (complex, an unreadable dtype or
-        tensor type): its activation_* series lack it."""
+        """Warn once per module about an output left out (complex, sparse, an unreadable dtype
+        or tensor type): its activation_* series lack it."""
         if index in self._told:
             return
         kind = _unmeasured_kind(t) if exc is None else f"{type(t).__name__} of {t.dtype}"
