@@ -1061,9 +1061,9 @@ class Monitor(Joinable):
         new = tuple(name for name, p in selected if id(p) not in watched)
         if new and new != self._new_trainable:
             log.warning(
-                "numwatch: %d parameters require grad since attach() and are not watched "
-                "(gradient statistics, spectral norms): %s; detach() and attach() again to "
-                "include them",
+                "numwatch: %d parameters require grad since attach() and get no gradient "
+                "statistics: %s; detach() and attach() again to include them (spectral norms "
+                "include them from the next sampled step)",
                 len(new),
                 ", ".join(new[:8]) + (", ..." if len(new) > 8 else ""),
             )

@@ -1012,9 +1012,9 @@ def test_parameters_unfrozen_after_attach_are_named_once(make_monitor, caplog):
             opt.zero_grad()
     warned = [r.getMessage() for r in caplog.records if "since attach()" in r.getMessage()]
     assert warned == [
-        "numwatch: 2 parameters require grad since attach() and are not watched (gradient "
-        "statistics, spectral norms): 0.weight, 0.bias; detach() and attach() again to include "
-        "them"
+        "numwatch: 2 parameters require grad since attach() and get no gradient statistics: "
+        "0.weight, 0.bias; detach() and attach() again to include them (spectral norms include "
+        "them from the next sampled step)"
     ]
     monitor.detach()
     monitor.attach(opt)  # the remedy it names

@@ -732,6 +732,31 @@ def test_a_module_replaced_after_attach_is_measured_at_the_next_flush():
     assert new > 10 * old
 
 
+def test_weights_unfrozen_after_attach_are_measured_from_the_next_step():
+    """Gradual unfreezing: the selection of attach time (trainable weights only) went on
+    leaving the unfrozen weight out, while the monitor's warning said to re-attach."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = monitor_for(model, gradients__enabled=False)
+    monitor.attach(opt)
+    x = torch.randn(3, 8)
+    measured = []
+    for step in range(3):
+        if step == 1:
+            model[0].requires_grad_(True)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        snap = monitor.snapshot()
+        measured.append(sorted(s.labels["param"] for s in snap.series("weight_spectral_norm")))
+    value = monitor.snapshot().value("weight_spectral_norm", param="0.weight")
+    monitor.detach()
+    assert measured == [["1.weight"], ["0.weight", "1.weight"], ["0.weight", "1.weight"]]
+    assert value == pytest.approx(sigma(model[0].weight), rel=1e-3)
+
+
 @pytest.fixture
 def swap_params_on_conversion():
     torch.__future__.set_swap_module_params_on_conversion(True)

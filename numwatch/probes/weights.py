@@ -82,6 +82,11 @@ def _computed_weights(model: nn.Module) -> dict[int, str]:
     return out
 
 
+def _parameter_state(model: nn.Module) -> tuple[tuple[int, bool], ...]:
+    """Which Parameters the model holds and which are trainable (the selection's inputs)."""
+    return tuple((id(p), p.requires_grad) for p in model.parameters())
+
+
 class WeightProbe:
     component = "weights"
 
@@ -103,11 +108,11 @@ class WeightProbe:
 
     def _select(self) -> None:
         """Choose the weights and attention layers, and what reads them. Again at a sampled
-        step after the model's parameters changed (a module replaced after attach), before
-        the weights are read: a Parameter kept from before would be reported under the name
-        of its replacement."""
+        step after the model's parameters changed (a module replaced after attach, or weights
+        unfrozen or frozen: gradual unfreezing), before the weights are read: a Parameter kept
+        from before would be reported under the name of its replacement."""
         model, cfg = self.model, self.cfg
-        self._param_ids = tuple(map(id, model.parameters()))
+        self._param_ids = _parameter_state(model)
         tables = set() if cfg.embeddings else _embedding_tables(model)
         computed = _computed_weights(model)
         self.params = [
@@ -233,7 +238,7 @@ class WeightProbe:
     def on_step(self) -> None:
         if self.ctx.step % self.cfg.every:
             return
-        if tuple(map(id, self.model.parameters())) != self._param_ids:  # host-side ids only
+        if _parameter_state(self.model) != self._param_ids:  # host-side only
             self._select()
             self._pi.clear()
         self._fresh = True
