@@ -109,6 +109,7 @@ what BF16 accumulation costs by itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections import Counter
 from collections.abc import Iterator
@@ -201,8 +202,9 @@ def _foldable(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> bool
     )
 
 
-def _fold(t: Tensor, lead: tuple[int, ...]) -> Tensor:
-    """t's leading dims broadcast to ``lead``, as SDPA broadcasts them, then folded into one."""
+def fold_batch_dims(t: Tensor, lead: tuple[int, ...]) -> Tensor:
+    """t's leading dims broadcast to ``lead``, as SDPA broadcasts them, then folded into one:
+    (*lead, H, T, D) as (prod(lead), H, T, D)."""
     t = t.reshape((1,) * (len(lead) + 3 - t.dim()) + tuple(t.shape))
     return t.expand(*lead, *t.shape[-3:]).reshape(math.prod(lead), *t.shape[-3:])
 
@@ -398,10 +400,11 @@ def _run(
     q, k, v, attn_mask = autocast_like_sdpa(q, k, v, attn_mask)
     if _foldable(q, k, v, attn_mask):
         lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-        mask = attn_mask if attn_mask is None or attn_mask.dim() < 4 else _fold(attn_mask, lead)
+        fold = functools.partial(fold_batch_dims, lead=lead)
+        mask = attn_mask if attn_mask is None or attn_mask.dim() < 4 else fold(attn_mask)
         out = _run(
-            _fold(q, lead), _fold(k, lead), _fold(v, lead), mask, dropout_p, is_causal, scale,
-            enable_gqa, mode, beta, use_triton,
+            fold(q), fold(k), fold(v), mask, dropout_p, is_causal, scale, enable_gqa, mode, beta,
+            use_triton,
         )  # fmt: skip
         return out.reshape(*lead, *out.shape[-3:])
     reason = _fallback_reason(q, k, v, attn_mask, dropout_p, scale, enable_gqa)

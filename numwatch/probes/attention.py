@@ -34,6 +34,7 @@ from numwatch.kernels.flash_attention import (
     autocast_like_sdpa,
     count_fallbacks,
     flash_attention,
+    fold_batch_dims,
 )
 from numwatch.probes.base import ProbeContext
 from numwatch.selection import _warn_unmatched, matches
@@ -844,9 +845,8 @@ def _fold_batch_dims(
     lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     lead = (min(n, lead[0]), *lead[1:])
 
-    def fold(t: torch.Tensor) -> torch.Tensor:
-        t = t.reshape((1,) * (len(lead) + 3 - t.dim()) + tuple(t.shape))[: lead[0]]
-        return t.expand(*lead, *t.shape[-3:]).reshape(math.prod(lead), *t.shape[-3:])
+    def fold(t: torch.Tensor) -> torch.Tensor:  # a tensor of fewer dims has no batch dim
+        return fold_batch_dims(t[:n] if t.dim() == len(lead) + 3 else t, lead)
 
     out = fold(out) if isinstance(out, torch.Tensor) else out
     return fold(q), fold(k), fold(v), out, None if mask is None or mask.dim() < 4 else fold(mask)
