@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from numwatch.events import Event
 from numwatch.sinks.jsonl import JsonlSink, read_jsonl, run_starts
 from numwatch.snapshot import MetricRecord, Snapshot
@@ -105,6 +107,41 @@ def test_a_crash_mid_write_loses_only_its_record_and_a_new_run_starts_a_line(tmp
         records = read_jsonl(path)
     assert [(r["run"], r["step"]) for r in records] == [("a", 1), ("a", 2), ("b", 1), ("c", 1)]
     assert "skipped 1 line(s)" in caplog.text and "line 3" in caplog.text
+
+
+def test_a_write_that_fails_part_way_loses_only_its_record(tmp_path, monkeypatch, caplog):
+    """A full disk cut a record short; the record written once there was space again was glued
+    onto the cut line and lost with it."""
+    import errno
+    import os
+
+    import numwatch.sinks.jsonl as jsonl
+
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path, "a")
+    sink.emit(flush(1), [])
+    real_write, full = os.write, [True]
+
+    def disk_full(fd: int, data) -> int:
+        if not full[0]:
+            return real_write(fd, data)
+        if len(data) > 20:
+            return real_write(fd, data[:20])  # room for 20 bytes, then none
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jsonl.os, "write", disk_full)
+    for step in (2, 3):
+        with pytest.raises(OSError):
+            sink.emit(flush(step), [])
+    full[0] = False
+    sink.emit(flush(4), [])
+    sink.emit_events([Event(kind="action", step=4, message="late", time=4.0)])
+    sink.close()
+    with caplog.at_level("WARNING", logger="numwatch"):
+        records = read_jsonl(path)
+    assert [(r["step"], len(r["metrics"])) for r in records] == [(1, 1), (4, 1), (4, 0)]
+    # steps 2 and 3 each wrote 20 bytes before the disk was full: two cut lines
+    assert "skipped 2 line(s)" in caplog.text and caplog.text.rstrip().endswith("line 2, 3")
 
 
 def test_non_finite_event_values_read_back_as_floats(tmp_path):

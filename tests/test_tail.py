@@ -306,6 +306,16 @@ def test_no_follow_prints_a_last_record_without_its_newline(tmp_path, capsys):
     assert [line.split("|")[0].strip() for line in lines] == ["numwatch step 0", "numwatch step 1"]
 
 
+def test_no_follow_warns_of_a_last_line_a_crash_cut(tmp_path, capsys, caplog):
+    """It was dropped without a word, where report and replay warn."""
+    (tmp_path / "a.jsonl").write_text(_record(0) + "\n" + _record(1)[:25])
+    with caplog.at_level("WARNING", logger="numwatch"):
+        assert cli(["tail", "--no-follow", str(tmp_path / "a.jsonl")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("|")[0].strip() for line in lines] == ["numwatch step 0"]
+    assert "skipped 1 line(s)" in caplog.text and caplog.text.rstrip().endswith("line 2")
+
+
 def test_cli_refuses_a_folder_in_one_line(tmp_path, capsys):
     folder = tmp_path / "run.jsonl"
     folder.mkdir()

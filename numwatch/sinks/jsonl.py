@@ -115,6 +115,7 @@ class JsonlSink:
         self._held: Snapshot | None = None  # the last skipped flush: written at close
         self._rank = 0  # the last flush's, for records of late events
         self._last_step: int | None = None  # the last written flush's step, likewise
+        self._cut = False  # a failed write may have left a partial line
         self._kept: dict[str, bool] = {}  # metric name -> written (the globs tested once)
         self._key = str(self.path.resolve())
         if self._key in _WRITING:
@@ -195,9 +196,17 @@ class JsonlSink:
                 values = list(compress(values, keep))
         metrics = self._metrics(names, labels, values)
         tail = json.dumps(json_safe([e.to_dict() for e in events]), allow_nan=False)
-        line = f'{json.dumps(head)[:-1]}, "metrics": [{metrics}], "events": {tail}}}\n'
-        self._file.write(line)
-        self._file.flush()
+        self._append(f'{json.dumps(head)[:-1]}, "metrics": [{metrics}], "events": {tail}}}\n')
+
+    def _append(self, line: str) -> None:
+        """Write one record straight to the file, unbuffered: a write that fails part-way (a
+        full disk, a quota) leaves a cut line, which the next record, written once there is
+        space again, starts by ending, as opening the log ends a crash's."""
+        data = memoryview(("\n" + line if self._cut else line).encode())
+        self._cut = True
+        while data:
+            data = data[os.write(self._file.fileno(), data) :]
+        self._cut = False
 
     def _metrics(
         self, names: list[str], labels: list[Mapping[str, str]], values: list[float]
@@ -228,8 +237,7 @@ class JsonlSink:
             "monitor": self.monitor,
         }
         tail = json.dumps(json_safe([e.to_dict() for e in events]), allow_nan=False)
-        self._file.write(f'{json.dumps(head)[:-1]}, "metrics": [], "events": {tail}}}\n')
-        self._file.flush()
+        self._append(f'{json.dumps(head)[:-1]}, "metrics": [], "events": {tail}}}\n')
 
     def close(self) -> None:
         if self._held is not None:

@@ -148,7 +148,9 @@ def backlog(path: Path, last: int, *, partial: bool = False) -> tuple[list[dict[
             # before the block
             lines = data[:cut].split(b"\n")[:-1][1 if start else 0 :]
             unended = parse_record(data[cut:]) if partial and data[cut:].strip() else None
-            records, skipped = [unended] if unended and last else [], []  # skipped: indexes
+            records = [unended] if unended and last else []
+            # skipped: indexes into lines, the last line's (cut by a crash) included
+            skipped = [len(lines)] if partial and data[cut:].strip() and not unended else []
             flushes = sum(map(is_flush, records))
             for i in range(len(lines) - 1, -1, -1):
                 if flushes >= last:
