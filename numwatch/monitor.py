@@ -57,6 +57,7 @@ from numwatch.hooks import (
     running_step_pre_hook,
     settle_step_hooks,
 )
+from numwatch.integrations.transformers import refuse_unsupported_models
 from numwatch.kernels import launch
 from numwatch.kernels.host_copy import to_device
 from numwatch.probes.attention import AttentionProbe
@@ -301,6 +302,7 @@ class Monitor(Joinable):
                 self._start_window()
                 if self.config.enabled:
                     _refuse_lazy_parameters(self.model)
+                    refuse_unsupported_models(self.model)
                     self.rank = get_rank()  # torch.distributed may start after __init__
                     self._dist.forget_layouts()
                     self._dist.agree(self._aggregation_settings())  # before any hook

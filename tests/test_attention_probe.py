@@ -951,6 +951,40 @@ def test_numwatch_implementation_refuses_attention_sdpa_cannot_compute():
         gemma2(input_ids=ids)
 
 
+def test_attach_refuses_numwatch_implementation_on_models_that_cannot_run_it(make_monitor):
+    """Bloom computes attention in its own code: transformers took "numwatch" for it, never
+    called numwatch's attention, and Bloom added the None/boolean mask made for SDPA as a float
+    mask (no causal mask: a changed last token moved the logits before it by 1.5e-3). GPT-OSS
+    (learned sinks), which transformers refuses "sdpa" for, is refused at attach too."""
+    try:
+        from transformers import BloomConfig, BloomForCausalLM, GptOssConfig, GptOssForCausalLM
+    except ImportError:
+        pytest.skip("this transformers has no GPT-OSS")
+    from numwatch.errors import NumwatchConfigError
+    from numwatch.integrations.transformers import register_attention
+
+    register_attention()
+    cfg = BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4)
+    cfg._attn_implementation = "numwatch"
+    bloom = BloomForCausalLM(cfg)
+    with pytest.raises(
+        NumwatchConfigError,
+        match=r'BloomForCausalLM computes attention in its own code.*attn_implementation="eager",',
+    ):
+        make_monitor(bloom)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in bloom.modules())
+    gpt_oss = GptOssForCausalLM(
+        GptOssConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+            num_experts_per_tok=1, _attn_implementation="numwatch",
+        )
+    )  # fmt: skip
+    with pytest.raises(NumwatchConfigError, match='GptOssForCausalLM is refused "sdpa"'):
+        make_monitor(gpt_oss)
+    make_monitor(tiny_llama("numwatch")).detach()  # through AttentionInterface, SDPA's math
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "numwatch"])
 def test_generate_with_a_padding_mask_measures_every_forward_by_query_head(make_monitor, impl):
     """Decoding with a mask, Hugging Face's SDPA attention packs a GQA query (B, heads, 1, D) as

@@ -13,7 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ATTN_IMPLEMENTATION", "numwatch_attention_forward", "register_attention"]
+from numwatch.errors import NumwatchConfigError
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "numwatch_attention_forward",
+    "refuse_unsupported_models",
+    "register_attention",
+]
 
 ATTN_IMPLEMENTATION = "numwatch"
 
@@ -59,3 +66,46 @@ def register_attention(name: str = ATTN_IMPLEMENTATION) -> str:
     AttentionInterface.register(name, numwatch_attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
+
+
+def refuse_unsupported_models(model: nn.Module) -> None:
+    """Raise if a Hugging Face model in ``model`` was given numwatch's implementation but
+    cannot run it; ``Monitor.attach`` calls it.
+
+    transformers checks an implementation name it does not know against nothing. A model whose
+    attention is its own code (Bloom, MPT, MegatronBERT: not AttentionInterface) never calls
+    ``numwatch_attention_forward``, yet takes the SDPA-style mask (None or boolean) of its
+    AttentionMaskInterface entry and adds it as a float mask: its causal and padding masks are
+    lost. A model whose ``_supports_sdpa`` is False (learned sinks, soft-capping) is one that
+    transformers refuses "sdpa" for, and this name runs the SDPA path. Checked with
+    transformers' own ``_can_set_attn_implementation`` (its test of AttentionInterface use);
+    a transformers without it (older 4.x) is not checked.
+    """
+    for module in model.modules():
+        cls = type(module)
+        follows_interface = getattr(cls, "_can_set_attn_implementation", None)  # PreTrainedModel
+        if follows_interface is None:
+            continue
+        from transformers import AttentionInterface  # loaded: a transformers model is here
+
+        name = module.config._attn_implementation
+        if AttentionInterface().get(name) is not numwatch_attention_forward:
+            continue
+        if not follows_interface():
+            why = (
+                "computes attention in its own code, not through AttentionInterface: it never "
+                "runs this implementation and misreads the SDPA-style mask it is given (its "
+                "causal and padding masks are lost)"
+            )
+        elif not cls._supports_sdpa:
+            why = (
+                'is refused "sdpa" by transformers (its attention is not what SDPA computes), '
+                "and this implementation runs the SDPA path"
+            )
+        else:
+            continue
+        sdpa = ' or "sdpa"' if cls._supports_sdpa else ""
+        raise NumwatchConfigError(
+            f'attn_implementation="{name}": {cls.__name__} {why}; load it with '
+            f'attn_implementation="eager"{sdpa}, whose softmax input numwatch measures'
+        )
