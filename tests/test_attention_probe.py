@@ -951,6 +951,22 @@ def test_numwatch_implementation_refuses_attention_sdpa_cannot_compute():
         gemma2(input_ids=ids)
 
 
+def test_numwatch_implementation_refuses_per_token_sinks_and_passes_other_keywords():
+    """Inkling2 passes its learned sinks as `sinks=`, not GPT-OSS's `s_aux=`: the SDPA path
+    dropped them (logits 0.05 off eager's). Keywords SDPA rightly ignores still pass."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from numwatch.integrations.transformers import numwatch_attention_forward
+
+    layer = nn.Linear(1, 1)
+    q, k, v = torch.randn(3, 1, 2, 5, 4).unbind(0)  # (B, H, T, D)
+    with pytest.raises(ValueError, match=r"learned attention sinks of Linear \(sinks=\)"):
+        numwatch_attention_forward(layer, q, k, v, None, sinks=torch.zeros(2))
+    harmless = dict(sliding_window=3, position_ids=torch.arange(5), num_items_in_batch=7)
+    out, _ = numwatch_attention_forward(layer, q, k, v, None, scaling=0.5, **harmless)
+    assert torch.equal(out, sdpa_attention_forward(layer, q, k, v, None, scaling=0.5)[0])
+
+
 def test_attach_refuses_numwatch_implementation_on_models_that_cannot_run_it(make_monitor):
     """Bloom computes attention in its own code: transformers took "numwatch" for it, never
     called numwatch's attention, and Bloom added the None/boolean mask made for SDPA as a float

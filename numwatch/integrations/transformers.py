@@ -24,6 +24,14 @@ __all__ = [
 
 ATTN_IMPLEMENTATION = "numwatch"
 
+# Attention keywords that change the math but that transformers' SDPA path drops without a word
+# (sinks, s_aux) or refuses in its own words (softcap).
+_SDPA_CANNOT = (
+    ("s_aux", "learned attention sinks"),  # GPT-OSS, MiMo-V2-Flash, DeepSeek-V4
+    ("sinks", "learned attention sinks"),  # Inkling2 (per token)
+    ("softcap", "logit soft-capping"),  # Gemma 2, VaultGemma, T5Gemma
+)
+
 
 def numwatch_attention_forward(
     module: nn.Module,
@@ -35,14 +43,15 @@ def numwatch_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention; the SDPA call inside is what numwatch intercepts.
 
-    A model whose attention SDPA cannot compute is refused, never computed differently:
-    learned attention sinks (``s_aux``: GPT-OSS, MiMo-V2-Flash), which the SDPA path would drop
-    silently, and logit soft-capping (Gemma 2), which it refuses in its own words. transformers
-    refuses ``attn_implementation="sdpa"`` for those models; it cannot know that this name runs
-    the same path."""
+    A model whose attention SDPA cannot compute is refused, never computed differently (see
+    ``_SDPA_CANNOT``). transformers refuses ``attn_implementation="sdpa"`` for those models; it
+    cannot know that this name runs the same path. Other keywords are not refused: models and
+    callers pass many that SDPA rightly ignores (``sliding_window``, ``position_ids``,
+    ``cu_seq_lens_q``, ``num_items_in_batch``...); ``refuse_unsupported_models`` refuses, at
+    attach, any model whose ``_supports_sdpa`` is false, named keyword or not."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    for arg, what in (("s_aux", "learned attention sinks"), ("softcap", "logit soft-capping")):
+    for arg, what in _SDPA_CANNOT:
         if kwargs.get(arg) is not None:
             raise ValueError(
                 f'attn_implementation="{ATTN_IMPLEMENTATION}" runs transformers\' SDPA path, '
