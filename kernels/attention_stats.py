@@ -448,6 +448,7 @@ def _head_stats_torch(
 
 
 EAGER_MASKED = -65000.0  # softmax inputs at or below this are masked (score_head_stats)
+EAGER_MASKED_FP16 = -32768.0  # the same for fp16 inputs: finfo(fp16).min + logits <= 32736
 
 
 def score_head_stats(
@@ -463,11 +464,18 @@ def score_head_stats(
     ``attention_head_stats``, whose rules for ``rows`` and ``batch`` apply.
 
     ``scores`` is the (B, H, Tq, Tk) tensor handed to softmax, mask already added: entries at
-    or below ``EAGER_MASKED`` (-65000) count as masked, ``-inf`` and every dtype's finfo.min
-    included. The mask value no longer reads as finfo.min once a score was added to it in fp16
-    (-65504 + 30 rounds to -65472), or once bf16/fp16 scores masked with their own minimum are
-    upcast for an fp32 softmax (Hugging Face MPT, XLM); no real logit is that low. Chunked over
-    rows.
+    or below a floor count as masked, ``-inf`` and every dtype's finfo.min included. The mask
+    value no longer reads as finfo.min once a score was added to it (Hugging Face eager adds
+    finfo(fp16).min = -65504 to fp16 scores: a logit s leaves -65504 + s), or once bf16/fp16
+    scores masked with their own minimum are upcast for an fp32 softmax (MPT, XLM).
+    - fp16 inputs: ``EAGER_MASKED_FP16`` (-32768). Masked entries stay masked for logits up to
+      32736 (-65504 + 32736 = -32768), beyond the logits the rules watch; a real fp16 logit at
+      or below -32768 counts as masked.
+    - Other dtypes: ``EAGER_MASKED`` (-65000), under fp16's minimum upcast and far above the
+      bf16/fp32 mask (-3.4e38 + s stays there), so real logits down to -65000 count. An fp16
+      mask added to fp32 scores reads as masked for logits up to 504 only.
+    Old-style -10000 masks are not recognized: with a score added they overlap real logits.
+    Chunked over rows.
     """
     if scores.dim() != 4 or not scores.is_floating_point():
         raise ValueError(
@@ -480,7 +488,7 @@ def score_head_stats(
     thr = saturation_threshold(saturation_dtype)
     if 0 in (B, Tq, Tk):  # no row has an unmasked entry
         return _empty_head_stats(H, scores.device)
-    floor = EAGER_MASKED
+    floor = EAGER_MASKED_FP16 if scores.dtype == torch.float16 else EAGER_MASKED
     b_idx, r_idx, sampled = _sampled(batch, rows, B, Tq, scores.device)
     acc = None
     for bi in range(b_idx.numel()):

@@ -548,6 +548,21 @@ def test_score_head_stats_sees_mask_values_that_no_longer_read_as_finfo_min(patt
     assert_stats(A.score_head_stats(scores), oracle_from_scores(S, torch.bfloat16))
 
 
+def test_score_head_stats_of_fp16_eager_masks_with_logits_up_to_32736():
+    """fp16 eager attention adds finfo(fp16).min = -65504 to the scores: a masked entry with a
+    score above 504 left -65504 + s above the old floor (-65000) and counted as a logit
+    (attn_min_logit -64992, a fully padded row counted in attn_rows)."""
+    keep = torch.ones(4, 4, dtype=torch.bool).tril()
+    keep[:, 0] = False  # a left pad: row 0 sees nothing
+    raw = torch.tensor([600.0, 32736.0, -1000.0, 2000.0]).expand(1, 1, 4, 4)  # (B, H, Tq, Tk)
+    scores = raw.half() + torch.where(keep, 0.0, torch.finfo(torch.float16).min).half()
+    got = A.score_head_stats(scores)[0]
+    assert got[A.ROWS] == 3  # rows 1-3; row 0 fully masked
+    assert (got[A.MAX_LOGIT], got[A.MIN_LOGIT]) == (32736.0, -1000.0)
+    S = raw.double().masked_fill(~keep, float("-inf"))
+    assert_stats(A.score_head_stats(scores), oracle_from_scores(S, torch.bfloat16))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_a_mask_with_is_causal_applies_both(impl, kind):
