@@ -336,6 +336,22 @@ class _FlashFn(torch.autograd.Function):
         return *grads, None, None, None, None, None, None
 
 
+def _private_mask(mask: Tensor) -> Tensor:
+    """A copy of a bool mask, for the call and its backward. SDPA converts a bool mask before it
+    computes and keeps none of the caller's tensor, so a mask buffer refilled in place for the
+    next layer (causal, then a sliding window) trains under it; the caller's tensor saved here (or
+    its expanded view, which shares its version counter) made that backward raise. Float masks
+    are saved as they are: SDPA saves those too, and raises alike. Broadcast dims (stride 0) are
+    copied once: a (B, 1, 1, Tk) key-padding mask costs B * Tk bytes whatever H and Tq."""
+    one = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in mask.stride())
+    return mask[one].clone().expand(mask.shape)
+
+
+def _records_graph(*tensors: Tensor) -> bool:
+    """Whether autograd saves this call's tensors for a backward."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _no_second_derivative(*grads: Tensor) -> tuple[Tensor, ...]:
     """The gradients, as outputs of a node that raises when differentiated. ``once_differentiable``
     adds that node only when the incoming gradient requires grad: a gradient penalty's
@@ -422,6 +438,8 @@ def _run(
     b, h, tq, d = q.shape
     sm_scale = scale if scale is not None else 1.0 / math.sqrt(d)
     mask = None if attn_mask is None else attn_mask.expand(b, h, tq, k.shape[2])
+    if mask is not None and mask.dtype == torch.bool and _records_graph(q, k, v):
+        mask = _private_mask(mask)
     if use_triton:  # TMA needs 16-byte strides and base: copy the rare layouts that lack them
         q, k, v = (t if _tri.descriptor_ready(t) else _tri.aligned_copy(t) for t in (q, k, v))
     with _no_autocast(q.device.type):

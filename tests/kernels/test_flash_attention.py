@@ -89,9 +89,9 @@ def _run_with_grads(fn, q, k, v, do, **kw):
     return o.detach(), grads
 
 
-def _oracle_with_grads(q, k, v, do, **kw):
+def _oracle_with_grads(q, k, v, do, fn=_oracle, **kw):
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    o = _oracle(q64, k64, v64, **kw)
+    o = fn(q64, k64, v64, **kw)
     o.backward(do.double())
     return o.detach(), [q64.grad, k64.grad, v64.grad]
 
@@ -261,6 +261,45 @@ def test_finfo_min_masks_rows_like_sdpa(dtype, mask_dtype, mode):
     _check_against_oracle(o, grads, o64, grads64, dtype)
     ref, ref_grads = _run_with_grads(flash_attention_reference, q, k, v, do, **kw)
     _check_against_oracle(ref, ref_grads, o64, grads64, dtype)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        pytest.param(flash_attention, marks=needs_kernel, id="kernel"),
+        pytest.param(flash_attention_reference, id="reference"),
+    ],
+)
+@pytest.mark.parametrize("shape", ["tt", "b11t"])
+def test_a_bool_mask_refilled_in_place_before_backward(fn, shape):
+    """One bool mask buffer refilled for the next layer (causal, then a sliding window; key
+    padding, then another) before the backward trains under SDPA, which keeps no reference to
+    it. The kernel saved the caller's mask: the backward raised 'modified by an inplace
+    operation'. The gradients are those of each call's own mask."""
+    b, h, t, d = 2, 2, 16, 32
+    device = _device() if KERNEL_DEVICES else "cpu"
+    q, k, v, do = _inputs(b, h, h, t, t, d, torch.bfloat16, device, seed=7)
+    keep = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    if shape == "tt":
+        first, second = keep, keep & ~keep.tril(-4)
+    else:
+        first = torch.arange(t, device=device) < torch.tensor([[t], [t - 5]], device=device)
+        first, second = first[:, None, None], first.flip(0)[:, None, None]
+
+    def two_layers(attn, mask_for):
+        def run(q, k, v):
+            o = attn(q, k, v, attn_mask=mask_for(first))
+            return attn(o, k, v, attn_mask=mask_for(second))
+
+        return run
+
+    refill = torch.empty_like(first).copy_  # one buffer, refilled for each call
+    o, grads = _run_with_grads(two_layers(fn, refill), q, k, v, do)
+    o64, grads64 = _oracle_with_grads(q, k, v, do, fn=two_layers(_oracle, lambda m: m))
+    _check_against_oracle(o, grads, o64, grads64, torch.bfloat16)
+    # the backward's copy is the size of the caller's mask, never of (B, H, Tq, Tk)
+    saved = fn(q, k, v, attn_mask=second).grad_fn.saved_tensors[-1]
+    assert saved.untyped_storage().nbytes() == second.numel()
 
 
 @pytest.mark.skipif(fa._tri is None, reason="triton is not installed")
