@@ -542,11 +542,12 @@ SECTIONS: list[tuple[str, list[tuple[dict[str, Any], int, int]]]] = [
             (
                 timeseries(
                     "numwatch attention kernel",
-                    "stabilized: 1 while the layer's attention runs numwatch's stabilized kernel "
-                    "(swapped in by a rule or by Monitor.swap_attention). The mode series is 1 "
-                    "for the mode a routed layer's kernel runs (plain, stabilized, paper_repro "
-                    "for reproductions, _split with split_sum); a layer on native attention has "
-                    "none.",
+                    "stabilized: the share of the layer's attention calls that ran numwatch's "
+                    "stabilized kernel (swapped in by a rule or by Monitor.swap_attention; 0 "
+                    "where every call fell back to SDPA: dropout, fp32). The mode series gives "
+                    "that share for the mode a routed layer's kernel runs (plain, stabilized, "
+                    "paper_repro for reproductions, _split with split_sum); a layer on native "
+                    "attention has none.",
                     [
                         target(
                             by_layer("max", "attn_kernel_stabilized"),

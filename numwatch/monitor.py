@@ -814,7 +814,9 @@ class Monitor(Joinable):
             self._apply_routes()
 
     def attention_routing(self) -> dict[str, AttentionKernel | None]:
-        """The kernel each attention layer seen runs now (None: native SDPA)."""
+        """The kernel each attention layer seen is routed to now (None: native SDPA). Calls the
+        kernel cannot run (dropout, fp32...) still go to SDPA: attn_kernel_stabilized counts
+        the share of a step's calls that ran it."""
         out: dict[str, AttentionKernel | None] = {}
         for layer in sorted(self._attention.layers_seen if self._attention else ()):
             kernel = self.attention_kernel(layer)
@@ -1121,11 +1123,14 @@ class Monitor(Joinable):
         if self._attention is not None:
             routing = self._closed_routing
             for layer, kernel in (self.attention_routing() if routing is None else routing).items():
-                stabilized = float(kernel is not None and kernel.stabilized)
+                # the share of the step's calls that ran the kernel: the rest fell back to SDPA
+                share = self._attention.kernel_share(layer)
+                ran = 0.0 if kernel is None else 1.0 if share is None else share
+                stabilized = ran if kernel is not None and kernel.stabilized else 0.0
                 records.append(MetricRecord("attn_kernel_stabilized", {"layer": layer}, stabilized))
                 if kernel is not None:  # which kernel, reproduction modes included
                     mode = {"layer": layer, "mode": kernel.mode_label}
-                    records.append(MetricRecord("attn_kernel_mode", mode, 1.0))
+                    records.append(MetricRecord("attn_kernel_mode", mode, ran))
             for reason, n in sorted(ctx.kernel_fallbacks.items()):
                 records.append(
                     MetricRecord("attn_kernel_fallbacks_total", {"reason": reason}, float(n))

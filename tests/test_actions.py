@@ -172,10 +172,11 @@ def test_optimizer_actions_with_no_optimizer_attached_are_named_at_the_first_ste
 
 def test_planted_ties_swap_exactly_the_affected_layer():
     torch.manual_seed(0)
-    model = Model(plant=(False, True))  # only layer b has repeated maxima
+    # only layer b has repeated maxima; bf16, which the kernel runs (fp32 calls fall back)
+    model = Model(plant=(False, True)).to(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     monitor = monitor_for(model, attention__every=1).attach(opt)
-    x = torch.randn(2, 8, 32)
+    x = torch.randn(2, 8, 32, dtype=torch.bfloat16)
     for _ in range(4):  # the default rule wants 3 flushes in a row
         model(x).square().mean().backward()
         opt.step()

@@ -16,18 +16,19 @@ from numwatch.testing import planted_sink_attention
 
 
 class Attn(nn.Module):
-    def __init__(self, d=32, heads=2):
+    def __init__(self, d=32, heads=2, dropout=0.0):
         super().__init__()
         self.heads = heads
         self.qkv = nn.Linear(d, 3 * d)
+        self.dropout = dropout
 
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        return (
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
-        )
+        p = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return out.transpose(1, 2).reshape(x.shape)
 
 
 class Two(nn.Module):
@@ -291,6 +292,49 @@ def test_kernel_fallbacks_are_counted_per_monitor():
     second.step()
     assert second.snapshot().series("attn_kernel_fallbacks_total") == []
     second.detach()
+
+
+def test_a_routed_layer_whose_calls_fall_back_to_sdpa_reads_the_share_the_kernel_ran(caplog):
+    """A layer with attention dropout (Hugging Face GPT-2's default attn_pdrop=0.1) routed to
+    the stabilized kernel read attn_kernel_stabilized 1 while every call of it fell back to
+    SDPA, unsaid. It reads the share of its step's calls that ran the kernel, and is named once
+    with the reason."""
+    torch.manual_seed(0)
+    model = Two().to(torch.bfloat16)
+    model.b.dropout = 0.1
+    monitor = monitor_for(model)
+    monitor.swap_attention()
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+
+    def step(*train: bool) -> list[float]:  # one forward per mode: dropout in train mode only
+        for mode in train:
+            model.train(mode)(x)
+        monitor.step()
+        s = monitor.snapshot()
+        mode_b = s.value("attn_kernel_mode", layer="b", mode="stabilized")
+        return [s.value("attn_kernel_stabilized", layer=name) for name in "ab"] + [mode_b]
+
+    with caplog.at_level("WARNING", logger="numwatch"):
+        assert step(True) == [1.0, 0.0, 0.0]
+        assert step(True, False) == [1.0, 0.5, 0.5]
+        assert step(False) == [1.0, 1.0, 1.0]
+    said = [r.getMessage() for r in caplog.records if "fall back" in r.getMessage()]
+    assert len(said) == 1 and "layer 'b'" in said[0] and "dropout_p > 0" in said[0], said
+    assert monitor.snapshot().value("attn_kernel_fallbacks_total", reason="dropout") == 2
+    assert monitor.attention_kernel("b") == swap_kernel.AttentionKernel()  # routed all along
+
+
+def test_a_routed_fp32_model_reads_0_and_says_why(caplog):
+    model = Two()  # fp32: every routed call falls back (reason 'dtype')
+    monitor = monitor_for(model)
+    monitor.swap_attention()
+    with caplog.at_level("WARNING", logger="numwatch"):
+        model(torch.randn(2, 5, 32))
+        monitor.step()
+    snap = monitor.snapshot()
+    assert [snap.value("attn_kernel_stabilized", layer=name) for name in "ab"] == [0.0, 0.0]
+    said = [r.getMessage() for r in caplog.records if "fall back" in r.getMessage()]
+    assert len(said) == 2 and all("not bf16 or fp16" in m for m in said), said
 
 
 def test_routes_that_name_only_multihead_attention_leave_forwards_alone(calls):

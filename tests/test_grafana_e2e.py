@@ -181,8 +181,8 @@ def _train(monitor, model, opt, scaler, cfg: GPTConfig, steps: int) -> None:
         scaler.scale(loss).backward()
         if step == 3:  # a planted NaN: a scaler_overflow event, nonfinite counts, a scale drop
             model.blocks[1].mlp[2].weight.grad[0, 0] = float("nan")
-        # a routed layer: attn_kernel_stabilized 1, an attn_kernel_mode series, and (fp32 calls)
-        # attn_kernel_fallbacks_total{reason="dtype"}
+        # a routed layer: attn_kernel_stabilized and attn_kernel_mode series (0: its fp32 calls
+        # fall back) and attn_kernel_fallbacks_total{reason="dtype"}
         if step == 5:
             monitor.swap_attention("blocks.0.attn")
         monitor.step(loss)  # with a GradScaler the monitor closes steps itself

@@ -18,6 +18,7 @@ import logging
 import math
 import sys
 import weakref
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,14 @@ _SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 log = logging.getLogger("numwatch")
+
+# Why a routed layer's calls fall back to SDPA, and what lets them run the kernel.
+_FALLBACK_HINTS = {
+    "dropout": "their dropout_p > 0, which the kernel does not run (set the model's attention "
+    "dropout to 0: Hugging Face's attn_pdrop or attention_dropout)",
+    "dtype": "their inputs are not bf16 or fp16 (train in bf16, or under torch.autocast)",
+    "arguments": "they pass SDPA arguments the kernel does not know",
+}
 
 
 @dataclass
@@ -195,6 +204,11 @@ class AttentionProbe:
         self._route_hooked: set[str] = set()
         self._route_depth = 0
         self._route_mode: _Interceptor | None = None
+        # Routed calls per layer, [calls, those numwatch's kernel ran] (the rest fell back to
+        # SDPA): in the step in progress, and in the step closed last (kernel_share)
+        self._routed_calls: dict[str, list[int]] = {}
+        self._closed_routed_calls: dict[str, list[int]] = {}
+        self._told_fallback: set[str] = set()
 
     # ------------------------------------------------------------------ kernel routing
     def set_route(self, pattern: str, kernel: Callable[[SdpaCall], torch.Tensor] | None) -> None:
@@ -347,6 +361,7 @@ class AttentionProbe:
                 self._measure_held()
         if self._root_open:
             self._abandon_forward()
+        self._closed_routed_calls, self._routed_calls = self._routed_calls, {}
 
     def _abandon_forward(self) -> None:
         # A forward that never reached its exit (a KeyboardInterrupt, or an exception in a
@@ -440,15 +455,54 @@ class AttentionProbe:
         route = self.route_for(layer) if routable else None
         if route is not None and layer not in self._route_hooked:  # routed, first seen now
             self.hook_routed_layers()
-        call = SdpaCall.from_args(args, kwargs) if route is not None else None
-        if call is not None and not call.extra:
-            with count_fallbacks(self.ctx.kernel_fallbacks):
-                out = route(call)
+        if route is not None:
+            out = self._run_routed(layer, route, func, args, kwargs)
         else:
             out = func(*args, **kwargs)
         if self.sampling and self.cfg.sdpa and self._wanted(layer) and not _transformed(out):
             self.ctx.guard.run(self.component, self._observe_sdpa, layer, args, kwargs, out)
         return out
+
+    def _run_routed(
+        self,
+        layer: str,
+        route: Callable[[SdpaCall], torch.Tensor],
+        func: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        """A routed call, counted by whether the kernel ran it: a call it cannot run (the kernel
+        decides from the arguments: no host sync) goes to SDPA, and a layer whose calls do is
+        said once, or its route would seem to stabilize it."""
+        call = SdpaCall.from_args(args, kwargs)
+        reason: str | None = "arguments"
+        if call.extra:  # arguments of a newer SDPA than SdpaCall knows: SDPA takes them
+            out = func(*args, **kwargs)
+        else:
+            fell: Counter[str] = Counter()
+            with count_fallbacks(fell):
+                out = route(call)
+            self.ctx.kernel_fallbacks.update(fell)
+            reason = next(iter(fell), None)
+        counts = self._routed_calls.setdefault(layer, [0, 0])
+        counts[0] += 1
+        if reason is None:
+            counts[1] += 1
+        elif layer not in self._told_fallback:
+            self._told_fallback.add(layer)
+            log.warning(
+                "numwatch: layer %r is routed to numwatch's attention kernel, but its calls fall "
+                "back to native SDPA: %s; attn_kernel_stabilized counts the calls the kernel ran",
+                layer,
+                _FALLBACK_HINTS.get(reason, f"reason {reason!r} (attn_kernel_fallbacks_total)"),
+            )
+        return out
+
+    def kernel_share(self, layer: str) -> float | None:
+        """The share of ``layer``'s routed calls in the step closed last that numwatch's kernel
+        ran (the rest fell back to SDPA); None where the layer had no routed call."""
+        calls, ran = self._closed_routed_calls.get(layer, (0, 0))
+        return ran / calls if calls else None
 
     @torch.compiler.disable
     def on_softmax(self, args: tuple, kwargs: dict) -> None:

@@ -114,8 +114,10 @@ _HELP = {
     "monitor_overhead_seconds": "Host time per step spent in numwatch over the flush window.",
     "monitor_errors_total": "Failures of components since the monitor was made (training goes on).",
     "attn_calls": "Attention calls measured in the flush window.",
-    "attn_kernel_stabilized": "1 while the layer's attention runs the stabilized kernel.",
-    "attn_kernel_mode": "1 for the numwatch kernel mode a routed layer runs (label mode).",
+    "attn_kernel_stabilized": "Share of the layer's calls in the step that ran the stabilized "
+    "kernel (0: native, or every call fell back to SDPA).",
+    "attn_kernel_mode": "For the numwatch kernel mode a routed layer runs (label mode), the share "
+    "of its calls in the step that ran it.",
     "attn_kernel_fallbacks_total": "Calls routed to numwatch's kernel that fell back to SDPA.",
     "attn_rows": "Softmax rows measured (sampled, not fully masked).",
     "attn_repeated_max_rows": "Rows whose maximum logit is attained at least twice.",
