@@ -775,7 +775,8 @@ class Monitor(Joinable):
         split_sum: bool = False,
     ) -> None:
         """Route the SDPA calls of ``layers`` (globs over module paths; None = all) to numwatch's
-        flash-attention kernel, from the next step boundary on (now, if between steps)."""
+        flash-attention kernel, from the next step boundary on (now, if between steps). A glob
+        takes the layers calling SDPA inside the modules it matches too (a block's path)."""
         kernel = AttentionKernel(stabilize=stabilize, beta=beta, mode=mode, split_sum=split_sum)
         if mode.startswith("paper_repro"):
             log.warning(

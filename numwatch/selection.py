@@ -11,7 +11,7 @@ from torch import nn
 
 log = logging.getLogger("numwatch")
 
-__all__ = ["matches", "matches_any", "select_modules", "select_parameters"]
+__all__ = ["matches", "matches_any", "matches_within", "select_modules", "select_parameters"]
 
 
 def matches(name: str, include: Iterable[str], exclude: Iterable[str] = ()) -> bool:
@@ -24,6 +24,12 @@ def matches(name: str, include: Iterable[str], exclude: Iterable[str] = ()) -> b
 def matches_any(names: Iterable[str], pattern: str) -> bool:
     """True if some name matches the glob ``pattern``."""
     return any(fnmatch.fnmatchcase(name, pattern) for name in names)
+
+
+def matches_within(name: str, pattern: str) -> bool:
+    """True if the glob ``pattern`` matches the module path ``name`` or the path of a module
+    containing it: 'blocks.0' matches 'blocks.0.attn' (never 'blocks.01.attn')."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
 
 
 def select_parameters(

@@ -602,6 +602,49 @@ def test_a_layer_pattern_that_matches_no_module_says_so(caplog):
     assert len(said) == 1 and "'blocks.*.attn' matches no module" in said[0]
 
 
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attn()
+        self.mlp = nn.Linear(32, 32)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+def test_a_pattern_naming_a_block_routes_its_attention_and_one_naming_no_attention_says_so(
+    calls, caplog
+):
+    """Routes matched only the module that calls SDPA: swap_attention('blocks.0') (the block
+    whose attention a user means) and swap_attention('blocks.0.mlp') routed nothing, unsaid. A
+    pattern takes the attention layers inside the modules it matches; one that takes no layer
+    calling SDPA is said once, after the first forward that shows which layers do."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block()).to(torch.bfloat16)
+    monitor = monitor_for(model)
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+
+    def step() -> list[float]:
+        model(x)
+        monitor.step()
+        return [monitor.snapshot().value("attn_kernel_stabilized", layer=f"{i}.attn") for i in "01"]
+
+    monitor.swap_attention("0")
+    with caplog.at_level("WARNING", logger="numwatch"):
+        assert step() == [1.0, 0.0]
+        assert calls == ["stabilized"]
+        assert monitor.attention_kernel("10.attn") is None  # '0' is a path, not a prefix
+        monitor.restore_attention("0.attn")  # the last route wins, as between globs
+        assert step() == [0.0, 0.0]
+        monitor.swap_attention("1.mlp")
+        assert step() == [0.0, 0.0]
+        assert step() == [0.0, 0.0]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "'1.mlp' matches no layer that calls" in said[0], said
+    assert "'0.attn', '1.attn'" in said[0]
+
+
 class Planted(nn.Module):
     def __init__(self, q, k, v):
         super().__init__()

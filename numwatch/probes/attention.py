@@ -38,7 +38,7 @@ from numwatch.kernels.flash_attention import (
     fold_batch_dims,
 )
 from numwatch.probes.base import ProbeContext
-from numwatch.selection import _warn_unmatched, matches
+from numwatch.selection import _warn_unmatched, matches, matches_within
 from numwatch.snapshot import MetricRecord
 
 __all__ = ["AttentionProbe", "SdpaCall"]
@@ -209,6 +209,11 @@ class AttentionProbe:
         self._routed_calls: dict[str, list[int]] = {}
         self._closed_routed_calls: dict[str, list[int]] = {}
         self._told_fallback: set[str] = set()
+        # Route patterns set since the last check against the layers seen calling SDPA (at the
+        # close of a step whose forward the mode saw: _check_routes), those found to take none
+        self._unchecked_routes: set[str] = set()
+        self._told_unmatched: set[str] = set()
+        self._forward_seen = False
 
     # ------------------------------------------------------------------ kernel routing
     def set_route(self, pattern: str, kernel: Callable[[SdpaCall], torch.Tensor] | None) -> None:
@@ -216,12 +221,32 @@ class AttentionProbe:
         self._routes.pop(pattern, None)
         self._routes[pattern] = kernel
         self._route_cache.clear()
+        self._unchecked_routes.add(pattern)
         self.hook_routed_layers()
 
     def clear_routes(self) -> None:
         self._routes.clear()
         self._route_cache.clear()
+        self._unchecked_routes.clear()
         self.hook_routed_layers()
+
+    def _check_routes(self) -> None:
+        """Say once of a route pattern that takes no layer seen calling SDPA: one that names a
+        module without attention ('blocks.0.mlp'), or a layer whose attention is eager, would
+        route nothing, silently. Checked after a forward, where the layers calling SDPA are
+        known; a pattern for layers that run on some steps only may be said early."""
+        takes = self.sdpa_layers | self.unroutable  # MHA layers are told of in on_mha
+        for pattern in sorted(self._unchecked_routes - self._told_unmatched):
+            if not any(matches_within(layer, pattern) for layer in takes):
+                self._told_unmatched.add(pattern)
+                log.warning(
+                    "numwatch: layer pattern %r matches no layer that calls "
+                    "F.scaled_dot_product_attention (those seen: %s); it routes nothing. A route "
+                    "takes such layers by their own path or a parent module's (a block's)",
+                    pattern,
+                    ", ".join(repr(layer) for layer in sorted(self.sdpa_layers)[:4]) or "none",
+                )
+        self._unchecked_routes.clear()
 
     def hook_routed_layers(self) -> None:
         """Hook the layers that a route takes now (those seen calling SDPA), and no others.
@@ -313,7 +338,7 @@ class AttentionProbe:
         if layer not in self._route_cache:
             hit = None
             for pattern in reversed(self._routes):
-                if matches(layer, [pattern]):
+                if matches_within(layer, pattern):
                     hit = self._routes[pattern]
                     break
             self._route_cache[layer] = hit
@@ -362,6 +387,9 @@ class AttentionProbe:
         if self._root_open:
             self._abandon_forward()
         self._closed_routed_calls, self._routed_calls = self._routed_calls, {}
+        if self._forward_seen and self._unchecked_routes:
+            self._check_routes()
+        self._forward_seen = False
 
     def _abandon_forward(self) -> None:
         # A forward that never reached its exit (a KeyboardInterrupt, or an exception in a
@@ -400,6 +428,7 @@ class AttentionProbe:
         if self.sampling or self.routing:
             self._mode = _Interceptor(self)
             self._mode.__enter__()
+            self._forward_seen = True
 
     def end_forward(self) -> None:
         """Undo ``begin_forward``; an exit without an entry (a pre-hook before it raised, or a
