@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import json
 import math
 import warnings
@@ -253,6 +254,51 @@ def test_a_grad_scaler_overflow_does_not_use_up_an_lr_backoff_step(fused):
         used.append(before - model.weight.item())
     # the back-off fires at step 1; its 2 updates are those of steps 1 and 3
     assert used == pytest.approx([1.0, 0.5, 0.0, 0.5, 1.0])
+
+
+class ScalingSGD(torch.optim.Optimizer):
+    """GradScaler's legacy contract: it passes itself to a step whose signature takes
+    ``grad_scaler``, and that step unscales the gradients itself."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        if grad_scaler is not None:
+            grad_scaler.unscale_(self)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself:FutureWarning")
+def test_the_step_wrapper_keeps_the_grad_scaler_keyword_contract():
+    """The wrapper's signature was (*args, **kwargs): GradScaler stopped passing itself, and the
+    still-scaled gradients were applied (an update of 102.4 for 0.1). A skipped step unscales
+    too: GradScaler.update() needs the inf check that records."""
+    model = nn.Linear(1, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    opt = ScalingSGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    rules = only("threshold", "big_loss", "loss", "skip_step", threshold=5)
+    monitor = monitor_for(model, rules=rules).attach(opt, scaler=scaler)
+    assert "grad_scaler" in inspect.signature(opt.step).parameters
+    weights = []
+    for step in range(3):
+        loss = model(torch.ones(1, 1)).sum() + (10.0 if step == 1 else 0.0)  # d/dw = 1
+        scaler.scale(loss).backward()
+        monitor.step(loss)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        weights.append(model.weight.item())
+    assert weights == pytest.approx([-0.1, -0.1, -0.2])  # step 1 skipped
+    assert monitor.optimizer_control.skipped_steps == 1
+    assert not monitor.errors
+    monitor.detach()
 
 
 @pytest.mark.parametrize("before", ["scheduler", "user wrapper", "none"])

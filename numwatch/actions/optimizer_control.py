@@ -12,6 +12,7 @@ optimizer, detached in attach order); an LR scheduler's cannot.
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -43,9 +44,21 @@ class OptimizerControl:
         self._backoffs: list[tuple[float, int, Hashable]] = []  # (factor, steps left, key)
         self._after_step: dict[Hashable, Callable[[], None]] = {}
         self._stepping = False  # inside the wrapped step (it runs _after_step after the update)
+        # (group, the schedule's LR, the LR we set): undone after the update, where still ours
+        self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
 
         def step(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             return self._step(*args, **kwargs)
+
+        # The step's own signature: GradScaler passes itself (grad_scaler=) only to a step whose
+        # signature names it (the _step_supports_amp_scaling contract).
+        try:
+            signature = inspect.signature(self._original)
+            bound = inspect.Parameter("_optimizer", inspect.Parameter.POSITIONAL_ONLY)
+            params = [bound, *signature.parameters.values()]
+            step.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        except (TypeError, ValueError):  # none to read: (*args, **kwargs) passes everything on
+            pass
 
         # An LR scheduler built earlier marks the step it wrapped; keep the mark so it does not
         # warn that optimizer.step() was overridden after it.
@@ -101,7 +114,8 @@ class OptimizerControl:
     def _wrapped_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
             if self._skip:  # the skip decided before an uninstall (a halt) holds for its step
-                return self._skip_now(kwargs.get("closure", args[0] if args else None))
+                closure = kwargs.get("closure", args[0] if args else None)
+                return self._skip_now(closure, scaler=kwargs.get("grad_scaler"))
             return self._original(*args, **kwargs)
         closure = kwargs.get("closure", args[0] if args else None)
         loss = None
@@ -122,7 +136,8 @@ class OptimizerControl:
                 args = (evaluated_first, *args[1:])
         self._before_step(loss if isinstance(loss, torch.Tensor) else None)
         if self._skip:
-            return self._skip_now(None, loss)  # a back-off counts the updates that run at its LR
+            # a back-off counts the updates that run at its LR
+            return self._skip_now(None, loss, kwargs.get("grad_scaler"))
         factor = self.lr_factor
         saved = [group["lr"] for group in self.optimizer.param_groups]
         if factor != 1.0:
@@ -142,12 +157,18 @@ class OptimizerControl:
             self._run_pending()
         return out
 
-    def _skip_now(self, closure: Callable[[], Any] | None, loss: Any = None) -> Any:
+    def _skip_now(
+        self, closure: Callable[[], Any] | None, loss: Any = None, scaler: Any = None
+    ) -> Any:
         """This step's update does not happen: its gradients (the closure's, when it has not run
-        yet: a framework's step computes them in it) are cleared instead."""
+        yet: a framework's step computes them in it) are cleared instead. ``scaler``: the
+        GradScaler handed to the step (``grad_scaler=``), which expects the step to unscale
+        (its update() needs the inf check that records)."""
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
         self._skip = False
         self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
