@@ -301,6 +301,35 @@ def test_the_step_wrapper_keeps_the_grad_scaler_keyword_contract():
     monitor.detach()
 
 
+def test_skip_step_clears_the_gradients_whatever_the_signature_of_zero_grad():
+    """The skip called zero_grad(set_to_none=True): an optimizer overriding zero_grad(self)
+    (an older or third-party signature) raised a TypeError out of optimizer.step()."""
+
+    class OwnZeroGrad(torch.optim.SGD):
+        def zero_grad(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.zero_()
+
+    model = nn.Linear(2, 1)
+    nn.init.ones_(model.weight)
+    opt = OwnZeroGrad(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE).attach(opt)
+    for step in range(3):
+        model(torch.ones(1, 2)).sum().backward()  # d/dw = 1
+        if step == 1:
+            model.weight.grad[0, 0] = float("nan")
+        opt.step()
+        if step == 1:
+            assert all(p.grad is None for p in model.parameters())
+        opt.zero_grad()
+    assert model.weight.flatten().tolist() == pytest.approx([0.8, 0.8])  # steps 0, 2 applied
+    assert monitor.optimizer_control.skipped_steps == 1
+    assert not monitor.errors
+    monitor.detach()
+
+
 @pytest.mark.parametrize("before", ["scheduler", "user wrapper", "none"])
 def test_detach_restores_the_step_that_was_installed_before(before):
     model = nn.Linear(2, 1)

@@ -171,7 +171,11 @@ class OptimizerControl:
             scaler.unscale_(self.optimizer)
         self._skip = False
         self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        # What zero_grad(set_to_none=True) does, without calling an override of zero_grad
+        # that may not take set_to_none (zero_grad(self)): it raised from optimizer.step()
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
         if not self.active:  # the pass-through this skip kept in place goes now
             self._remove()
         return loss
