@@ -213,6 +213,39 @@ def test_lr_backoff_composes_with_a_scheduler_and_restores():
     assert monitor.snapshot().value("mitigation_lr_factor") == 1.0
 
 
+def test_an_lr_set_inside_the_step_by_a_post_hook_scheduler_is_kept():
+    """The wrapper put back every group's LR from before the step, also with no back-off
+    running: a scheduler stepped from a step post-hook was frozen at its first LR. It now undoes
+    its own scaling only."""
+
+    def run(rules, lr_lambda):
+        model = nn.Linear(1, 1, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        opt.register_step_post_hook(lambda *_: sched.step())
+        monitor = monitor_for(model, rules=rules).attach(opt)
+        used, lrs = [], []
+        for step in range(4):
+            before = model.weight.item()
+            model(torch.ones(1, 1)).sum().backward()  # d/dw = 1: the update is -lr exactly
+            monitor.step(1000.0 if step == 1 else 1.0)
+            opt.step()
+            opt.zero_grad()
+            used.append(before - model.weight.item())
+            lrs.append(opt.param_groups[0]["lr"])
+        monitor.detach()
+        return used, lrs
+
+    halving = [0.5, 0.25, 0.125, 0.0625]
+    assert run(SKIP_NONFINITE, lambda e: 0.5**e) == (pytest.approx([1.0, *halving[:3]]), halving)
+    backoff = {"type": "lr_backoff", "factor": 0.1, "steps": 2}
+    rules = only("threshold", "big_loss", "loss", backoff, threshold=100)
+    # x0.1 for the updates of steps 1 and 2; the schedule goes on as without
+    used, lrs = run(rules, lambda e: 0.5**e)
+    assert used == pytest.approx([1.0, 0.05, 0.025, 0.125])
+    assert lrs == halving
+
+
 def test_a_skipped_update_does_not_use_up_an_lr_backoff_step():
     model = nn.Linear(1, 1, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

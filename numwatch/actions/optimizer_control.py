@@ -44,8 +44,8 @@ class OptimizerControl:
         self._backoffs: list[tuple[float, int, Hashable]] = []  # (factor, steps left, key)
         self._after_step: dict[Hashable, Callable[[], None]] = {}
         self._stepping = False  # inside the wrapped step (it runs _after_step after the update)
-        # (group, the schedule's LR, the LR we set): undone after the update, where still ours
-        self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
+        # (group, the schedule's LR, the LR we set, its version): undone after the update
+        self._scaled: list[tuple[dict[str, Any], Any, Any, int | None]] = []
 
         def step(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             return self._step(*args, **kwargs)
@@ -138,24 +138,38 @@ class OptimizerControl:
         if self._skip:
             # a back-off counts the updates that run at its LR
             return self._skip_now(None, loss, kwargs.get("grad_scaler"))
-        factor = self.lr_factor
-        saved = [group["lr"] for group in self.optimizer.param_groups]
-        if factor != 1.0:
-            for group in self.optimizer.param_groups:
-                if numeric_lr(group["lr"]):  # (None: the optimizer computes its step size)
-                    group["lr"] = group["lr"] * factor
+        self._scale_lrs()
         try:
             out = self._original(*args, **kwargs)
         finally:
-            # The schedule never sees our factor: it composes with any LR scheduler.
-            for group, lr in zip(self.optimizer.param_groups, saved, strict=True):
-                group["lr"] = lr
+            self._restore_lrs()
         # A fused optimizer under a GradScaler is called on an overflow step too and skips the
         # update itself: that step neither counts for a back-off nor runs a clip.
         if (self._backoffs or self._after_step) and not _skipped_by_scaler(self.optimizer):
             self._tick()
             self._run_pending()
         return out
+
+    def _scale_lrs(self) -> None:
+        """Each numeric LR times the back-offs' factor, for the update under way (None: the
+        optimizer computes its step size)."""
+        factor = self.lr_factor
+        if factor == 1.0:
+            return
+        for group in self.optimizer.param_groups:
+            lr = group["lr"]
+            if numeric_lr(lr):
+                group["lr"] = ours = lr * factor
+                self._scaled.append((group, lr, ours, getattr(ours, "_version", None)))
+
+    def _restore_lrs(self) -> None:
+        """The schedule never sees our factor, so the back-off composes with any LR scheduler:
+        an LR still the one we set gets the schedule's back; one changed during the step (a
+        scheduler stepped from a step post-hook, in place for a tensor LR) is the schedule's."""
+        scaled, self._scaled = self._scaled, []
+        for group, lr, ours, version in scaled:
+            if group["lr"] is ours and getattr(ours, "_version", None) == version:
+                group["lr"] = lr
 
     def _skip_now(
         self, closure: Callable[[], Any] | None, loss: Any = None, scaler: Any = None
