@@ -973,6 +973,108 @@ def test_lbfgs_with_an_optimizer_action_evaluates_its_closure_as_without_one():
     assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
 
 
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimization as github.com/davda54/sam writes it: an ascent step to the
+    perturbed weights, its closure's gradient there, back to the weights, the base update."""
+
+    def __init__(self, params, rho=0.05, **kw):
+        super().__init__(params, dict(rho=rho, **kw))
+        self.base_optimizer = torch.optim.SGD(self.param_groups, **kw)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def step(self, closure):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.stack([g.norm() for g in grads]).norm()
+        scale = self.param_groups[0]["rho"] / (norm + 1e-12)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.data.clone()
+                    p.add_(p.grad * scale)
+        self.zero_grad()
+        torch.enable_grad()(closure)()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+
+
+def _sam_run(rules, nan_at=None):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    opt = SAM(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, rules=rules).attach(opt) if rules is not None else None
+    calls = []
+
+    def closure():
+        calls.append(1)
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        if len(calls) == nan_at:
+            model.bias.grad.fill_(float("nan"))
+        return loss
+
+    for _ in range(5):
+        (model(x) - y).square().mean().backward()  # SAM's first gradient
+        opt.step(closure)
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], len(calls), monitor
+
+
+def test_sam_trains_with_an_optimizer_action_as_without_one():
+    """The wrapper ran the closure before SAM's step and handed SAM's own closure call that
+    cached loss: SAM's gradient at the perturbed weights was never made, its second step did not
+    restore the weights, and the training ascended (final loss 1.62 against 0.84)."""
+    plain, plain_calls, _ = _sam_run(None)
+    watched, watched_calls, monitor = _sam_run(SKIP_NONFINITE)
+    assert watched_calls == plain_calls == 5
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+    assert not [e for e in monitor.events if e.kind == "action"]
+    # a NaN at the perturbed weights: SAM's ascent already moved them, so the skip that would
+    # leave them there is refused (counted, logged) and SAM's update runs
+    _, _, monitor = _sam_run(SKIP_NONFINITE, nan_at=5)
+    assert [e.step for e in monitor.events if e.kind == "action"] == [4]
+    assert monitor.errors == {"actions": 1}
+    assert monitor.optimizer_control.skipped_steps == 0
+
+
+@pytest.mark.parametrize("as_keyword", [False, True])
+def test_a_skip_decided_in_the_closure_withholds_the_update(as_keyword):
+    """The step is judged after the optimizer's first closure call; a skip ends the step there,
+    before the update: weights and optimizer state unchanged, gradients cleared, loss returned."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE).attach(opt)
+    x = torch.randn(8, 4)
+    losses = []
+    for step in range(3):
+
+        def closure(step=step):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            if step == 1:
+                model.weight.grad[0, 0] = float("nan")
+            return loss
+
+        before = [p.detach().clone() for p in model.parameters()]
+        state = copy.deepcopy(opt.state_dict())
+        losses.append(opt.step(closure=closure) if as_keyword else opt.step(closure))
+        assert _updated(model, before) == (step != 1)
+        if step == 1:
+            assert all(p.grad is None for p in model.parameters())
+            assert opt.state_dict()["state"][0]["step"] == state["state"][0]["step"] == 1
+    assert all(isinstance(loss, torch.Tensor) for loss in losses)
+    assert monitor.optimizer_control.skipped_steps == 1
+    assert [e.step for e in monitor.events if e.kind == "action"] == [1]
+    assert not monitor.errors
+    monitor.detach()
+
+
 def test_detach_from_a_step_level_callback_waits_for_the_end_of_the_step():
     """The skip decided on a NaN gradient still happens; the detach follows the step close."""
     torch.manual_seed(0)

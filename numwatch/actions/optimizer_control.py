@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from numwatch.errors import NumwatchError
 from numwatch.probes.optimizer import numeric_lr
 
 __all__ = ["OptimizerControl"]
@@ -112,35 +113,27 @@ class OptimizerControl:
                 self._release()
 
     def _wrapped_step(self, *args: Any, **kwargs: Any) -> Any:
+        closure = kwargs.get("closure", args[0] if args else None)
+        scaler = kwargs.get("grad_scaler")
         if not self.active:
             if self._skip:  # the skip decided before an uninstall (a halt) holds for its step
-                closure = kwargs.get("closure", args[0] if args else None)
-                return self._skip_now(closure, scaler=kwargs.get("grad_scaler"))
+                return self._skip_now(closure, scaler=scaler)
             return self._original(*args, **kwargs)
-        closure = kwargs.get("closure", args[0] if args else None)
-        loss = None
-        if closure is not None:
-            # The closure computes this step's gradients: run it before judging the step, and
-            # hand that evaluation to the optimizer's first call (its gradients are in .grad);
-            # later calls (LBFGS's iterations, at other weights) evaluate the closure again.
-            with torch.enable_grad():
-                loss = closure()
-            first = [loss]
-
-            def evaluated_first() -> Any:
-                return first.pop() if first else closure()
-
-            if "closure" in kwargs:
-                kwargs = {**kwargs, "closure": evaluated_first}
-            else:
-                args = (evaluated_first, *args[1:])
-        self._before_step(loss if isinstance(loss, torch.Tensor) else None)
-        if self._skip:
-            # a back-off counts the updates that run at its LR
-            return self._skip_now(None, loss, kwargs.get("grad_scaler"))
+        if closure is None:
+            self._before_step(None)
+            if self._skip:  # (a back-off counts the updates that run at its LR)
+                return self._skip_now(None, scaler=scaler)
+        elif "closure" in kwargs:
+            kwargs = {**kwargs, "closure": self._judging(closure)}
+        else:
+            args = (self._judging(closure), *args[1:])
         self._scale_lrs()
         try:
             out = self._original(*args, **kwargs)
+        except _Withheld as withheld:
+            if withheld.control is not self:  # another monitor's wrapper, around ours
+                raise
+            return self._skip_now(None, withheld.loss, scaler)
         finally:
             self._restore_lrs()
         # A fused optimizer under a GradScaler is called on an overflow step too and skips the
@@ -150,9 +143,40 @@ class OptimizerControl:
             self._run_pending()
         return out
 
+    def _judging(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure``, judging the step after its first call, as the optimizer makes it: that
+        call makes the step's gradients (LBFGS's later ones probe other points; SAM's first
+        comes after its ascent step, at the perturbed weights). Evaluated before the step
+        instead, it was one more backward, and SAM's own call got that cached loss and no
+        gradients, so its second step never restored the weights. A skip ends the step from
+        here, before the update; unless the optimizer changed its parameters before calling
+        the closure (SAM's ascent), which that would leave changed: then the update runs."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        versions = [p._version for p in params]
+        judged = False
+
+        def judging() -> Any:
+            nonlocal judged
+            if judged:
+                return closure()
+            judged = True
+            moved = any(p._version != v for p, v in zip(params, versions, strict=True))
+            loss = closure()
+            self._before_step(loss if isinstance(loss, torch.Tensor) else None)
+            if self._skip and not moved:
+                raise _Withheld(self, loss)
+            if self._skip:
+                self._skip = False
+                self._run_guarded(_cannot_withhold)
+            self._scale_lrs()  # a back-off decided on this step slows its update
+            return loss
+
+        return judging
+
     def _scale_lrs(self) -> None:
         """Each numeric LR times the back-offs' factor, for the update under way (None: the
-        optimizer computes its step size)."""
+        optimizer computes its step size); again from the schedule's LR when called twice."""
+        self._restore_lrs()
         factor = self.lr_factor
         if factor == 1.0:
             return
@@ -230,6 +254,24 @@ class OptimizerControl:
                 del self.optimizer.step
             else:
                 self.optimizer.step = previous  # type: ignore[method-assign]
+
+
+class _Withheld(Exception):
+    """Raised from the optimizer's closure once its step is judged to skip: the optimizer's
+    step ends there, before its update."""
+
+    def __init__(self, control: OptimizerControl, loss: Any) -> None:
+        super().__init__("numwatch: skip_step withholds this update")
+        self.control = control
+        self.loss = loss
+
+
+def _cannot_withhold() -> None:
+    raise NumwatchError(
+        "skip_step could not withhold this update: the optimizer changed its parameters before "
+        "calling its closure (as SAM's ascent step does), and ending its step there would leave "
+        "them changed; the update was applied"
+    )
 
 
 def _pass_through(step: Any) -> OptimizerControl | None:
