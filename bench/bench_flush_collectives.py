@@ -112,10 +112,10 @@ def _worker(rank: int, rendezvous: str, backend: str, steps: int, reps: int, out
         flush_s.append(time.perf_counter() - start)
         return result
 
-    def timed_step_values(loss):
+    def timed_step_values(loss, *args):
         dist.barrier()
         start = time.perf_counter()
-        result = step_values(loss)
+        result = step_values(loss, *args)
         step_s.append(time.perf_counter() - start)
         return result
 

@@ -383,14 +383,21 @@ class Aggregator:
             entry = entry + p.to(entry.device, non_blocking=True)
         self._norms.append(entry)
 
-    def step_values(self, loss: torch.Tensor | float | None) -> dict[str, float]:
+    def step_values(
+        self, loss: torch.Tensor | float | None, unwatched: torch.Tensor | None = None
+    ) -> dict[str, float]:
         """Global squared gradient norm and mean loss of the step closing now, from one SUM
-        all-reduce of [norm^2 share, non-finite flag, has norm, loss, has loss].
+        all-reduce of [norm^2 share, non-finite flag, has norm, loss, has loss]. ``unwatched``:
+        0, or NaN for a non-finite gradient the optimizer applies and the probe does not watch.
 
         SYNC: one per step, only when a rule decides every step (skip_step). The norm is NaN on
         every rank when any rank saw a non-finite gradient, so all of them skip together.
         """
         entry = self._norms[-1] if self._norms else torch.zeros(3, dtype=torch.float64)
+        if unwatched is not None:  # counted as a norm share of 0 unless non-finite
+            flag = unwatched.isnan().to(unwatched.dtype)
+            extra = torch.stack([unwatched, flag, torch.ones_like(unwatched)])
+            entry = entry + extra.to(entry.device)
         parts = [entry]
         if isinstance(loss, torch.Tensor):
             parts.append(loss.detach().reshape(1).to(parts[0].device, torch.float64))

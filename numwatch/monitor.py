@@ -689,10 +689,16 @@ class Monitor(Joinable):
 
         SYNC: one read of two scalars per step, only when such a rule is configured (skip_step).
         """
+        # NaN where a gradient the optimizer applies and the probe does not watch is non-finite
+        unwatched = None
+        if self._gradients is not None and self._optimizer is not None:
+            unwatched = self._gradients.unwatched_flag(self._optimizer)
         if self._dist.active:  # global values, so that every rank takes the same decision
-            named = self._dist.step_values(loss)
+            named = self._dist.step_values(loss, unwatched)
         else:
             norm_sq = self._gradients.step_norm_sq() if self._gradients is not None else None
+            if unwatched is not None:
+                norm_sq = unwatched if norm_sq is None else norm_sq + unwatched.to(norm_sq.device)
             named = {"grad_norm": norm_sq, "loss": loss}
         scale = self._scaler_scale()
         if scale is not None:  # read with the others: no extra sync

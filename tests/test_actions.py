@@ -100,6 +100,41 @@ def test_nonfinite_gradient_skip_step_leaves_state_bitwise_unchanged():
     assert snap.value("events_total", kind="action", rule="nonfinite") == 1
 
 
+@pytest.mark.parametrize("where", ["excluded", "outside the model"])
+def test_skip_step_covers_the_gradients_the_probe_does_not_watch(where):
+    """The skip decision read the gradient probe's norm only: a NaN gradient of a parameter
+    the optimizer updates but the probe does not watch (gradients.exclude; a learned temperature
+    outside the model, as CLIP's logit_scale) reached the weights, and every later step was
+    skipped on the NaN weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    temperature = nn.Parameter(torch.ones(()))
+    params = [*model.parameters(), temperature]
+    opt = torch.optim.SGD(params, lr=0.1)
+    if where == "excluded":
+        monitor = monitor_for(model, rules=SKIP_NONFINITE, gradients__exclude=["0.*"])
+        planted = model[0].weight
+    else:
+        monitor = monitor_for(model, rules=SKIP_NONFINITE)
+        planted = temperature
+    monitor.attach(opt)
+    x = torch.randn(2, 4)
+    updated = []
+    for step in range(4):
+        (model(x) * temperature).square().mean().backward()
+        if step == 1:
+            planted.grad.view(-1)[0] = float("nan")
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+        updated.append(not all(torch.equal(a, p) for a, p in zip(before, params, strict=True)))
+    assert updated == [True, False, True, True]
+    assert torch.isfinite(planted).all()
+    assert monitor.optimizer_control.skipped_steps == 1
+    assert [(e.kind, e.step) for e in monitor.events] == [("nonfinite", 1), ("action", 1)]
+    monitor.detach()
+
+
 def test_a_nan_that_skip_step_skips_counts_once_in_events_total():
     """A nonfinite rule with skip_step fires at the step, and takes the NaN's origin over at the
     flush without running its actions again: both counted, one NaN read as two in events_total

@@ -399,6 +399,34 @@ def scenario_ddp_nan(rank: int, out: Path) -> dict:
     return res
 
 
+def scenario_ddp_nan_unwatched(rank: int, out: Path) -> dict:
+    """DDP plus a temperature outside the model (its gradient not all-reduced): a NaN in it on
+    rank 1 only at step 1; skip_step withholds that update on both ranks."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net)
+    temperature = nn.Parameter(torch.ones(()))
+    params = [*net.parameters(), temperature]
+    opt = torch.optim.SGD(params, lr=1e-2)
+    monitor = _monitor(net, out, "ddp_nan_unwatched", rules=_skip_rules()).attach(opt)
+    res: dict = {"updated": []}
+    for step in range(3):
+        (ddp(batch(rank, step)) * temperature).square().mean().backward()
+        if step == 1 and rank == 1:
+            temperature.grad.fill_(float("nan"))
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+        moved = not all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
+        res["updated"].append(moved)
+    res["finite"] = bool(torch.isfinite(temperature))
+    res["skipped"] = monitor.optimizer_control.skipped_steps
+    monitor.detach()
+    return res
+
+
 def scenario_ddp_add_group(rank: int, out: Path) -> dict:
     """DDP: the head's group added to the optimizer at step 2 (an unfreezing), a NaN in rank
     1's input at step 4. The update sums' per-row roles were taken at the first flush only, and
@@ -886,6 +914,7 @@ def scenario_new_group_between_attaches(rank: int, out: Path) -> dict:
 SCENARIOS = {
     "ddp_stats": scenario_ddp_stats,
     "ddp_nan": scenario_ddp_nan,
+    "ddp_nan_unwatched": scenario_ddp_nan_unwatched,
     "ddp_add_group": scenario_ddp_add_group,
     "eval_rank0": scenario_eval_on_rank0_before_detach,
     "probe_fails": scenario_probe_fails,
@@ -1219,6 +1248,14 @@ def test_nan_on_rank1_is_reported_with_rank1_and_skipped_on_both_ranks(runs):
     for name, p in res[0]["params"].items():
         assert torch.equal(p, res[1]["params"][name]), name  # replicas bitwise identical
     assert Path(res[0]["jsonl"]).exists() and res[1]["jsonl"] is None  # rank 0 logs alone
+
+
+def test_a_nan_in_an_unwatched_gradient_on_rank1_is_skipped_on_both_ranks(runs):
+    """A parameter outside the model (its gradient not all-reduced by DDP): the skip covers it,
+    and the ranks decide together."""
+    for res in _ok(runs["ddp_nan_unwatched"]):
+        assert res["updated"] == [True, False, True]
+        assert res["finite"] and res["skipped"] == 1
 
 
 def test_fsdp2_shard_statistics_aggregate_to_the_full_gradient(runs):

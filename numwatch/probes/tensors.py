@@ -145,6 +145,24 @@ def _norm_sq(stats: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     return stats[..., ts.SUMSQ].sum(-1).masked_fill(bad.sum(-1) > 0, math.nan)
 
 
+def _nonfinite_flag(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """() float64: 0 where every tensor is finite, NaN where one is not (None: no tensors).
+    Added to a squared norm, it makes it NaN without changing its value. Each tensor's largest
+    magnitude, which cannot overflow where a sum of squares can: one multi-tensor launch per
+    device and dtype."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    flag = None
+    for (_, dtype), group in groups.items():
+        if dtype.itemsize == 1:  # float8: no norm kernel; bfloat16 holds its values
+            group = [t.to(torch.bfloat16) for t in group]
+        absmax = torch.stack(torch._foreach_norm(group, math.inf)).max()  # NaN, inf propagate
+        part = absmax.to(torch.float64) * 0.0  # inf * 0 and NaN * 0 are NaN
+        flag = part if flag is None else flag + part.to(flag.device, non_blocking=True)
+    return flag
+
+
 _GRAD = attrgetter("grad")
 # The power of the loss scale that a stat column of scaled gradients holds (counts: none)
 _SCALE_POWERS = {ts.ABSMAX: 1, ts.MIN: 1, ts.MAX: 1, ts.SUM: 1, ts.SUMSQ: 2}
@@ -262,6 +280,8 @@ class GradientProbe:
         self.step_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
         # per device: ((device, address, version) of the loss scale, its unscaling factors)
         self._factors: dict[torch.device, tuple[tuple, torch.Tensor]] = {}
+        # (number of param groups, the optimizer's parameters this probe does not watch)
+        self._unwatched: tuple[int, list[torch.Tensor]] = (-1, [])
 
     def attach(self) -> None:
         self._arm()
@@ -431,6 +451,21 @@ class GradientProbe:
             part = _norm_sq(stats, nonfinite_counts(stats))
             total = part if total is None else total + part.to(total.device, non_blocking=True)
         return total
+
+    def unwatched_flag(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """0, or NaN where a gradient that ``optimizer`` applies and this probe does not watch
+        (``gradients.exclude``; a parameter outside the model, as CLIP's logit_scale) is
+        non-finite: added to ``step_norm_sq``, a skip_step decision covers every update it
+        withholds, which let such a NaN into the weights (and every later step was skipped).
+        Device-side: read with the norm, no sync of its own. Gradients the probe leaves
+        unmeasured (sparse, complex) are left out here too."""
+        groups = optimizer.param_groups
+        if self._unwatched[0] != len(groups):  # at the first step, and after add_param_group
+            watched = {id(p) for p in self._tensors}
+            params = [p for group in groups for p in group["params"] if id(p) not in watched]
+            self._unwatched = (len(groups), params)
+        grads = [local_tensor(p.grad) for p in self._unwatched[1] if p.grad is not None]
+        return _nonfinite_flag([g for g in grads if _usable(g) is not None])
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         self.settle()
