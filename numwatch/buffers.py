@@ -281,7 +281,8 @@ class LossWindow:
         self.steps += 1
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
-        """What the flush reads: the window's maximum and sum (its step count stays here)."""
+        """What the flush reads: the window's maximum, sum and step count (a host tensor; summed
+        over ranks, as the sum is, so the mean covers the steps of every rank that gave a loss)."""
         if not self.steps:
             return {}
         mx, sm = self._max, self._sum
@@ -292,13 +293,16 @@ class LossWindow:
                 mx, sm = fmax, fsum
             else:
                 mx, sm = torch.maximum(mx, fmax.to(mx.device)), sm + fsum.to(sm.device)
-        return {"loss_window_max": mx, "loss_window_sum": sm}
+        steps = torch.tensor(float(self.steps), dtype=torch.float64)
+        return {"loss_window_max": mx, "loss_window_sum": sm, "loss_window_steps": steps}
 
     def values(self, host: Mapping[str, torch.Tensor]) -> tuple[float, float] | None:
-        """(loss_max, loss_mean) from the flush's host read; None without losses."""
-        if not self.steps or "loss_window_max" not in host:
+        """(loss_max, loss_mean) from the flush's host read; None without losses (here, or on
+        any rank: a rank that passes no loss reports the others')."""
+        if "loss_window_max" not in host:
             return None
-        return float(host["loss_window_max"]), float(host["loss_window_sum"]) / self.steps
+        mean = float(host["loss_window_sum"]) / float(host["loss_window_steps"])
+        return float(host["loss_window_max"]), mean
 
 
 def read_to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -75,7 +75,7 @@ _ATTACH_KEY = "numwatch/attached"  # a counter on the default store (see Aggrega
 
 # How one element combines across ranks. NONE: summed, but this rank adds nothing because another
 # rank holds the same shard and counts it (HSDP replicas).
-SUM, MAX, MIN, MEAN, NONE = range(5)
+SUM, MAX, MIN, NONE = range(4)
 # How a rank's local piece of a tensor relates to the whole tensor.
 REPLICA, SHARD, SHARD_COPY = range(3)
 
@@ -142,6 +142,10 @@ _STAT_OPS = _columns(ts.N_STATS, ts.MAX_COLUMNS, ts.MIN_COLUMNS)
 _HEAD_OPS = _columns(ats.N_HEAD_STATS, ats.HEAD_MAX_COLUMNS, ats.HEAD_MIN_COLUMNS)
 # Full values every rank holds already, and the window's largest loss (of any rank's steps).
 _KNOWN_MAX = ("weights/", "opt/", "grad_norm_sq_", "loss_window_max", "act_headroom/")
+# The loss and the window's loss sum add up with their counts (the ranks that gave a loss, the
+# steps that did): a loop may pass the loss on one logging rank only, and its mean is then that
+# rank's, not a share of it.
+_LOSS_SUMS = ("loss", "loss_ranks", "loss_window_sum", "loss_window_steps")
 
 
 def element_ops(
@@ -176,8 +180,8 @@ def element_ops(
         return torch.full((numel,), SUM, dtype=torch.int8)
     if head == "nonfinite_first":
         return torch.full((numel,), MIN, dtype=torch.int8)
-    if key in ("loss", "loss_window_sum"):  # every rank runs the window's steps: a mean of sums
-        return torch.full((numel,), MEAN, dtype=torch.int8)
+    if key in _LOSS_SUMS:
+        return torch.full((numel,), SUM, dtype=torch.int8)
     if not key.startswith(_KNOWN_MAX):
         log.debug("numwatch: %r has no cross-rank layout; reduced with MAX", key)
     return torch.full((numel,), MAX, dtype=torch.int8)
@@ -188,14 +192,13 @@ class _Plan:
 
     def __init__(self, ops: torch.Tensor, device: torch.device) -> None:
         index = torch.arange(ops.numel())
-        adds = (ops == SUM) | (ops == MEAN) | (ops == NONE)
+        adds = (ops == SUM) | (ops == NONE)
         self.numel = ops.numel()
         self.i_sum = index[adds].to(device)
         self.i_max = index[ops == MAX].to(device)
         self.i_min = index[ops == MIN].to(device)
-        none, mean = (ops[adds] == NONE), (ops[adds] == MEAN)
+        none = ops[adds] == NONE
         self.none = none.to(device) if bool(none.any()) else None
-        self.mean = mean.to(device) if bool(mean.any()) else None
         self.n_max = self.i_max.numel() + self.i_min.numel()
 
     def pack(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,9 +210,7 @@ class _Plan:
         nan = torch.isnan(m)
         return s, torch.cat([m.masked_fill(nan, -INF), nan.to(torch.float64)])
 
-    def unpack(self, s: torch.Tensor, m: torch.Tensor, world: int) -> torch.Tensor:
-        if self.mean is not None:
-            s = torch.where(self.mean, s / world, s)
+    def unpack(self, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         m = m[: self.n_max].masked_fill(m[self.n_max :] > 0, float("nan"))
         n = self.i_max.numel()
         out = torch.empty(self.numel, dtype=torch.float64, device=s.device)
@@ -504,7 +505,11 @@ class Aggregator:
             self._roles["grad_table"] = tuple(shard_role(p) for _, p in gradients.params)
         if optimizer is not None:  # every flush: a param group added or removed since
             self._roles["opt"] = tuple(shard_role(p) for _, p in optimizer.params)
+        if "loss" in tensors:
+            tensors["loss_ranks"] = torch.ones((), dtype=torch.float64)
         out = self._reduce(tensors)
+        if "loss_ranks" in out:  # the mean over the ranks that gave a loss
+            out["loss"] = out["loss"] / out.pop("loss_ranks")
         steps = out.pop("grad_norm_steps", None)
         if not self._combined:  # layouts disagree: this rank's own norms, not its shares
             out.update(own_norms)
@@ -603,7 +608,7 @@ class Aggregator:
         self.collectives += len(works)
         for work in works:
             work.wait()
-        out = plan.unpack(s, m, dist.get_world_size())
+        out = plan.unpack(s, m)
         sizes = [math.prod(shape) for _, shape in agreed]
         return {
             k: piece.reshape(shape)

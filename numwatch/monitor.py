@@ -975,7 +975,6 @@ class Monitor(Joinable):
         self._guard.run("flush", self._dist.settle, self._ctx.step)
         self._guard.run("sinks", self._log_own_values)
         self._guard.run("flush", self._warn_new_trainable)
-        self._warn_no_loss()
         with gc_paused():
             snapshot, fired = self._guard.run("flush", self._collect) or (None, [])
             if snapshot is not None:
@@ -988,6 +987,7 @@ class Monitor(Joinable):
                     # distributed.jsonl='per_rank': each rank's log holds its own values
                     view = self._local_snapshot if isinstance(sink, JsonlSink) else snapshot
                     self._guard.run("sinks", sink.emit, view, unsent)
+        self._warn_no_loss()  # after the records: another rank's loss may feed this rank's rules
         # The flush's own cost is charged to the next window: to its overhead and to its wall
         # time (its clock starts here), so the overhead stays a share of step_seconds.
         self._window_steps = 0
@@ -1106,9 +1106,10 @@ class Monitor(Joinable):
         records: list[MetricRecord] = []
         for probe in self._probes:
             records += self._guard.run(probe.component, probe.records, host) or []
-        if self._loss is not None:
-            loss = float(host["loss"]) if "loss" in host else float(self._loss)
-            records.append(MetricRecord("loss", {}, loss))
+        loss = host.get("loss", self._loss)  # another rank's, on a rank that passes none
+        if loss is not None:
+            self._loss_rules = []  # fed, also on such a rank
+            records.append(MetricRecord("loss", {}, float(loss)))
         records += self._loss_window_records(host)
         own = self._own_records(local_host) if self._dist.keeps_local else None
         self._loss_window.reset()

@@ -885,6 +885,41 @@ def scenario_step_without_backward(rank: int, out: Path) -> dict:
     }
 
 
+def scenario_loss_on_rank0_only(rank: int, out: Path) -> dict:
+    """The loss passed to step() on the logging rank only: the flushed loss was rank 0's halved
+    (rank 1's missing loss counted as 0), rank 1 had none, and a rule on it backed off the LR
+    on rank 0 alone, so the DDP replicas forked."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    rules = {
+        "defaults": False,
+        "add": [{"type": "threshold", "name": "hi_loss", "metric": "loss", "threshold": 0.0,
+                 "actions": [{"type": "lr_backoff", "factor": 0.1, "steps": 100}]}],
+    }  # fmt: skip
+    monitor = _monitor(net, out, "loss_rank0", flush_every=2, rules=rules).attach(opt)
+    losses = []
+    for _ in range(4):
+        loss = ddp(torch.full((2, 4), float(rank + 1))).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        if rank == 0:
+            monitor.step(loss)
+        opt.step()
+        opt.zero_grad()
+    snaps = [(s.get("loss"), s.get("loss_mean"), s.get("loss_max")) for s in monitor.history]
+    monitor.detach()
+    return {
+        "losses": losses,
+        "flushed": snaps,
+        "actions": [e.step for e in monitor.events if e.kind == "action"],
+        "params": torch.cat([p.detach().flatten() for p in net.parameters()]),
+    }
+
+
 def scenario_new_group_between_attaches(rank: int, out: Path) -> dict:
     """The group destroyed and a new one made between a detach and an attach of one monitor:
     the attach used the groups made in the dead one ('not initialized in the world group
@@ -942,6 +977,7 @@ SCENARIOS = {
     "callable_callback": scenario_callable_callback,
     "grad_probe_fails_once": scenario_grad_probe_fails_once,
     "step_without_backward": scenario_step_without_backward,
+    "loss_rank0": scenario_loss_on_rank0_only,
     "new_group_between_attaches": scenario_new_group_between_attaches,  # last: a new group
 }
 
@@ -1135,7 +1171,7 @@ def test_packing_two_simulated_ranks_matches_combine_stats():
     ]
     s = bufs[0][0] + bufs[1][0]
     m = torch.maximum(bufs[0][1], bufs[1][1])  # a MAX all-reduce that drops NaN is fine too
-    out = plan.unpack(s, m, WORLD)
+    out = plan.unpack(s, m)
     got_heads, got_table = out[:18].view(2, 9), out[18 : 18 + 3 * ts.N_STATS].view(3, -1)
     got_order, got_opt = out[18 + 3 * ts.N_STATS], out[-8:].view(2, 4)
     assert torch.equal(got_opt[0], opt[0][0] + opt[1][0])  # shard sums add
@@ -1572,3 +1608,21 @@ def test_a_group_started_after_attach_is_not_aggregated_over(monkeypatch, caplog
     assert len(warned) == 1
     monkeypatch.undo()
     monitor.detach()
+
+
+def test_a_loss_passed_on_one_rank_only_is_that_ranks_loss_on_every_rank(runs):
+    r0, r1 = _ok(runs["loss_rank0"])
+    own = r0["losses"]
+    # per flush of two steps: (loss, loss_mean, loss_max), all rank 0's
+    want = [
+        own[1],
+        (own[0] + own[1]) / 2,
+        max(own[:2]),
+        own[3],
+        (own[2] + own[3]) / 2,
+        max(own[2:]),
+    ]
+    for res in (r0, r1):
+        assert [v for flushed in res["flushed"] for v in flushed] == pytest.approx(want, rel=1e-12)
+        assert res["actions"] == [1]  # the back-off on both ranks, at the same flush
+    assert torch.equal(r0["params"], r1["params"])  # the replicas did not fork
