@@ -66,6 +66,7 @@ __all__ = [
     "is_initialized",
     "local_tensor",
     "shard_role",
+    "warn_fsdp1",
     "weight_blocks",
 ]
 
@@ -104,6 +105,26 @@ def get_local_rank() -> int:
 
 def get_world_size() -> int:
     return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def warn_fsdp1(model: torch.nn.Module) -> None:
+    """Warn at attach when ``model`` is sharded by FSDP1: its flat parameter shards are plain
+    tensors, which numwatch cannot tell from whole DDP replicas (FSDP2's are DTensors)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    # FSDP1 marks every parameter it manages, also those of the module it wraps (its own flat
+    # parameters, and the originals with use_orig_params=True)
+    flattened = any(getattr(p, "_fsdp_flattened", False) for p in model.parameters())
+    if flattened or any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        log.warning(
+            "numwatch: the model is sharded with FSDP1 (torch.distributed.fsdp."
+            "FullyShardedDataParallel), which numwatch does not support: each rank's flat "
+            "parameter shards read as whole parameters, so gradient and update statistics and "
+            "grad_norm cover one rank's shard (rank 0's when aggregated), weight spectral norms "
+            "are left out, and parameters may be labelled by FSDP's flat parameters "
+            "(_flat_param); shard with FSDP2 (torch.distributed.fsdp.fully_shard) instead, "
+            "whose shards numwatch combines"
+        )
 
 
 def is_dtensor(t: Any) -> bool:

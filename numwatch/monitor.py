@@ -45,6 +45,7 @@ from numwatch.distributed import (
     get_local_rank,
     get_rank,
     get_world_size,
+    warn_fsdp1,
 )
 from numwatch.errors import NumwatchConfigError, NumwatchError, NumwatchHalt
 from numwatch.events import Event, EventBus
@@ -303,6 +304,7 @@ class Monitor(Joinable):
                 if self.config.enabled:
                     _refuse_lazy_parameters(self.model)
                     refuse_unsupported_models(self.model)
+                    warn_fsdp1(self.model)
                     self.rank = get_rank()  # torch.distributed may start after __init__
                     self._dist.forget_layouts()
                     self._dist.agree(self._aggregation_settings())  # before any hook

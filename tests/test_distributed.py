@@ -920,6 +920,35 @@ def scenario_loss_on_rank0_only(rank: int, out: Path) -> dict:
     }
 
 
+def scenario_fsdp1_warns(rank: int, out: Path) -> dict:
+    """FSDP1 (FullyShardedDataParallel): its flat shards read as whole parameters, so grad_norm
+    was rank 0's shard's on every rank, with no word that FSDP1 is not supported."""
+    import logging
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("numwatch").addHandler(handler)
+    warned = {}
+    try:
+        for name, orig in (("flat", False), ("orig", True)):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+            fsdp = FSDP(net, device_id=torch.device("cpu"), use_orig_params=orig)
+            for watched in (fsdp, net):  # the wrapper, or the module it wraps
+                seen.clear()
+                _monitor(watched, out, f"fsdp1_{name}").attach().detach()
+                warned[name, watched is fsdp] = [m for m in seen if "FSDP1" in m]
+        seen.clear()
+        _monitor(_fsdp_net(), out, "fsdp2_quiet").attach().detach()
+        warned["fsdp2"] = [m for m in seen if "FSDP1" in m]
+    finally:
+        logging.getLogger("numwatch").removeHandler(handler)
+    return {"warned": warned}
+
+
 def scenario_new_group_between_attaches(rank: int, out: Path) -> dict:
     """The group destroyed and a new one made between a detach and an attach of one monitor:
     the attach used the groups made in the dead one ('not initialized in the world group
@@ -978,6 +1007,7 @@ SCENARIOS = {
     "grad_probe_fails_once": scenario_grad_probe_fails_once,
     "step_without_backward": scenario_step_without_backward,
     "loss_rank0": scenario_loss_on_rank0_only,
+    "fsdp1_warns": scenario_fsdp1_warns,
     "new_group_between_attaches": scenario_new_group_between_attaches,  # last: a new group
 }
 
@@ -1626,3 +1656,14 @@ def test_a_loss_passed_on_one_rank_only_is_that_ranks_loss_on_every_rank(runs):
         assert [v for flushed in res["flushed"] for v in flushed] == pytest.approx(want, rel=1e-12)
         assert res["actions"] == [1]  # the back-off on both ranks, at the same flush
     assert torch.equal(r0["params"], r1["params"])  # the replicas did not fork
+
+
+def test_fsdp1_is_named_unsupported_at_attach_and_fsdp2_is_not(runs):
+    for res in _ok(runs["fsdp1_warns"]):
+        warned = res["warned"]
+        assert warned.pop("fsdp2") == []
+        assert len(warned) == 4
+        for messages in warned.values():
+            assert len(messages) == 1
+            assert "FSDP2 (torch.distributed.fsdp.fully_shard)" in messages[0]
+            assert "grad_norm cover one rank's shard" in messages[0]
