@@ -10,17 +10,24 @@ of a monitored model behaves as an unmonitored one. (Unpickling one needs numwat
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 __all__ = [
     "InertHook",
     "UserHook",
     "after_first_closure_call",
+    "outside_graphs",
     "remove_step_pre_hook",
     "running_step_pre_hook",
     "settle_step_hooks",
+    "single_graph",
 ]
+
+log = logging.getLogger("numwatch")
 
 
 class InertHook:
@@ -43,6 +50,57 @@ class UserHook(functools.partial):
 
     def __reduce__(self) -> tuple:
         return (InertHook, ())
+
+
+def outside_graphs(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, a hook, run outside compiled graphs: ``torch.compiler.disable``d, so a compile
+    that may split its graph (the default) runs it eagerly between two graphs. A compile that
+    may not (``fullgraph=True``) skips it instead, and that graph runs unobserved: refused, the
+    graph break crashed the user's forward."""
+    disabled = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        if single_graph():
+            return None
+        return disabled(*args, **kwargs)
+
+    # Dynamo inlines this wrapper into the graph it traces (to read single_graph()), but never
+    # compiles it as a frame of its own: run after the graph break, it was compiled anew for
+    # every module type it met, up to Dynamo's recompile limit.
+    torch._dynamo.eval_frame.skip_code(hook.__code__)
+    return hook
+
+
+def single_graph() -> bool:
+    """Whether Dynamo is tracing a graph that may not break now (``fullgraph=True``, or
+    ``torch._dynamo.error_on_graph_break``); False in eager mode, at the cost of one call."""
+    return torch.compiler.is_compiling() and _one_graph()
+
+
+@torch._dynamo.assume_constant_result  # called while tracing, its result a constant
+def _one_graph() -> bool:
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        one = bool(tx.one_graph or tx.error_on_graph_break)
+    except Exception:  # another torch's internals: tracing as before (the break is refused)
+        return False
+    global _told_one_graph
+    if one and not _told_one_graph:
+        _told_one_graph = True
+        log.warning(
+            "numwatch: torch.compile(fullgraph=True) traces numwatch's hooks, which run "
+            "outside compiled graphs only where a graph may break: in such a graph they are "
+            "skipped, so the activations and attention it computes are not measured (gradients, "
+            "weights, optimizer updates and the loss are); compile without fullgraph=True to "
+            "measure them"
+        )
+    return one
+
+
+_told_one_graph = False  # the warning above: once per process
 
 
 def after_first_closure_call(

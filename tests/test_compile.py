@@ -16,6 +16,7 @@ import torch
 
 import numwatch
 from numwatch.kernels.flash_attention import flash_attention_fallbacks
+from numwatch.probes.tensors import ActivationProbe
 from numwatch.testing import requires_gpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -65,6 +66,10 @@ def test_compiled_model_is_monitored_like_the_eager_one(make_monitor):
         assert got.value(name, **labels) == pytest.approx(want.value(name, **labels), rel=1e-5)
     # Steps 6 and 7 (sampled, then not) reuse graphs compiled earlier: no new frames.
     assert frames[6:] == [0, 0]
+    # The hooks' wrapper is never compiled as a frame of its own (once per module type it met,
+    # up to Dynamo's recompile limit, when it was)
+    hook_code = ActivationProbe._hook.__code__
+    assert torch._dynamo.eval_frame._debug_get_cache_entry_list(hook_code) == []
 
 
 @pytest.mark.parametrize(
@@ -132,3 +137,58 @@ def test_a_compiled_wrapper_is_monitored_under_its_modules_names(make_monitor):
     assert params and all(p.startswith("h.0.") for p in params)
     modules = {r.labels["module"] for r in snap.series("activation_absmax")}
     assert "h.0.attn.c_attn" in modules and not any(m.startswith("_orig_mod") for m in modules)
+
+
+@pytest.mark.parametrize("root", ["gpt", "sequential"])
+def test_fullgraph_compile_trains_with_the_monitor_attached(
+    make_monitor, caplog, monkeypatch, root
+):
+    """fullgraph=True with the monitor attached crashed the first forward: Dynamo refused the
+    graph break of numwatch's hooks ("Skip calling torch.compiler.disable()d function"), on
+    submodules (the activation probe's) and, for a torch.nn root such as nn.Sequential, whose
+    own hooks Dynamo traces, on the root (the attention probe's, always registered). Now the
+    hooks are skipped in such a graph, said once, and training runs as unmonitored."""
+    import numwatch.hooks
+
+    monkeypatch.setattr(numwatch.hooks, "_told_one_graph", False)
+
+    def losses(monitored: bool) -> tuple[list[float], numwatch.Monitor | None]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        if root == "gpt":
+            model = GPT(CFG)
+        else:
+            model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        monitor = None
+        if monitored:
+            monitor = make_monitor(
+                model, flush_every=1, activations__every=1, attention__every=1
+            ).attach(opt)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True)
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(3):
+            if root == "gpt":
+                x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=g)
+                out.append(train_step(run, opt, x, x.roll(-1, 1), monitor).item())
+            else:
+                loss = run(torch.randn(2, 16, generator=g)).square().mean()
+                loss.backward()
+                if monitor is not None:
+                    monitor.step(loss)
+                opt.step()
+                opt.zero_grad()
+                out.append(loss.item())
+        if monitor is not None:
+            monitor.detach()
+        return out, monitor
+
+    plain, _ = losses(False)
+    got, monitor = losses(True)
+    assert got == plain
+    assert not any(monitor.errors.values())
+    snap = monitor.snapshot()
+    assert snap.step == 2 and snap.series("grad_absmax")  # gradients are measured
+    told = [r for r in caplog.records if "fullgraph=True" in r.getMessage()]
+    assert len(told) == 1 and "activations and attention" in told[0].getMessage()

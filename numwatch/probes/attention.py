@@ -29,7 +29,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from numwatch.config import AttentionConfig
-from numwatch.hooks import UserHook
+from numwatch.hooks import UserHook, outside_graphs, single_graph
 from numwatch.kernels import attention_stats as ats
 from numwatch.kernels.flash_attention import (
     autocast_like_sdpa,
@@ -147,10 +147,11 @@ class _Interceptor(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _SDPA_FUNCS:
-            return self.probe.on_sdpa(func, args, kwargs)
-        if func is flash_attention:  # numwatch's own kernel called by the model: observe only
-            return self.probe.on_sdpa(func, args, kwargs, routable=False)
+        if func in _SDPA_FUNCS or func is flash_attention:
+            if single_graph() and not self.probe.routing:  # fullgraph=True: no call leaves it
+                return func(*args, **kwargs)
+            # numwatch's own kernel, called by the model itself: observed, never routed
+            return self.probe.on_sdpa(func, args, kwargs, routable=func is not flash_attention)
         if func is F.multi_head_attention_forward:
             # Ops inside MHA's forward run with this mode popped: measured from its arguments,
             # and its SDPA call cannot be routed.
@@ -285,7 +286,7 @@ class AttentionProbe:
         self._route_depth = 0
         self._pop_route_mode()
 
-    @torch.compiler.disable
+    @outside_graphs
     def _route_enter(self, _module: nn.Module, _inputs: Any) -> None:
         # Inside the model's forward the mode is entered already; outside it (a recompute in
         # backward, a layer called alone) only routing, never sampling: a recompute is not a
@@ -300,7 +301,7 @@ class AttentionProbe:
             self._route_mode = _Interceptor(self)
             self._route_mode.__enter__()
 
-    @torch.compiler.disable
+    @outside_graphs
     def _route_exit(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
         if self._depth or self._route_depth == 0:
             return
@@ -402,12 +403,12 @@ class AttentionProbe:
         self._held_bytes = 0
 
     # The mode is entered and left outside compiled graphs (tests/test_compile.py).
-    @torch.compiler.disable
+    @outside_graphs
     def _enter(self, _module: nn.Module, _inputs: Any) -> None:
         self._root_open += 1
         self.begin_forward()
 
-    @torch.compiler.disable
+    @outside_graphs
     def _exit(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
         self._root_open = max(self._root_open - 1, 0)
         self.end_forward()
@@ -533,7 +534,7 @@ class AttentionProbe:
         calls, ran = self._closed_routed_calls.get(layer, (0, 0))
         return ran / calls if calls else None
 
-    @torch.compiler.disable
+    @outside_graphs
     def on_softmax(self, args: tuple, kwargs: dict) -> None:
         if not self.cfg.eager_softmax:
             return
@@ -555,7 +556,7 @@ class AttentionProbe:
         if self._wanted(layer):
             self.ctx.guard.run(self.component, self._observe_scores, layer, x)
 
-    @torch.compiler.disable
+    @outside_graphs
     def on_mha(self, args: tuple, kwargs: dict) -> None:
         layer, _ = self.locate()
         self.layers_seen.add(layer)

@@ -30,7 +30,7 @@ from numwatch.buffers import (
 )
 from numwatch.config import ActivationConfig, GradientConfig
 from numwatch.distributed import is_dtensor, local_tensor
-from numwatch.hooks import UserHook
+from numwatch.hooks import UserHook, outside_graphs
 from numwatch.kernels import tensor_stats as ts
 from numwatch.kernels.host_copy import to_device
 from numwatch.probes.base import ProbeContext
@@ -581,7 +581,7 @@ class ActivationProbe:
 
     # Hooks run outside compiled graphs: traced by Dynamo, this bookkeeping split the user's
     # graphs and broke AOTAutograd on sampled steps (tests/test_compile.py).
-    @torch.compiler.disable
+    @outside_graphs
     def _hook(self, index: int, module: nn.Module, _inputs: Any, output: Any) -> None:
         # The probe's own torch calls skip __torch_function__ handling: on sampled steps the
         # attention probe's TorchFunctionMode is active, and its Python dispatch on each of
@@ -621,7 +621,7 @@ class ActivationProbe:
             return self.ctx.eval_forward
         return not module.training or not torch.is_grad_enabled()
 
-    @torch.compiler.disable
+    @outside_graphs
     def _forward_done(self, *_: Any) -> None:
         self.ctx.eval_forward = self.ctx.opened_eval_forward  # None: each module's own
         if self._pending or self._unordered:
