@@ -938,6 +938,12 @@ class Monitor(Joinable):
         would only write an empty record of the same step (or recurse, flushing on its events).
         Called from a step-level callback (skip_step's rules decide inside the step close), it
         runs once that step is closed, and returns the previous snapshot now.
+
+        Under torch.distributed with aggregation on, a flush is collective (its all-reduces):
+        call it on every rank at the same point of the loop, like a checkpoint's barrier.
+        Called on one rank only (before rank 0 saves a checkpoint), its collectives meet the
+        other ranks' DDP all-reduce: gloo aborts the job, NCCL hangs. ``snapshot()`` reads the
+        last flush's values on one rank, with no collective.
         """
         if not self._attached:
             raise NumwatchError("Monitor.flush() before attach(): call monitor.attach() first")
