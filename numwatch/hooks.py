@@ -25,6 +25,7 @@ __all__ = [
     "running_step_pre_hook",
     "settle_step_hooks",
     "single_graph",
+    "warn_compiled",
 ]
 
 log = logging.getLogger("numwatch")
@@ -101,6 +102,29 @@ def _one_graph() -> bool:
 
 
 _told_one_graph = False  # the warning above: once per process
+
+
+def warn_compiled(model: Any) -> None:
+    """Warn at attach when Dynamo holds compiled graphs of a forward of ``model``'s module
+    classes (``torch.compile`` or ``module.compile()`` ran before): a graph traced before the
+    hooks were added runs without them, since Dynamo does not guard on module hooks, also for
+    another instance of the class (a model compiled earlier in the process)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
+    except ImportError:  # another torch: no way to tell
+        return
+    classes = {type(m) for m in model.modules()}
+    codes = {cls: getattr(getattr(cls, "forward", None), "__code__", None) for cls in classes}
+    compiled = sorted(cls.__name__ for cls, code in codes.items() if code and cache_entries(code))
+    if compiled:
+        log.warning(
+            "numwatch: torch.compile compiled %s before attach(): a compiled graph does not see "
+            "hooks added after it was traced (Dynamo does not guard on module hooks), so where "
+            "the model runs those graphs the activation probe measures only on steps the "
+            "attention probe samples (none with it off); attach before the first compiled "
+            "forward, or call torch._dynamo.reset() after attach()",
+            ", ".join(f"{name}.forward" for name in compiled),
+        )
 
 
 def after_first_closure_call(

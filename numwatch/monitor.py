@@ -57,6 +57,7 @@ from numwatch.hooks import (
     remove_step_pre_hook,
     running_step_pre_hook,
     settle_step_hooks,
+    warn_compiled,
 )
 from numwatch.integrations.transformers import refuse_unsupported_models
 from numwatch.kernels import launch
@@ -305,6 +306,7 @@ class Monitor(Joinable):
                     _refuse_lazy_parameters(self.model)
                     refuse_unsupported_models(self.model)
                     warn_fsdp1(self.model)
+                    warn_compiled(self.model)
                     self.rank = get_rank()  # torch.distributed may start after __init__
                     self._dist.forget_layouts()
                     self._dist.agree(self._aggregation_settings())  # before any hook

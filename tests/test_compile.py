@@ -192,3 +192,22 @@ def test_fullgraph_compile_trains_with_the_monitor_attached(
     assert snap.step == 2 and snap.series("grad_absmax")  # gradients are measured
     told = [r for r in caplog.records if "fullgraph=True" in r.getMessage()]
     assert len(told) == 1 and "activations and attention" in told[0].getMessage()
+
+
+def test_attaching_after_a_compiled_forward_warns(make_monitor, caplog):
+    """A model compiled and run before attach(): its graphs, traced without numwatch's hooks,
+    kept running without them (Dynamo does not guard on module hooks), and with the attention
+    probe off the activation probe measured nothing, without a word."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size))
+    torch.compile(model, backend="aot_eager")(x)
+    monitor = make_monitor(model, attention__enabled=False).attach()
+    monitor.detach()
+    told = [r.getMessage() for r in caplog.records if "before attach()" in r.getMessage()]
+    assert len(told) == 1 and "compiled GPT.forward before attach()" in told[0]
+    caplog.clear()
+    torch._dynamo.reset()  # what the warning advises: the next compile traces the hooks
+    make_monitor(model, attention__enabled=False).attach().detach()
+    assert not [r for r in caplog.records if "before attach()" in r.getMessage()]
