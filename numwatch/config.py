@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import string
 import types
 from collections.abc import Mapping
 from pathlib import Path
@@ -270,7 +271,23 @@ class JsonlSinkConfig(_Section):
     @field_validator("path")
     @classmethod
     def _expand(cls, path: str) -> str:
-        return expand_path(path)
+        """Refused here, not at attach: a field that indexes or reads an attribute
+        ('{rank[0]}', '{run_name.upper}') raised a raw TypeError or named the file after a repr."""
+        path = expand_path(path)
+        try:
+            fields = {f for _, f, _, _ in string.Formatter().parse(path) if f is not None}
+            unknown = ", ".join(map(repr, sorted(fields - {"run_name", "rank"})))
+            problem = unknown and f"unknown field(s) {unknown}"
+            if not problem:
+                path.format(run_name="run", rank=0)  # a spec that does not fit: {rank:s}
+        except (KeyError, IndexError, ValueError) as e:
+            problem = f"{type(e).__name__} {e}"
+        if problem:
+            raise ValueError(
+                f"{path!r}: {problem}; the path may use {{run_name}} and {{rank}} "
+                "(write {{ and }} for literal braces)"
+            )
+        return path
 
     every: PositiveInt = Field(
         1,

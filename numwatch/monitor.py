@@ -512,13 +512,8 @@ class Monitor(Joinable):
                 "distributed.jsonl='per_rank': every rank would append to that one file"
             )
         if cfg.jsonl.enabled and (self.rank == 0 or per_rank):
-            try:
-                self._jsonl_path = cfg.jsonl.path.format(run_name=self.run_name, rank=self.rank)
-            except (KeyError, IndexError, ValueError) as e:
-                raise NumwatchConfigError(
-                    f"sinks.jsonl.path {cfg.jsonl.path!r}: {type(e).__name__} {e}; the path may "
-                    "use {run_name} and {rank} (write {{ and }} for literal braces)"
-                ) from None
+            # the config refused any field but {run_name} and {rank}
+            self._jsonl_path = cfg.jsonl.path.format(run_name=self.run_name, rank=self.rank)
             self._sinks.append(self._jsonl_sink())
         if cfg.console.enabled and self.rank == 0:
             self._sinks.append(ConsoleSink(every=cfg.console.every))

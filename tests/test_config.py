@@ -328,6 +328,24 @@ def test_paths_expand_home_and_variables(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
+    ("path", "problem"),
+    [("x{foo}.jsonl", "unknown field(s) 'foo'"), ("x{rank[0]}.jsonl", "unknown field(s) 'rank[0]'"),
+     ("x{rank.real.bad}", "unknown field(s) 'rank.real.bad'"),
+     ("x{run_name.upper}", "unknown field(s) 'run_name.upper'"), ("x{rank:s}", "ValueError"),
+     ("x{.jsonl", "ValueError")],
+)  # fmt: skip
+def test_a_jsonl_path_field_other_than_run_name_and_rank_is_a_config_error(path, problem):
+    """'{rank[0]}' and '{rank.real.bad}' escaped as a raw TypeError/AttributeError at attach,
+    '{run_name.upper}' named the log after a method's repr."""
+    with pytest.raises(NumwatchConfigError) as err:
+        MonitorConfig.load(sinks__jsonl__path=path, env={})
+    assert f"sinks.jsonl.path: {path!r}: {problem}" in str(err.value)
+    assert "the path may use {run_name} and {rank}" in str(err.value)
+    cfg = MonitorConfig.load(sinks__jsonl__path="r{rank:03d}-{{x}}-{run_name}.jsonl", env={})
+    assert cfg.sinks.jsonl.path.format(run_name="a", rank=7) == "r007-{x}-a.jsonl"
+
+
+@pytest.mark.parametrize(
     ("yaml_text", "field"),
     [("flush_every: yes\n", "flush_every"), ("sinks: {prometheus: {port: no}}\n", "port"),
      ("attention: {batch: off}\n", "batch")],
