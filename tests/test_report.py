@@ -203,6 +203,17 @@ def test_cli(log, tmp_path, capsys):
     assert "Is a directory" in capsys.readouterr().err
 
 
+def test_the_report_never_overwrites_the_run_log(log, tmp_path, capsys):
+    """``numwatch report LOG -o LOG`` replaced the run log with the HTML page (exit 0)."""
+    before = log.read_bytes()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(log)
+    for target in (log, link, tmp_path / "." / log.name):
+        assert cli(["report", str(log), "-o", str(target)]) == 1
+        assert f"{str(target)!r} is the run log itself" in capsys.readouterr().err
+    assert log.read_bytes() == before
+
+
 def test_a_series_of_one_point_is_drawn(tmp_path):
     """A line through one point draws nothing: a run after its first flush had empty plots."""
     from matplotlib.figure import Figure

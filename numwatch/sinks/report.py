@@ -713,12 +713,17 @@ def render_html(run: Run, *, top: int = 8, max_events: int = 300) -> str:
 
 def write_report(path: str | Path, out: str | Path | None = None, *, top: int = 8) -> Path:
     """Write the HTML report of the run log ``path`` (default: next to it, .html in place of
-    .jsonl, .jsonl.gz or .jsonl.xz)."""
-    run = load_run(path)
-    _matplotlib()
+    .jsonl, .jsonl.gz or .jsonl.xz); never over the log itself."""
     log = Path(path)
     stem = log.with_suffix("") if log.suffix in (".gz", ".xz") else log
     target = Path(out) if out is not None else stem.with_suffix(".html")
+    if target.exists() and target.samefile(log):  # same path, a symlink or a hard link to it
+        raise NumwatchError(
+            f"{str(target)!r} is the run log itself: the report would overwrite it; "
+            "write the report elsewhere (-o REPORT.html)"
+        )
+    run = load_run(path)
+    _matplotlib()
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(render_html(run, top=top), encoding="utf-8")
     return target
