@@ -570,6 +570,111 @@ def test_hf_loss_is_the_trainers_training_loss_under_accumulation(hf, tmp_path, 
     assert losses == pytest.approx(logged, rel=1e-5)  # not a micro-batch's, nor a quarter of it
 
 
+class TupleLMWrapper(LMWrapper):
+    """A model returning (loss, logits): the Trainer takes outputs[0] as the loss."""
+
+    def forward(self, input_ids, labels):
+        out = super().forward(input_ids, labels)
+        return out["loss"], out["logits"]
+
+
+class LogitsLMWrapper(LMWrapper):
+    """Logits only: the Trainer computes the loss (label smoothing, compute_loss_func)."""
+
+    config = None  # the Trainer reads model.config.problem_type
+
+    def forward(self, input_ids, labels=None):
+        return {"logits": self.model(input_ids)}
+
+
+def cross_entropy(outputs, labels, num_items_in_batch=None):
+    return F.cross_entropy(outputs["logits"].flatten(0, 1), labels.flatten())
+
+
+def doubled_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+    """A compute_loss override: the loss is the Trainer's, not the model's."""
+    outputs = model(**inputs)
+    return (2 * outputs["loss"], outputs) if return_outputs else 2 * outputs["loss"]
+
+
+@pytest.mark.parametrize("case", ["tuple", "label_smoothing", "compute_loss_func", "compute_loss"])
+def test_hf_loss_computed_outside_the_model_is_the_trainers(hf, tmp_path, case):
+    """The loss was read from the model's outputs' ``loss``: none was recorded for a tuple
+    output, ``label_smoothing_factor``, ``compute_loss_func`` or a ``compute_loss`` of the
+    Trainer's own."""
+    from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+
+    losses = []
+
+    class Keep(hf.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            losses.append(callback.monitor.snapshot().value("loss"))
+
+    callback = NumwatchTrainerCallback(**monitor_options())
+    model = {"tuple": TupleLMWrapper, "compute_loss": LMWrapper}.get(case, LogitsLMWrapper)()
+    smoothing = {"label_smoothing_factor": 0.1} if case == "label_smoothing" else {}
+    trainer = hf_trainer(
+        hf, tmp_path, model, [callback, Keep()], steps=3, gradient_accumulation_steps=2,
+        logging_strategy="steps", logging_steps=1, **smoothing,
+    )  # fmt: skip
+    if case == "compute_loss_func":  # taken as scaled for accumulation: the sum is logged
+        trainer.compute_loss_func = cross_entropy
+    if case == "compute_loss":
+        trainer.compute_loss = doubled_loss
+    trainer.train()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 3 and losses == pytest.approx(logged, rel=1e-5)
+    assert "training_step" not in trainer.__dict__  # the Trainer's own method again
+
+
+_HF_DDP_LOSS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+import transformers as hf
+import test_integrations as t
+from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+
+losses = []
+class Keep(hf.TrainerCallback):
+    def on_step_end(self, args, state, control, **kw):
+        losses.append(callback.monitor.snapshot().value("loss"))
+
+callback = NumwatchTrainerCallback(**t.monitor_options())
+trainer = t.hf_trainer(
+    hf, sys.argv[2], t.TokenSumLMWrapper(), [callback, Keep()], steps=3,
+    gradient_accumulation_steps=2, logging_strategy="steps", logging_steps=1, ddp_backend="gloo",
+)
+trainer.train()
+if dist.get_rank() == 0:
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    world = dist.get_world_size()
+    print("RESULT", json.dumps({"world": world, "monitor": losses, "logged": logged}))
+"""
+
+
+def test_hf_ddp_loss_is_the_trainers_for_a_model_taking_num_items_in_batch(hf, tmp_path):
+    """Under average_tokens_across_devices (the default) the Trainer multiplies each rank's
+    share of the token-weighted loss by the number of ranks; the monitor's loss was the logged
+    loss divided by the world size."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "hf_ddp.py"
+    script.write_text(_HF_DDP_LOSS)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)]
+    run = subprocess.run(
+        [*cmd, str(Path(__file__).parent), str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    (line,) = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result["world"] == 2 and len(result["logged"]) == 3
+    assert result["monitor"] == pytest.approx(result["logged"], rel=1e-5)
+
+
 def test_hf_train_again_after_an_interrupted_train(hf, tmp_path):
     """A train() that raised (Ctrl-C) never reaches on_train_end; the next train() counted each
     loss twice (two loss hooks) and left a hook on the model."""
