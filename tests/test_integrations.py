@@ -5,6 +5,7 @@ the end, and stop requests (event kinds, request_stop, the halt action)."""
 from __future__ import annotations
 
 import math
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 
@@ -76,7 +77,9 @@ def recording_module(pl):
     return module, losses
 
 
-def lightning_module(pl, nan_at: int | None = None):
+def lightning_module(pl, nan_at: int | None = None, optimizer=None):
+    """``optimizer``: made from the parameters (SGD, lr 0.1, where None)."""
+
     class Module(pl.LightningModule):
         def __init__(self):
             super().__init__()
@@ -92,9 +95,33 @@ def lightning_module(pl, nan_at: int | None = None):
                 self.model.head.weight.grad[0, 0] = float("nan")
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            return (optimizer or partial(torch.optim.SGD, lr=0.1))(self.parameters())
 
     return Module()
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimization: ``step(closure)`` needs its closure, which it calls again
+    at a perturbed point (the update uses the gradients there)."""
+
+    def __init__(self, params, lr=0.1, rho=0.05):
+        super().__init__(params, {"lr": lr, "rho": rho})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is None:
+            raise RuntimeError("SAM needs its closure")
+        loss = torch.enable_grad()(closure)()
+        (group,) = self.param_groups
+        params = [p for p in group["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        shifts = [p.grad * (group["rho"] / (norm + 1e-12)) for p in params]
+        torch._foreach_add_(params, shifts)
+        self.zero_grad()
+        torch.enable_grad()(closure)()
+        torch._foreach_sub_(params, shifts)
+        torch._foreach_add_(params, [p.grad for p in params], alpha=-group["lr"])
+        return loss
 
 
 def two_optimizer_module(pl, nan_at: int | None = None):
@@ -273,6 +300,62 @@ def test_lightning_skip_step_skips_the_step_it_judged(pl):
     assert same == [False, True, False, False]  # only the NaN step (the third) left them
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert "step" not in trainer.optimizers[0].__dict__  # wrappers removed at the end
+
+
+@pytest.mark.parametrize(
+    "optimizer", [SAM, partial(torch.optim.LBFGS, lr=0.1, max_iter=3)], ids=["sam", "lbfgs"]
+)
+def test_lightning_an_optimizer_that_calls_its_closure_again_trains_as_without_it(pl, optimizer):
+    """The closure-first wrapper ran the closure, then called step() without it: a step that
+    needs it (SAM) raised and the fit failed."""
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    def fit(callbacks):
+        module = lightning_module(pl, optimizer=optimizer)
+        lightning_trainer(pl, callbacks, steps=3).fit(module, loader(3))
+        return [p.detach() for p in module.parameters()]
+
+    callback = NumwatchCallback(**monitor_options())
+    watched, plain = fit([callback]), fit([])
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain, strict=True))
+    assert callback.monitor.steps == 3
+
+
+def test_lightning_a_second_optimizer_that_needs_its_closure_gets_it(pl):
+    """Manual optimization, the second optimizer a SAM: its wrapper called step() without the
+    closure too."""
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    class Two(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.automatic_optimization = False
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            def closure():
+                self.zero_grad()
+                loss = self.b(self.a(batch[0])).pow(2).mean()
+                self.manual_backward(loss)
+                return loss
+
+            for optimizer in self.optimizers():
+                optimizer.step(closure=closure)
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.a.parameters(), lr=0.1), SAM(self.b.parameters())]
+
+    def fit(callbacks):
+        module = Two()
+        data = DataLoader(TensorDataset(torch.randn(12, 8)), batch_size=4)
+        lightning_trainer(pl, callbacks, steps=6).fit(module, data)  # 3 batches, 2 steps each
+        return [p.detach() for p in module.parameters()]
+
+    callback = NumwatchCallback(**monitor_options())
+    watched, plain = fit([callback]), fit([])
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain, strict=True))
+    assert callback.monitor.steps == 3
 
 
 def test_lightning_two_optimizers_one_step_per_batch_and_the_skip_holds_both(pl):

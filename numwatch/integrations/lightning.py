@@ -22,7 +22,9 @@
   ``scaler_overflow`` anomalies, not ``nonfinite`` events). Lightning runs forward and
   backward *inside* ``optimizer.step(closure)``, where the optimizer's pre-hooks and the
   monitor's step wrapper would act before the step's gradients exist; the callback makes
-  ``step`` run the closure first, so a skip decided on a step's gradients skips that very step.
+  ``step`` run the closure first, so a skip decided on a step's gradients skips that very step,
+  then hands the optimizer the closure, its first call answered by that evaluation (an
+  optimizer that calls it again, LBFGS or SAM, evaluates it anew: training is unchanged).
 - Several optimizers (manual optimization, e.g. a GAN's two): one monitor step per batch,
   closed at the batch's first optimizer step; its loss is the sum of the batch's backward
   losses. A skip_step decided for the step withholds every optimizer's update of that batch
@@ -36,7 +38,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -175,11 +177,9 @@ class NumwatchCallback(Callback):
     def _run_closure_first(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.step(closure)`` run the closure (forward, backward, this callback's
         step close, and so the monitor's decisions) before the step the monitor hooked or
-        wrapped: a skip_step decided on this step's gradients then skips this step, and the
-        closure always runs, as Lightning requires. Optimizers that call their closure several
-        times (LBFGS) are left alone."""
-        if isinstance(optimizer, torch.optim.LBFGS):
-            return
+        wrapped: a skip_step decided on this step's gradients then skips this step. The step
+        still gets the closure, its first call answered by that evaluation: an optimizer that
+        calls it again (LBFGS's line search, SAM's perturbed point) evaluates it anew."""
         inner = optimizer.step
 
         def step(closure: Any = None, **kwargs: Any) -> Any:
@@ -187,8 +187,7 @@ class NumwatchCallback(Callback):
                 return inner(**kwargs)
             with torch.enable_grad():
                 loss = closure()
-            inner(**kwargs)
-            return loss
+            return inner(closure=_evaluated_first(closure, loss), **kwargs)
 
         self._wrap(optimizer, step, inner)
 
@@ -207,8 +206,9 @@ class NumwatchCallback(Callback):
             if control is not None and control.skips_decided > self._skips_before:
                 optimizer.zero_grad(set_to_none=True)
                 return loss
-            inner(**kwargs)
-            return loss
+            if closure is not None:
+                kwargs["closure"] = _evaluated_first(closure, loss)
+            return inner(**kwargs)
 
         self._wrap(optimizer, step, inner)
 
@@ -262,6 +262,17 @@ class NumwatchCallback(Callback):
         self._unwrap()
         self._driver.finish(flush=flush)
         self._trainer = None
+
+
+def _evaluated_first(closure: Callable[[], Any], loss: Any) -> Callable[[], Any]:
+    """``closure``, whose first call returns ``loss``, the evaluation already made (its
+    gradients are in ``.grad``); later calls evaluate it again."""
+    first = [loss]
+
+    def closure_again() -> Any:
+        return first.pop() if first else closure()
+
+    return closure_again
 
 
 def _batches_stepped(trainer: Any, n_optimizers: int) -> int:
