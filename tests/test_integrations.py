@@ -279,6 +279,31 @@ def test_lightning_loss_of_a_partial_accumulation_window_is_its_mean(pl):
     assert losses == pytest.approx(expected, rel=1e-6)
 
 
+def test_lightning_lbfgs_step_loss_is_its_first_closure_calls(pl):
+    """LBFGS calls the closure again in its line search, after the step closed: those losses
+    were added to the next step's, and averaged with it as micro-batches."""
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    module = lightning_module(pl, optimizer=partial(torch.optim.LBFGS, lr=0.1, max_iter=3))
+    calls = []  # (batch, loss) of every closure call
+    training_step = module.training_step
+
+    def recorded(batch, batch_idx):
+        loss = training_step(batch, batch_idx)
+        calls.append((batch_idx, loss.item()))
+        return loss
+
+    module.training_step = recorded
+    callback = NumwatchCallback(**monitor_options())
+    lightning_trainer(pl, [callback], steps=3).fit(module, loader(3))
+    assert len(calls) > 3  # the line search ran
+    first = {}
+    for batch, loss in calls:
+        first.setdefault(batch, loss)
+    losses = [s.value("loss") for s in callback.monitor.history]
+    assert losses == pytest.approx([first[0], first[1], first[2]], rel=1e-6)
+
+
 def test_lightning_skip_step_skips_the_step_it_judged(pl):
     from numwatch.integrations.lightning import NumwatchCallback
 

@@ -12,7 +12,10 @@
   (each divided by ``accumulate_grad_batches``, as Lightning does before backward, and under
   ``precision="16-mixed"`` by the loss scale it was multiplied by), rescaled where the step had
   fewer micro-batches (the epoch's last, partial window): the mean of the step's micro-batch
-  losses.
+  losses. Only those up to the step's close count: an optimizer that calls the closure again
+  (LBFGS's line search) reports the loss of its first call, the one at the step's start whose
+  gradients the statistics are of (what ``LBFGS.step`` returns; Lightning's ``outputs["loss"]``
+  is the last call's).
 - ``training_step`` usually calls submodules rather than the LightningModule's ``forward``;
   the callback opens the forward that attention interception follows from
   ``on_train_batch_start`` to ``on_before_backward`` (``Monitor.begin_forward``).
@@ -27,9 +30,9 @@
   optimizer that calls it again, LBFGS or SAM, evaluates it anew: training is unchanged).
 - Several optimizers (manual optimization, e.g. a GAN's two): one monitor step per batch,
   closed at the batch's first optimizer step; its loss is the sum of the batch's backward
-  losses. A skip_step decided for the step withholds every optimizer's update of that batch
-  (the others follow the attached one's decision); the optimizer probe and LR back-off act on
-  the first optimizer only.
+  losses before it. A skip_step decided for the step withholds every optimizer's update of
+  that batch (the others follow the attached one's decision); the optimizer probe and LR
+  back-off act on the first optimizer only.
 - Stopping: ``request_stop(reason)`` (for rules, callbacks, or you), the event kinds in
   ``stop_on``, and the ``halt`` action (``NumwatchHalt``) set ``trainer.should_stop``; Lightning
   finishes the current step and ends the fit cleanly. The halt report stays in ``.halt``.
@@ -144,6 +147,8 @@ class NumwatchCallback(Callback):
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         self._end_forward()
+        if self._step_closed:  # a closure called again (LBFGS), or after the batch's first step
+            return
         loss = loss.detach()
         scale = getattr(self._scaler, "_scale", None)  # the scale scaler.scale() just applied
         if isinstance(scale, torch.Tensor) and self._scaler.is_enabled():
