@@ -281,8 +281,21 @@ class Monitor(Joinable):
         """Add the hooks (idempotent). With ``optimizer``, its step pre-hook closes each step
         and the optimizer probe measures updates; ``scaler`` (a GradScaler) adds its loss scale,
         also given to a later call than the optimizer's. An attach that fails leaves the model
-        and the optimizer as they were.
+        and the optimizer as they were. Accelerate's ``AcceleratedOptimizer`` is unwrapped (as
+        the Hugging Face callback does), with its GradScaler where ``scaler`` is not given.
         """
+        if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(
+            optimizer, "_optimizer_step_pre_hooks"
+        ):  # a wrapper that never ran Optimizer.__init__: no hooks of its own
+            inner = getattr(optimizer, "optimizer", None)  # Accelerate's: its steps run inner's
+            if not isinstance(inner, torch.optim.Optimizer):
+                raise NumwatchError(
+                    f"attach(optimizer=...): {type(optimizer).__name__} is a torch Optimizer "
+                    "without step hooks (it never ran Optimizer.__init__): pass the optimizer "
+                    "it wraps"
+                )
+            scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
+            optimizer = inner
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "attach(optimizer=...) needs a torch.optim.Optimizer, "

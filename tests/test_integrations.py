@@ -874,6 +874,56 @@ def test_hf_skip_step_reaches_the_optimizer_inside_accelerate(hf, tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_attach_takes_accelerates_optimizer_and_its_scaler():
+    """Monitor.attach(accelerator.prepare(...)'s optimizer) raised a raw AttributeError
+    ('_optimizer_step_pre_hooks'): an AcceleratedOptimizer is a torch Optimizer by type, with no
+    hooks of its own. Its steps run the wrapped optimizer's: one monitor step per update (none
+    for the micro-batches Accelerate accumulates), its scaler's overflows anomalies."""
+    accelerate = pytest.importorskip("accelerate", reason="accelerate (test extra) not installed")
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from numwatch import Monitor, NumwatchError
+
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, sgd)
+    monitor = Monitor(model, **monitor_options()).attach(optimizer)
+    for x, y in batches(6):
+        with accelerator.accumulate(model):
+            accelerator.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
+            optimizer.step()
+            optimizer.zero_grad()
+    monitor.detach()
+    assert monitor.steps == 3 and monitor.snapshot().series("optimizer_lr")
+    assert not sgd._optimizer_step_pre_hooks and not sgd._optimizer_step_post_hooks
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    wrapped = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler)
+    monitor = Monitor(model, **monitor_options()).attach(wrapped)
+    for x, y in batches(2):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        scaler.scale(loss).backward()
+        model.head.weight.grad[0, 0] = float("inf")  # an overflow of the scaled gradients
+        monitor.step(loss)  # the scaler skips the update: no hook of the optimizer runs
+        wrapped.step()
+        wrapped.zero_grad()
+    monitor.detach()
+    events = [(e.kind, e.rule) for e in monitor.events]
+    assert events == [("anomaly", "scaler_overflow")] * 2
+    assert wrapped.step_was_skipped and scaler.get_scale() == 2.0**14
+
+    class Hookless(torch.optim.Optimizer):
+        def __init__(self):  # no Optimizer.__init__, and nothing wrapped
+            pass
+
+    monitor = Monitor(model, **monitor_options())
+    with pytest.raises(NumwatchError, match="Hookless is a torch Optimizer without step hooks"):
+        monitor.attach(Hookless())
+    assert not monitor.attached
+
+
 def test_hf_halt_in_the_step_of_a_skip_still_skips_it(hf, tmp_path):
     from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
 
