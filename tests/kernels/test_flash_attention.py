@@ -298,8 +298,17 @@ def test_a_bool_mask_refilled_in_place_before_backward(fn, shape):
     o64, grads64 = _oracle_with_grads(q, k, v, do, fn=two_layers(_oracle, lambda m: m))
     _check_against_oracle(o, grads, o64, grads64, torch.bfloat16)
     # the backward's copy is the size of the caller's mask, never of (B, H, Tq, Tk)
-    saved = fn(q, k, v, attn_mask=second).grad_fn.saved_tensors[-1]
-    assert saved.untyped_storage().nbytes() == second.numel()
+    masks = []
+
+    def pack(saved: torch.Tensor) -> torch.Tensor:
+        if saved.dtype == torch.bool:
+            masks.append(saved)
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved):
+        fn(q, k, v, attn_mask=second)
+    assert [m.untyped_storage().nbytes() for m in masks] == [second.numel()]
+    assert masks[0].untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
 
 
 @pytest.mark.skipif(fa._tri is None, reason="triton is not installed")
