@@ -284,6 +284,7 @@ class Monitor(Joinable):
         and the optimizer as they were. Accelerate's ``AcceleratedOptimizer`` is unwrapped (as
         the Hugging Face callback does), with its GradScaler where ``scaler`` is not given.
         """
+        accelerated = None  # Accelerate's wrapper of the optimizer, given instead of it
         if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(
             optimizer, "_optimizer_step_pre_hooks"
         ):  # a wrapper that never ran Optimizer.__init__: no hooks of its own
@@ -295,7 +296,7 @@ class Monitor(Joinable):
                     "it wraps"
                 )
             scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
-            optimizer = inner
+            accelerated, optimizer = optimizer, inner
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "attach(optimizer=...) needs a torch.optim.Optimizer, "
@@ -334,7 +335,7 @@ class Monitor(Joinable):
                         UserHook(self._mark_activity)
                     )
             if optimizer is not None and self.config.enabled and self._optimizer is None:
-                self._attach_optimizer(optimizer, scaler or self._scaler)
+                self._attach_optimizer(optimizer, scaler or self._scaler, accelerated)
             elif scaler is not None and self.config.enabled:
                 self._use_scaler(scaler)
         except BaseException:
@@ -377,7 +378,9 @@ class Monitor(Joinable):
         )
         return out
 
-    def _attach_optimizer(self, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+    def _attach_optimizer(
+        self, optimizer: torch.optim.Optimizer, scaler: Any, accelerated: Any = None
+    ) -> None:
         settle_step_hooks(optimizer)  # hooks a detach inside a step left inert
         self._optimizer = optimizer
         self._scaler = scaler
@@ -393,7 +396,10 @@ class Monitor(Joinable):
         if uses_optimizer:  # the step wrapper closes steps itself, before deciding a skip
             _warn_uncovered(self.model, optimizer)
             self._control = OptimizerControl(
-                optimizer, self._before_optimizer_update, partial(self._guard.run, "actions")
+                optimizer,
+                self._before_optimizer_update,
+                partial(self._guard.run, "actions"),
+                accelerated,
             )
         else:
             self._optimizer_handles = [

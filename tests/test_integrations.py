@@ -4,6 +4,7 @@ the end, and stop requests (event kinds, request_stop, the halt action)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from functools import partial
 from itertools import pairwise
@@ -922,6 +923,81 @@ def test_attach_takes_accelerates_optimizer_and_its_scaler():
     with pytest.raises(NumwatchError, match="Hookless is a torch Optimizer without step hooks"):
         monitor.attach(Hookless())
     assert not monitor.attached
+
+
+def test_actions_act_on_the_steps_of_accelerates_grad_scaler(caplog):
+    """With a GradScaler, AcceleratedOptimizer.step runs the method it saved at prepare and then
+    sets optimizer.step back to it: the monitor's step wrapper was gone after the first step, so
+    skip_step and lr_backoff did nothing and a plain loop closed no step. Detach gives Accelerate
+    back its own methods."""
+    accelerate = pytest.importorskip("accelerate", reason="accelerate (test extra) not installed")
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from numwatch import Monitor
+
+    accelerate.Accelerator(cpu=True)
+    model = nn.Linear(1, 1, bias=False)
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=10**6)
+    wrapped = AcceleratedOptimizer(sgd, scaler=scaler)
+    saved = (wrapped._optimizer_original_step_method, wrapped._optimizer_patched_step_method)
+    actions = ["skip_step", {"type": "lr_backoff", "factor": 0.5, "steps": 2}]
+    rule = {"type": "threshold", "name": "big", "metric": "loss", "threshold": 100.0}
+    rules = {"defaults": False, "add": [{**rule, "actions": actions}]}
+    monitor = Monitor(model, **monitor_options(rules=rules)).attach(wrapped)
+
+    def train(steps, big_at=None, overflow_at=None):
+        used, skipped = [], []
+        for step in range(steps):
+            before = model.weight.item()
+            scaler.scale(model(torch.ones(1, 1)).sum()).backward()  # d/dw = 1: the update is -lr
+            if step == overflow_at:
+                model.weight.grad.fill_(math.inf)
+            if monitor.attached:
+                monitor.step(1000.0 if step == big_at else 1.0)
+            wrapped.step()
+            wrapped.zero_grad()
+            used.append(before - model.weight.item())
+            skipped.append(wrapped.step_was_skipped)
+        return used, skipped
+
+    used, skipped = train(6, big_at=2, overflow_at=4)
+    # step 2 withheld; the 2 updates that run next at half the LR (the scaler's skip of the
+    # step 4 overflow does not use one up)
+    assert used == pytest.approx([1.0, 1.0, 0.0, 0.5, 0.0, 0.5])
+    assert skipped == [False] * 4 + [True, False]
+    assert scaler.get_scale() == 2.0
+    assert monitor.steps == 6
+    assert [e.rule for e in monitor.events if e.kind == "action"] == ["big", "big"]
+    monitor.detach()
+    assert wrapped._optimizer_original_step_method is saved[0]
+    assert wrapped._optimizer_patched_step_method is saved[1]
+    assert sgd.__dict__.get("step", saved[0]) is saved[0]
+    assert train(2, big_at=0) == (pytest.approx([1.0, 1.0]), [False, False])
+
+    del wrapped._optimizer_patched_step_method  # an Accelerate of another layout: said
+    with caplog.at_level(logging.WARNING, logger="numwatch"):
+        Monitor(model, **monitor_options(rules=rules)).attach(wrapped).detach()
+    assert "skip_step, lr_backoff and qk_clip cannot act on its steps" in caplog.text
+
+
+def test_hf_skip_step_acts_under_accelerates_grad_scaler(hf, tmp_path):
+    """fp16: Accelerate's GradScaler steps dropped the monitor's step wrapper, so a skip_step
+    decided for every step withheld none. On the CPU the scaler is planted where fp16=True puts
+    it, with a scale that does not overflow."""
+    from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
+
+    rule = {"type": "threshold", "name": "always", "metric": "loss", "threshold": -1.0}
+    rules = {"defaults": False, "add": [{**rule, "actions": ["skip_step"]}]}
+    callback = NumwatchTrainerCallback(**monitor_options(rules=rules))
+    model = LMWrapper()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = hf_trainer(hf, tmp_path, model, [callback], steps=3)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    trainer.train()
+    assert trainer.state.global_step == 3 and trainer.accelerator.scaler.get_scale() == 16.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert [e.rule for e in callback.monitor.events if e.kind == "action"] == ["always"] * 3
 
 
 def test_hf_halt_in_the_step_of_a_skip_still_skips_it(hf, tmp_path):

@@ -8,11 +8,17 @@ unless something wrapped ours after us, in which case ours stays as a pass-throu
 nothing of the monitor once it needs nothing more (a skip kept for the step under way taken).
 Another monitor's wrapper over ours takes it along when it goes (two monitors on one
 optimizer, detached in attach order); an LR scheduler's cannot.
+
+Accelerate's ``AcceleratedOptimizer`` with a GradScaler (fp16) does not call ``optimizer.step``:
+each of its steps sets it to a patched copy of the method it saved at prepare, then back to that
+method, which drops a wrapper installed on the optimizer. Given that wrapper, ours goes in as
+the method it saved (and in its patched copy), and ``uninstall`` puts back what it had.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import types
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -24,6 +30,8 @@ from numwatch.probes.optimizer import numeric_lr
 
 __all__ = ["OptimizerControl"]
 
+log = logging.getLogger("numwatch")
+
 
 class OptimizerControl:
     def __init__(
@@ -31,7 +39,10 @@ class OptimizerControl:
         optimizer: torch.optim.Optimizer,
         before_step: Callable[[torch.Tensor | None], None],
         run_guarded: Callable[[Callable[[], None]], Any] = lambda fn: fn(),
+        accelerated: Any = None,
     ) -> None:
+        """``accelerated``: Accelerate's ``AcceleratedOptimizer`` around ``optimizer``, whose
+        steps run it (see the module docstring)."""
         self.optimizer = optimizer
         # the monitor's guard (failures counted, not raised); None, as _before_step, once released
         self._run_guarded: Callable[[Callable[[], None]], Any] | None = run_guarded
@@ -68,6 +79,35 @@ class OptimizerControl:
         step._numwatch_control = self  # type: ignore[attr-defined]  # see _pass_through
         self._wrapper = types.MethodType(step, optimizer)
         optimizer.step = self._wrapper  # type: ignore[method-assign]
+        # (AcceleratedOptimizer, the step method it saved, its patched copy) before ours
+        self._accelerate: tuple[Any, Any, Any] | None = None
+        if getattr(accelerated, "scaler", None) is not None:
+            self._into_accelerate(accelerated)
+
+    def _into_accelerate(self, accelerated: Any) -> None:
+        """Ours as the step method an AcceleratedOptimizer with a GradScaler saved at prepare
+        (private attributes of Accelerate: checked, and a warning if they are not found)."""
+        if not type(accelerated).__module__.startswith("accelerate."):
+            return  # another library's wrapper: its steps are its own
+        try:
+            from accelerate.optimizer import patch_optimizer_step
+
+            original = accelerated._optimizer_original_step_method
+            patched = accelerated._optimizer_patched_step_method
+        except (ImportError, AttributeError):
+            log.warning(
+                "numwatch: %s with a GradScaler: this accelerate version does not keep the "
+                "step method it runs in _optimizer_original_step_method and "
+                "_optimizer_patched_step_method, so skip_step, lr_backoff and qk_clip cannot "
+                "act on its steps: they do nothing there",
+                type(accelerated).__name__,
+            )
+            return
+        accelerated._optimizer_original_step_method = self._wrapper
+        accelerated._optimizer_patched_step_method = patch_optimizer_step(
+            accelerated, self._wrapper
+        )
+        self._accelerate = (accelerated, original, patched)
 
     # -------------------------------------------------------------- requests from actions
     def skip_current_step(self) -> None:
@@ -254,6 +294,14 @@ class OptimizerControl:
                 del self.optimizer.step
             else:
                 self.optimizer.step = previous  # type: ignore[method-assign]
+        if self._accelerate is None:
+            return
+        accelerated, original, patched = self._accelerate
+        if accelerated._optimizer_original_step_method is self._wrapper:
+            while (left := _pass_through(original)) is not None and left._accelerate is not None:
+                _, original, patched = left._accelerate  # goes with ours
+            accelerated._optimizer_original_step_method = original
+            accelerated._optimizer_patched_step_method = patched
 
 
 class _Withheld(Exception):

@@ -40,6 +40,7 @@ from numwatch.integrations._driver import MonitorDriver
 from numwatch.monitor import Monitor
 
 try:
+    from accelerate.optimizer import AcceleratedOptimizer
     from transformers import Trainer, TrainerCallback
 except ImportError as exc:
     raise ImportError(
@@ -98,6 +99,8 @@ class NumwatchTrainerCallback(TrainerCallback):
             torch_optimizer = None
         # fp16: the wrapper holds Accelerate's GradScaler, whose overflow steps it skips by design
         scaler = getattr(optimizer, "scaler", None) if torch_optimizer is not None else None
+        if torch_optimizer is not None and isinstance(optimizer, AcceleratedOptimizer):
+            torch_optimizer = optimizer  # attach() unwraps it, knowing whose steps run the inner's
         self._driver.start(model, torch_optimizer, state.global_step, scaler)  # resumed: goes on
         trainer = _calling_trainer()
         if trainer is not None:
