@@ -125,8 +125,8 @@ class SAM(torch.optim.Optimizer):
         return loss
 
 
-def two_optimizer_module(pl, nan_at: int | None = None):
-    """Manual optimization with two optimizers (a GAN's shape); a NaN activation at batch
+def two_optimizer_module(pl, nan_at: int | None = None, optimizer=torch.optim.SGD):
+    """Manual optimization with two ``optimizer``s (a GAN's shape); a NaN activation at batch
     ``nan_at``."""
 
     class Two(pl.LightningModule):
@@ -149,8 +149,8 @@ def two_optimizer_module(pl, nan_at: int | None = None):
             o2.step()
 
         def configure_optimizers(self):
-            return [torch.optim.SGD(self.a.parameters(), lr=0.1),
-                    torch.optim.SGD(self.b.parameters(), lr=0.1)]  # fmt: skip
+            return [optimizer(self.a.parameters(), lr=0.1),
+                    optimizer(self.b.parameters(), lr=0.1)]  # fmt: skip
 
     return Two()
 
@@ -401,6 +401,26 @@ def test_lightning_two_optimizers_one_step_per_batch_and_the_skip_holds_both(pl)
     assert skips == [2]
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert all("step" not in o.__dict__ for o in trainer.optimizers)  # wrappers removed
+
+
+def test_lightning_a_skip_clears_a_second_optimizer_whose_zero_grad_takes_no_argument(pl):
+    """The second optimizer's skip called zero_grad(set_to_none=True): an optimizer whose
+    zero_grad() takes no argument raised a TypeError from its step() and stopped the fit."""
+    from numwatch.integrations.lightning import NumwatchCallback
+
+    class PlainZeroGrad(torch.optim.SGD):
+        def zero_grad(self):
+            super().zero_grad()
+
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
+    callback = NumwatchCallback(**monitor_options(rules=rules))
+    module = two_optimizer_module(pl, nan_at=2, optimizer=PlainZeroGrad)
+    data = DataLoader(TensorDataset(torch.randn(20, 8)), batch_size=4)
+    trainer = lightning_trainer(pl, [callback], steps=10)  # 5 batches, 2 optimizer steps each
+    trainer.fit(module, data)
+    assert trainer.global_step == 10 and callback.monitor.steps == 5
+    assert [e.step for e in callback.monitor.events if e.kind == "action"] == [2]
+    assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
 def test_lightning_a_nan_in_the_first_step_is_skipped(pl):

@@ -28,7 +28,7 @@ import torch
 from numwatch.errors import NumwatchError
 from numwatch.probes.optimizer import numeric_lr
 
-__all__ = ["OptimizerControl"]
+__all__ = ["OptimizerControl", "clear_gradients"]
 
 log = logging.getLogger("numwatch")
 
@@ -249,11 +249,7 @@ class OptimizerControl:
             scaler.unscale_(self.optimizer)
         self._skip = False
         self.skipped_steps += 1
-        # What zero_grad(set_to_none=True) does, without calling an override of zero_grad
-        # that may not take set_to_none (zero_grad(self)): it raised from optimizer.step()
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
+        clear_gradients(self.optimizer)
         if not self.active:  # the pass-through this skip kept in place goes now
             self._remove()
         return loss
@@ -302,6 +298,15 @@ class OptimizerControl:
                 _, original, patched = left._accelerate  # goes with ours
             accelerated._optimizer_original_step_method = original
             accelerated._optimizer_patched_step_method = patched
+
+
+def clear_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """What ``zero_grad(set_to_none=True)`` does, for a skipped step, without calling an
+    override of zero_grad that may not take set_to_none (``zero_grad(self)``): that raised from
+    optimizer.step() and stopped training."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
 
 
 class _Withheld(Exception):

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from numwatch.actions.optimizer_control import clear_gradients
 from numwatch.config import MonitorConfig
 from numwatch.errors import NumwatchHalt
 from numwatch.integrations._driver import MonitorDriver
@@ -209,7 +210,7 @@ class NumwatchCallback(Callback):
             monitor = self._driver.monitor
             control = monitor.optimizer_control if monitor is not None else None
             if control is not None and control.skips_decided > self._skips_before:
-                optimizer.zero_grad(set_to_none=True)
+                clear_gradients(optimizer)
                 return loss
             if closure is not None:
                 kwargs["closure"] = _evaluated_first(closure, loss)
