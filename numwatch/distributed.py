@@ -425,7 +425,7 @@ class Aggregator:
             parts.append(loss.detach().reshape(1).to(parts[0].device, torch.float64))
         host = torch.cat([p.to(parts[0].device) for p in parts]).cpu().tolist()  # SYNC
         has_loss = loss is not None
-        loss_value = (host[2] if isinstance(loss, torch.Tensor) else float(loss)) if has_loss else 0
+        loss_value = (host[3] if isinstance(loss, torch.Tensor) else float(loss)) if has_loss else 0
         packet = torch.tensor(
             [host[0], host[1], host[2], loss_value, float(has_loss)],
             dtype=torch.float64,

@@ -920,6 +920,36 @@ def scenario_loss_on_rank0_only(rank: int, out: Path) -> dict:
     }
 
 
+def scenario_loss_skip(rank: int, out: Path) -> dict:
+    """A step-level rule on the loss (skip_step decides every step): the rules read the 'has
+    norm' count (1) as the loss instead of the ranks' mean loss, so a loss rule never fired."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = nn.Linear(4, 1)
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    rules = {
+        "defaults": False,
+        "add": [{"type": "threshold", "name": "big_loss", "metric": "loss", "threshold": 5.0,
+                 "actions": ["skip_step"]}],
+    }  # fmt: skip
+    monitor = _monitor(net, out, "loss_skip", rules=rules).attach(opt)
+    losses, params = [], []
+    for step in range(3):
+        loss = ddp(torch.full((2, 4), float(rank + 1))).square().mean()
+        loss = loss + (20.0 * (rank + 1) if step == 1 else 0.0)
+        loss.backward()
+        losses.append(loss.item())
+        monitor.step(loss)
+        opt.step()
+        opt.zero_grad()
+        params.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
+    fired = [(e.step, e.value) for e in monitor.events if e.kind == "precursor"]
+    monitor.detach()
+    return {"losses": losses, "fired": fired, "params": params}
+
+
 def scenario_fsdp1_warns(rank: int, out: Path) -> dict:
     """FSDP1 (FullyShardedDataParallel): its flat shards read as whole parameters, so grad_norm
     was rank 0's shard's on every rank, with no word that FSDP1 is not supported."""
@@ -1007,6 +1037,7 @@ SCENARIOS = {
     "grad_probe_fails_once": scenario_grad_probe_fails_once,
     "step_without_backward": scenario_step_without_backward,
     "loss_rank0": scenario_loss_on_rank0_only,
+    "loss_skip": scenario_loss_skip,
     "fsdp1_warns": scenario_fsdp1_warns,
     "new_group_between_attaches": scenario_new_group_between_attaches,  # last: a new group
 }
@@ -1656,6 +1687,18 @@ def test_a_loss_passed_on_one_rank_only_is_that_ranks_loss_on_every_rank(runs):
         assert [v for flushed in res["flushed"] for v in flushed] == pytest.approx(want, rel=1e-12)
         assert res["actions"] == [1]  # the back-off on both ranks, at the same flush
     assert torch.equal(r0["params"], r1["params"])  # the replicas did not fork
+
+
+def test_a_step_rule_on_the_loss_reads_the_ranks_mean_loss_and_skips_on_both(runs):
+    r0, r1 = _ok(runs["loss_skip"])
+    mean = [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"], strict=True)]
+    assert mean[0] < 5.0 < mean[1]  # step 1 only: 30 + 1 on rank 0, 40 + 4 on rank 1 (approx.)
+    for res in (r0, r1):
+        assert [s for s, _ in res["fired"]] == [1]
+        assert res["fired"][0][1] == pytest.approx(mean[1], rel=1e-12)
+        assert torch.equal(res["params"][1], res["params"][0])  # step 1's update withheld
+        assert not torch.equal(res["params"][2], res["params"][1])
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))
 
 
 def test_fsdp1_is_named_unsupported_at_attach_and_fsdp2_is_not(runs):
