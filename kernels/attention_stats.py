@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -63,6 +63,7 @@ __all__ = [
     "SATURATED_ENTRIES",
     "SATURATED_ROWS",
     "TIE_ENTRIES",
+    "ScoreModify",
     "attention_head_stats",
     "attention_output_error",
     "merge_head_rows",
@@ -410,6 +411,10 @@ def _chunk_validity(
     return valid.expand(Hq, rc, Tk), add
 
 
+# What the softmax takes in place of a chunk's scores: ``attention_head_stats``'s ``modify``.
+ScoreModify = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def _head_stats_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -421,6 +426,7 @@ def _head_stats_torch(
     thr: float,
     entropy: bool,
     memory_budget: int,
+    modify: ScoreModify | None = None,
 ) -> torch.Tensor:
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
@@ -442,6 +448,9 @@ def _head_stats_torch(
                 valid, add = _chunk_validity(mask4, is_causal, b1, r, sampled[bi, sl], Hq, Tk)
                 if add is not None:
                     s = s + add
+                if modify is not None:
+                    s = modify(s, b1, r)
+                    valid = valid & (s != float("-inf"))
                 part = _reduce_head_rows(*_scores_rows_stats(s, valid, thr, entropy))
                 acc = _merge_head_partials(acc, part)
     return _empty_head_stats(Hq, q.device) if acc is None else acc
@@ -1028,6 +1037,7 @@ def attention_head_stats(
     entropy: bool = True,
     backend: str = "auto",
     memory_budget: int = _DEFAULT_MEMORY_BUDGET,
+    modify: ScoreModify | None = None,
 ) -> torch.Tensor:
     """Per-head softmax-input statistics of an SDPA call, as a (Hq, N_HEAD_STATS) float64
     device tensor (columns ROWS ... ENTROPY_MIN; definitions in the module docstring).
@@ -1044,6 +1054,10 @@ def attention_head_stats(
     ``saturation_dtype`` is the dtype the attention kernel rounds P̄ to.
     ``memory_budget`` bounds the torch path's temporaries (bytes). No host sync, except the
     Triton autotuner's timing runs at the first call of each shape class (once per process).
+    ``modify(s, b, rows)``, for attention that is not SDPA's (flex_attention's ``score_mod`` and
+    ``mask_mod``), maps the fp32 scores ``s`` (Hq, r, Tk) of batch element ``b`` (a (1,) index
+    tensor) and query rows ``rows`` (r,), masks applied, to what the softmax takes: entries it
+    makes -inf are masked. It runs in the torch path, chunk by chunk.
     """
     B, Hq, Tq, D, _, Tk = _check_qk(q, k)
     _check_mask(attn_mask, (B, Hq, Tq, Tk))
@@ -1052,10 +1066,11 @@ def attention_head_stats(
     _check_index("rows", rows, Tq)
     thr = saturation_threshold(saturation_dtype)
     scale = _resolve_scale(scale, D)
-    if _resolve_backend(backend, q.device) == "torch" or scale == 0.0:
+    if _resolve_backend(backend, q.device) == "torch" or scale == 0.0 or modify is not None:
         return _head_stats_torch(
-            q, k, _as_4d(attn_mask), is_causal, scale, rows, batch, thr, entropy, memory_budget
-        )
+            q, k, _as_4d(attn_mask), is_causal, scale, rows, batch, thr, entropy, memory_budget,
+            modify,
+        )  # fmt: skip
     mask = None if attn_mask is None else attn_mask.broadcast_to((B, Hq, Tq, Tk))
     return _head_stats_triton(q, k, mask, is_causal, scale, rows, batch, thr, entropy)
 
@@ -1168,6 +1183,7 @@ def attention_output_error(
     compute_dtype: torch.dtype | None = None,
     memory_budget: int = _DEFAULT_MEMORY_BUDGET,
     backend: str = "auto",
+    modify: ScoreModify | None = None,
 ) -> torch.Tensor:
     """Signed error of an attention output against a recomputation: (Hq, N_ERR_STATS) float64
     with ERR_SUM, ERR_ABS_SUM, ERR_SQ_SUM, ERR_COUNT of err = out - O_ref and
@@ -1184,7 +1200,8 @@ def attention_output_error(
     bias = ERR_SUM / ERR_ABS_SUM (a one-signed error gives ±1), systematic error =
     ERR_EXCESS_COHERENT_SUM / ERR_ABS_SUM (about 1 when the kernel errs beyond correct rounding
     with one sign per output dim across rows, whatever the sign; 0 for correct rounding) and
-    rms = sqrt(ERR_SQ_SUM / ERR_COUNT). No host sync.
+    rms = sqrt(ERR_SQ_SUM / ERR_COUNT). ``modify`` as in ``attention_head_stats``, applied to
+    the recomputation's scores in ``compute_dtype`` (torch path). No host sync.
     """
     B, Hq, Tq, D, Hkv, Tk = _check_qk(q, k)
     if v.dim() != 4 or v.shape[:3] != (B, Hkv, Tk):
@@ -1206,11 +1223,12 @@ def attention_output_error(
     one_launch = (
         compute_dtype in (None, torch.float32)  # the kernel computes in fp32, on any device
         and max(D, Dv) <= 256  # larger head dims would spill registers
+        and modify is None
         and output_error_in_one_launch(q.device, attn_mask, rows, backend)
     )
     n_b = B if batch is None else batch.numel()
     whole_bytes = n_b * Hq * Tq * Tk * _WHOLE_BYTES_PER_ENTRY * (torch.finfo(cdt).bits // 32)
-    whole = attn_mask is None and rows is None and whole_bytes <= memory_budget
+    whole = attn_mask is None and rows is None and modify is None and whole_bytes <= memory_budget
     if one_launch or whole:  # the sampled batch elements, then every row in one piece
         b_ok = None
         if batch is not None:
@@ -1239,6 +1257,9 @@ def attention_output_error(
                 valid, add = _chunk_validity(mask4, is_causal, b1, r, sampled[bi, sl], Hq, Tk)
                 if add is not None:
                     s = s + add.to(cdt)
+                if modify is not None:
+                    s = modify(s, b1, r)
+                    valid = valid & (s != float("-inf"))
                 s = s.masked_fill(~valid, float("-inf"))
                 row_ok = valid.any(-1)  # (Hq, rc)
                 p = torch.softmax(s, -1).nan_to_num_(0.0)  # fully masked rows: NaN -> 0

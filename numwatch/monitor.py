@@ -1167,6 +1167,10 @@ class Monitor(Joinable):
                 records.append(
                     MetricRecord("attn_kernel_fallbacks_total", {"reason": reason}, float(n))
                 )
+            for reason, n in sorted(ctx.attn_unmeasured.items()):
+                records.append(
+                    MetricRecord("attn_unmeasured_calls_total", {"reason": reason}, float(n))
+                )
         self._errors_flushed = Counter(self._guard.errors)
         for component in sorted({*_COMPONENTS, *self._guard.errors}):
             records.append(

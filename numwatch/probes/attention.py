@@ -5,8 +5,9 @@ on every step while some layer is routed to another kernel, see ``routes``). It 
 ``F.scaled_dot_product_attention`` wherever it is called from (nanoGPT, ``nn.MultiheadAttention``
 with ``need_weights=False``, Hugging Face ``attn_implementation="sdpa"``) and softmax over
 materialized scores (eager attention: 4-D inputs over the last dim, or 3-D inputs inside
-``nn.MultiheadAttention``). The layer label is the ``named_modules()`` path of the innermost
-module whose ``forward`` is on the Python stack at the call.
+``nn.MultiheadAttention``), and eager ``flex_attention`` calls (numwatch.probes.flex). The layer
+label is the ``named_modules()`` path of the innermost module whose ``forward`` is on the Python
+stack at the call.
 
 Outside sampled steps the mode is not entered at all: the model runs with zero interception.
 """
@@ -21,6 +22,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -37,6 +39,7 @@ from numwatch.kernels.flash_attention import (
     flash_attention,
     fold_batch_dims,
 )
+from numwatch.probes import flex
 from numwatch.probes.base import ProbeContext
 from numwatch.selection import _warn_unmatched, matches, matches_within
 from numwatch.snapshot import MetricRecord
@@ -48,8 +51,16 @@ _SDPA_FUNCS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_a
 _SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax}
 _SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+_TENSOR_DIM = torch.Tensor.dim
 
 log = logging.getLogger("numwatch")
+
+# Why a sampled attention call is not measured (attn_unmeasured_calls_total's reasons).
+_UNMEASURED_HINTS = {
+    "flex_mods": "its flex_attention score_mod or mask_mod could not be evaluated on index "
+    "tensors the way eager flex_attention evaluates them",
+    "flex_inputs": "its flex_attention q and k differ in batch size or dtype",
+}
 
 # Why a routed layer's calls fall back to SDPA, and what lets them run the kernel.
 _FALLBACK_HINTS = {
@@ -147,6 +158,13 @@ class _Interceptor(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # An eager flex_attention call's first Tensor.dim() (its 4-D check) comes from its own
+        # frame; a compiled one is traced, where this branch is never taken (a frame read
+        # would split the graph).
+        if func is _TENSOR_DIM and not torch.compiler.is_compiling() and self.probe.sampling:
+            self.probe.on_flex_entry(sys._getframe(1))
+        elif func is flex.FLEX_HOP and torch.compiler.is_compiling():
+            flex.tell_compiled()
         if func in _SDPA_FUNCS or func is flash_attention:
             if single_graph() and not self.probe.routing:  # fullgraph=True: no call leaves it
                 return func(*args, **kwargs)
@@ -215,6 +233,14 @@ class AttentionProbe:
         self._unchecked_routes: set[str] = set()
         self._told_unmatched: set[str] = set()
         self._forward_seen = False
+        # flex_attention's code where the user imported it (looked up as sampled forwards start),
+        # and the eager call seen at its entry and measured once it has returned (its output
+        # is then a local of its frame): that frame, and the layer that made the call (None:
+        # a layer left out)
+        self._flex_code: CodeType | None = None
+        self._flex_frame: FrameType | None = None
+        self._flex_layer: str | None = None
+        self._told_unmeasured: set[str] = set()
 
     # ------------------------------------------------------------------ kernel routing
     def set_route(self, pattern: str, kernel: Callable[[SdpaCall], torch.Tensor] | None) -> None:
@@ -382,8 +408,9 @@ class AttentionProbe:
         """The calls of a forward still open belong to the step that closes; a model forward
         still open never reached its exit (a forward opened by ``begin_forward`` is the
         caller's to close)."""
-        if self._held:
+        if self._held or self._flex_frame is not None:
             with torch._C.DisableTorchFunction():  # the mode may still be entered
+                self._measure_flex()
                 self._measure_held()
         if self._root_open:
             self._abandon_forward()
@@ -398,6 +425,7 @@ class AttentionProbe:
         # every later forward would only nest inside it, intercepted and sampled.
         self._depth = self._root_open = 0
         self._leave()
+        self._flex_frame = None
         self._held.clear()
         self._held_masks.clear()
         self._held_bytes = 0
@@ -426,6 +454,8 @@ class AttentionProbe:
             # validation: eval mode, or no_grad / inference_mode with the model in train mode
             and ((self.model.training and torch.is_grad_enabled()) or not self.cfg.training_only)
         )
+        if self.sampling:
+            self._flex_code = flex.entry_code()
         if self.sampling or self.routing:
             self._mode = _Interceptor(self)
             self._mode.__enter__()
@@ -439,6 +469,7 @@ class AttentionProbe:
         self._depth -= 1
         if self._depth == 0:
             self._leave()
+            self._measure_flex()
             if self._held:
                 self._measure_held()
 
@@ -555,6 +586,18 @@ class AttentionProbe:
             return
         if self._wanted(layer):
             self.ctx.guard.run(self.component, self._observe_scores, layer, x)
+
+    def on_flex_entry(self, frame: FrameType) -> None:
+        """``frame`` made a Tensor.dim() call: where it runs flex_attention, an eager call has
+        started, so the one before it has returned and is measured now; this one will be once
+        it has returned too (at the next call or the forward's end), its output a local then."""
+        if frame.f_code is not self._flex_code or frame is self._flex_frame:
+            return
+        self._measure_flex()
+        layer, _ = self.locate()
+        self.layers_seen.add(layer)
+        self._flex_frame = frame
+        self._flex_layer = layer if self._wanted(layer) else None
 
     @outside_graphs
     def on_mha(self, args: tuple, kwargs: dict) -> None:
@@ -767,6 +810,73 @@ class AttentionProbe:
         for i, c in enumerate(group):
             self._accumulate(c.layer, heads[i], errors[i])
 
+    def _measure_flex(self) -> None:
+        frame, self._flex_frame = self._flex_frame, None
+        if frame is not None and self._flex_layer is not None:
+            self.ctx.guard.run(self.component, self._observe_flex, self._flex_layer, frame.f_locals)
+
+    @torch.no_grad()
+    def _observe_flex(self, layer: str, call: Mapping[str, Any]) -> None:
+        """An eager flex_attention call, from the locals of its returned frame (``out`` its
+        output; absent where it raised: nothing to measure). Its q, k, v and output are the
+        user's tensors, read after the call: in training flex_attention's backward keeps them,
+        so nothing changes them in place before they are read here.
+        Scores as flex computes them: fp32 S with ``score_mod`` and ``mask_mod`` applied (see
+        numwatch.probes.flex), in the dtype of its output (the autocast dtype under autocast)."""
+        q, k, v, out = (call.get(n) for n in ("query", "key", "value", "out"))
+        tensors = (q, k, v, out)
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
+            return
+        if _transformed(q) or not _measured(out) or k.shape[2] == 0:
+            return
+        q, k, v, out = (t.detach() for t in tensors)
+        if k.shape[0] == 1 < q.shape[0]:  # keys and values shared by the batch
+            k, v = k.expand(q.shape[0], *k.shape[1:]), v.expand(q.shape[0], *v.shape[1:])
+        if k.shape[0] != q.shape[0] or k.dtype != q.dtype:
+            self._unmeasured(
+                "flex_inputs", layer, f"q {q.dtype} {tuple(q.shape)}, k {k.dtype} {tuple(k.shape)}"
+            )
+            return
+        dtype = out.dtype  # what flex computed in
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        B, Hq, Tq, _ = q.shape
+        auto = self.cfg.saturation_dtype == "auto"
+        block_mask = call.get("block_mask")
+        try:
+            modify = flex.score_modify(
+                call.get("score_mod"), getattr(block_mask, "mask_mod", None), Hq, k.shape[2],
+                q.device,
+            )  # fmt: skip
+            batch, rows = self._samples(q)
+            backend = self.ctx.backend_for(q.device)
+            heads = ats.attention_head_stats(
+                q, k, scale=call.get("scale"), rows=rows, batch=batch,
+                saturation_dtype=dtype if auto else _DTYPES[self.cfg.saturation_dtype],
+                entropy=self.cfg.entropy, backend=backend, modify=modify,
+            )  # fmt: skip
+            errors = None
+            if self.cfg.output_error and out.shape[:3] == (B, Hq, Tq):
+                errors = ats.attention_output_error(
+                    q, k, v, out, scale=call.get("scale"), rows=rows, batch=batch,
+                    backend=backend, modify=modify,
+                )  # fmt: skip
+        except flex.ModFailed as exc:
+            self._unmeasured("flex_mods", layer, str(exc))
+            return
+        self._accumulate(layer, heads, errors)
+
+    def _unmeasured(self, reason: str, layer: str, detail: str) -> None:
+        """A sampled attention call the statistics cannot take: counted, said once per reason
+        (without it a layer shows no attn_* series, which reads as nothing to see)."""
+        self.ctx.attn_unmeasured[reason] += 1
+        if reason not in self._told_unmeasured:
+            self._told_unmeasured.add(reason)
+            log.warning(
+                "numwatch: layer %r: %s (%s); its attention is not measured, and "
+                "attn_unmeasured_calls_total{reason=%r} counts such calls",
+                layer, _UNMEASURED_HINTS[reason], detail, reason,
+            )  # fmt: skip
+
     @torch.no_grad()
     def _observe_mha(self, layer: str, args: tuple, kwargs: dict) -> None:
         """Q and K as nn.MultiheadAttention builds them, in SDPA layout and mask convention:
@@ -857,6 +967,7 @@ class AttentionProbe:
 
     # ------------------------------------------------------------------ flush
     def device_tensors(self) -> dict[str, torch.Tensor]:
+        self._measure_flex()
         if self._held:
             self._measure_held()
         out = {}

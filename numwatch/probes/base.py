@@ -39,6 +39,9 @@ class ProbeContext:
     # Routed attention calls that numwatch's kernel handed to SDPA, by reason, since the
     # monitor was made (the kernel's own count is the process's, every monitor's)
     kernel_fallbacks: Counter[str] = field(default_factory=Counter)
+    # Sampled attention calls the attention probe could not measure, by reason, since the
+    # monitor was made (a flex_attention score_mod it cannot evaluate)
+    attn_unmeasured: Counter[str] = field(default_factory=Counter)
     # The loss scale the closing step's gradients still carry (a GradScaler's, before
     # unscale_), which the gradient statistics divide out; None: they are the true gradients.
     grad_scale: torch.Tensor | None = None

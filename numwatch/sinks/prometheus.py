@@ -119,6 +119,7 @@ _HELP = {
     "attn_kernel_mode": "For the numwatch kernel mode a routed layer runs (label mode), the share "
     "of its calls in the step that ran it.",
     "attn_kernel_fallbacks_total": "Calls routed to numwatch's kernel that fell back to SDPA.",
+    "attn_unmeasured_calls_total": "Sampled attention calls the probe could not measure.",
     "attn_rows": "Softmax rows measured (sampled, not fully masked).",
     "attn_repeated_max_rows": "Rows whose maximum logit is attained at least twice.",
     "attn_repeated_max_fraction": "attn_repeated_max_rows / attn_rows.",
