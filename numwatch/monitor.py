@@ -384,15 +384,11 @@ class Monitor(Joinable):
         settle_step_hooks(optimizer)  # hooks a detach inside a step left inert
         self._optimizer = optimizer
         self._scaler = scaler
-        if self.config.optimizer.enabled:
-            probe = OptimizerProbe(
-                self.model, optimizer, self.config.optimizer, self._ctx, scaler, self._scale_drops
-            )
-            self._probes.append(probe)
-            probe.attach()
         uses_optimizer = any(
             isinstance(a, _OPTIMIZER_ACTIONS) for acts in self._actions.values() for a in acts
         )
+        # The control before the probe: its step pre-hook, where it withholds an update its
+        # wrapper did not see by clearing the gradients, runs before the probe's reads them.
         if uses_optimizer:  # the step wrapper closes steps itself, before deciding a skip
             _warn_uncovered(self.model, optimizer)
             self._control = OptimizerControl(
@@ -401,7 +397,13 @@ class Monitor(Joinable):
                 partial(self._guard.run, "actions"),
                 accelerated,
             )
-        else:
+        if self.config.optimizer.enabled:
+            probe = OptimizerProbe(
+                self.model, optimizer, self.config.optimizer, self._ctx, scaler, self._scale_drops
+            )
+            self._probes.append(probe)
+            probe.attach()
+        if not uses_optimizer:
             self._optimizer_handles = [
                 optimizer.register_step_pre_hook(
                     UserHook(running_step_pre_hook(self._on_optimizer_step))

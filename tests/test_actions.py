@@ -6,6 +6,7 @@ import copy
 import gc
 import inspect
 import json
+import logging
 import math
 import warnings
 import weakref
@@ -420,6 +421,23 @@ def test_detach_restores_the_step_that_was_installed_before(before):
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
     assert len(calls) == (2 if before == "user wrapper" else 0)
+
+
+def test_updates_run_through_a_step_method_taken_before_attach_are_named_once(caplog):
+    """A step method taken from the optimizer before attach() runs its updates without the step
+    wrapper, so skip_step, lr_backoff and qk_clip cannot act on them: nothing said so."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = opt.step
+    monitor = monitor_for(model, rules=SKIP_NONFINITE).attach(opt)
+    with caplog.at_level(logging.WARNING, logger="numwatch"):
+        for run in (step, step, opt.step):
+            model(torch.ones(1, 2)).sum().backward()
+            run()
+            opt.zero_grad()
+    monitor.detach()
+    assert caplog.text.count("SGD.step() ran without numwatch's step wrapper") == 1
+    assert not opt._optimizer_step_pre_hooks
 
 
 @pytest.mark.parametrize("first", ["a", "b"])

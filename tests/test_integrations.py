@@ -1001,6 +1001,86 @@ def test_actions_act_on_the_steps_of_accelerates_grad_scaler(caplog):
     assert "skip_step, lr_backoff and qk_clip cannot act on its steps" in caplog.text
 
 
+@pytest.mark.parametrize("pass_scaler", [False, True])
+def test_actions_act_on_accelerates_steps_when_attached_to_the_optimizer_inside(
+    pass_scaler, caplog
+):
+    """attach(accelerated.optimizer) under a GradScaler: Accelerate's steps call the step
+    method it saved at prepare, so the wrapper installed on the optimizer never ran, and skip_step
+    and lr_backoff did nothing, silently. The first of those steps puts ours where Accelerate's
+    steps call (as attach(accelerated) does) and is closed and withheld itself; detach gives
+    Accelerate back its own methods."""
+    accelerate = pytest.importorskip("accelerate", reason="accelerate (test extra) not installed")
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from numwatch import Monitor
+
+    accelerate.Accelerator(cpu=True)
+    model = nn.Linear(1, 1, bias=False)
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=10**6)
+    wrapped = AcceleratedOptimizer(sgd, scaler=scaler)
+    saved = (wrapped._optimizer_original_step_method, wrapped._optimizer_patched_step_method)
+    backoff = {"type": "lr_backoff", "factor": 0.5, "steps": 2, "min_interval_steps": 0}
+    rule = {"type": "threshold", "name": "big", "metric": "loss", "threshold": 100.0}
+    rules = {"defaults": False, "add": [{**rule, "actions": ["skip_step", backoff]}]}
+    monitor = Monitor(model, **monitor_options(rules=rules, optimizer__every=1))
+    monitor.attach(sgd, scaler=scaler if pass_scaler else None)
+
+    absorbed = []  # the optimizer probe's: a withheld update is no update, not an absorbed one
+
+    def train(steps, big_at=()):
+        used = []
+        for step in range(steps):
+            before = model.weight.item()
+            scaler.scale(model(torch.ones(1, 1)).sum()).backward()  # d/dw = 1: the update is -lr
+            if monitor.attached:
+                monitor.step(1000.0 if step in big_at else 1.0)
+                absorbed.extend(
+                    r.value for r in monitor.snapshot().series("optimizer_absorbed_fraction")
+                )
+            wrapped.step()
+            wrapped.zero_grad()
+            used.append(before - model.weight.item())
+        return used
+
+    with caplog.at_level(logging.WARNING, logger="numwatch"):
+        used = train(6, big_at=(0, 3))
+    assert used == pytest.approx([0.0, 0.5, 0.5, 0.0, 0.5, 0.5])
+    assert absorbed == [0.0] * 3  # the updates of steps 1, 2 and 4, read at the next step close
+    assert monitor.steps == 6
+    assert [e.rule for e in monitor.events if e.kind == "action"] == ["big"] * 4
+    assert "numwatch" not in caplog.text
+    monitor.detach()
+    assert wrapped._optimizer_original_step_method is saved[0]
+    assert wrapped._optimizer_patched_step_method is saved[1]
+    assert train(2, big_at=(0,)) == pytest.approx([1.0, 1.0])
+
+
+def test_a_loop_without_monitor_step_closes_accelerates_steps_through_the_optimizer_inside():
+    """attach(accelerated.optimizer) under a GradScaler: the monitor closes a step at each of
+    Accelerate's updates, the first (which runs without the step wrapper) included."""
+    accelerate = pytest.importorskip("accelerate", reason="accelerate (test extra) not installed")
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from numwatch import Monitor
+
+    accelerate.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    wrapped = AcceleratedOptimizer(sgd, scaler=scaler)
+    rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
+    monitor = Monitor(model, **monitor_options(rules=rules)).attach(sgd)
+    for x, y in batches(3):
+        scaler.scale(F.cross_entropy(model(x).flatten(0, 1), y.flatten())).backward()
+        wrapped.step()
+        wrapped.zero_grad()
+    assert monitor.steps == 3
+    monitor.detach()
+
+
 def test_hf_skip_step_acts_under_accelerates_grad_scaler(hf, tmp_path):
     """fp16: Accelerate's GradScaler steps dropped the monitor's step wrapper, so a skip_step
     decided for every step withheld none. On the CPU the scaler is planted where fp16=True puts

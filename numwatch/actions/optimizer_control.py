@@ -12,13 +12,16 @@ optimizer, detached in attach order); an LR scheduler's cannot.
 Accelerate's ``AcceleratedOptimizer`` with a GradScaler (fp16) does not call ``optimizer.step``:
 each of its steps sets it to a patched copy of the method it saved at prepare, then back to that
 method, which drops a wrapper installed on the optimizer. Given that wrapper, ours goes in as
-the method it saved (and in its patched copy), and ``uninstall`` puts back what it had.
+the method it saved (and in its patched copy), and ``uninstall`` puts back what it had. Given
+the optimizer inside it instead, a step pre-hook sees the first update that runs without ours,
+finds the wrapper whose step runs it up the call stack, and does the same from there.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import types
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from numwatch.errors import NumwatchError
+from numwatch.hooks import UserHook, remove_step_pre_hook, running_step_pre_hook
 from numwatch.probes.optimizer import numeric_lr
 
 __all__ = ["OptimizerControl", "clear_gradients"]
@@ -81,14 +85,19 @@ class OptimizerControl:
         optimizer.step = self._wrapper  # type: ignore[method-assign]
         # (AcceleratedOptimizer, the step method it saved, its patched copy) before ours
         self._accelerate: tuple[Any, Any, Any] | None = None
-        if getattr(accelerated, "scaler", None) is not None:
+        if getattr(accelerated, "scaler", None) is not None and type(
+            accelerated
+        ).__module__.startswith("accelerate."):  # (another library's wrapper: its own steps)
             self._into_accelerate(accelerated)
+        self._told_unwrapped = False  # _unwrapped_step's warning: once
+        self._unwrapped_hook = optimizer.register_step_pre_hook(
+            UserHook(running_step_pre_hook(self._unwrapped_step))
+        )
 
-    def _into_accelerate(self, accelerated: Any) -> None:
+    def _into_accelerate(self, accelerated: Any) -> bool:
         """Ours as the step method an AcceleratedOptimizer with a GradScaler saved at prepare
-        (private attributes of Accelerate: checked, and a warning if they are not found)."""
-        if not type(accelerated).__module__.startswith("accelerate."):
-            return  # another library's wrapper: its steps are its own
+        (private attributes of Accelerate: checked, and a warning if they are not found).
+        Whether its steps run ours now."""
         try:
             from accelerate.optimizer import patch_optimizer_step
 
@@ -102,12 +111,43 @@ class OptimizerControl:
                 "act on its steps: they do nothing there",
                 type(accelerated).__name__,
             )
-            return
+            return False
         accelerated._optimizer_original_step_method = self._wrapper
         accelerated._optimizer_patched_step_method = patch_optimizer_step(
             accelerated, self._wrapper
         )
         self._accelerate = (accelerated, original, patched)
+        return True
+
+    def _unwrapped_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        """Step pre-hook: an update runs without our wrapper. Accelerate's AcceleratedOptimizer
+        with a GradScaler does that when attach() was given the optimizer inside it (it calls the
+        step method it saved at prepare): ours goes in there, so its later steps run ours, and
+        this one is closed and withheld here as ours would (a skip clears the gradients, so the
+        optimizer updates nothing; a back-off or clip decided for it starts with the next
+        update). Any other caller's steps are out of reach: said once."""
+        if self._stepping or not self.active or self._told_unwrapped:
+            return
+        accelerated = _running_accelerated(optimizer)
+        if self._accelerate is None and getattr(accelerated, "scaler", None) is not None:
+            if self._into_accelerate(accelerated):
+                self._during_step(self._close_unwrapped)
+            else:  # (it said why)
+                self._told_unwrapped = True
+        else:
+            self._told_unwrapped = True
+            log.warning(
+                "numwatch: %s.step() ran without numwatch's step wrapper (called through a step "
+                "method taken from the optimizer before attach()), so skip_step, lr_backoff and "
+                "qk_clip cannot act on its updates; attach() before that method is taken",
+                type(optimizer).__name__,
+            )
+
+    def _close_unwrapped(self) -> None:
+        """What our wrapper does before an update without a closure, in the update's pre-hook."""
+        self._before_step(None)
+        if self._skip:
+            self._skip_now(None)
 
     # -------------------------------------------------------------- requests from actions
     def skip_current_step(self) -> None:
@@ -143,9 +183,12 @@ class OptimizerControl:
 
     # -------------------------------------------------------------- the wrapped step
     def _step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._during_step(self._wrapped_step, *args, **kwargs)
+
+    def _during_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._stepping = True
         try:
-            return self._wrapped_step(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             self._stepping = False
             if not self.active and not self._skip:  # uninstalled during it, or a kept skip taken
@@ -262,6 +305,7 @@ class OptimizerControl:
         way (a halt in the same step close, before a framework's optimizer.step()) keeps the
         wrapper for that one call."""
         self.active = False
+        remove_step_pre_hook(self.optimizer, self._unwrapped_hook)
         if not (keep_skip and self._skip):
             self._remove()  # (a step() under way when called still finishes as decided)
             if not self._stepping:  # not kept: a pass-through left must not withhold an update
@@ -332,6 +376,21 @@ def _pass_through(step: Any) -> OptimizerControl | None:
     monitor's on this optimizer, detached while ours wrapped it (uninstalled, no skip kept)."""
     control = getattr(getattr(step, "__func__", None), "_numwatch_control", None)
     return control if control is not None and not (control.active or control._skip) else None
+
+
+def _running_accelerated(optimizer: torch.optim.Optimizer) -> Any:
+    """The Accelerate ``AcceleratedOptimizer`` around ``optimizer`` whose step() is running, found
+    up the call stack (Accelerate keeps no way back from the optimizer it wraps); None if none."""
+    wrapper = getattr(sys.modules.get("accelerate.optimizer"), "AcceleratedOptimizer", None)
+    code = getattr(getattr(wrapper, "step", None), "__code__", None)
+    frame = sys._getframe(1) if code is not None else None
+    while frame is not None:
+        if frame.f_code is code:
+            owner = frame.f_locals.get("self")
+            if getattr(owner, "optimizer", None) is optimizer:
+                return owner
+        frame = frame.f_back
+    return None
 
 
 def _skipped_by_scaler(optimizer: torch.optim.Optimizer) -> bool:
