@@ -880,11 +880,12 @@ def test_hf_skip_step_reaches_the_optimizer_inside_accelerate(hf, tmp_path):
 
     rules = {"add": [{"type": "nonfinite", "name": "nonfinite", "actions": ["skip_step"]}]}
     callback = NumwatchTrainerCallback(**monitor_options(rules=rules))
-    weights = []
+    weights, lrs = [], []
 
     class Keep(hf.TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **kw):
+        def on_step_end(self, args, state, control, model=None, lr_scheduler=None, **kw):
             weights.append([p.detach().clone() for p in model.parameters()])
+            lrs.append(lr_scheduler.get_last_lr()[0])
 
     model = LMWrapper(nan_at=2)
     hf_trainer(hf, tmp_path, model, [callback, Keep()], steps=4).train()
@@ -893,6 +894,8 @@ def test_hf_skip_step_reaches_the_optimizer_inside_accelerate(hf, tmp_path):
     ]
     assert same == [False, True, False]  # the NaN step (the third) did not update
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    # linear decay from 0.05 over 4 steps, not advanced by the withheld step (step_was_skipped)
+    assert lrs == pytest.approx([0.0375, 0.025, 0.025, 0.0125])
 
 
 def test_attach_takes_accelerates_optimizer_and_its_scaler():
@@ -985,7 +988,7 @@ def test_actions_act_on_the_steps_of_accelerates_grad_scaler(caplog):
     # step 2 withheld; the 2 updates that run next at half the LR (the scaler's skip of the
     # step 4 overflow does not use one up)
     assert used == pytest.approx([1.0, 1.0, 0.0, 0.5, 0.0, 0.5])
-    assert skipped == [False] * 4 + [True, False]
+    assert skipped == [False, False, True, False, True, False]
     assert scaler.get_scale() == 2.0
     assert monitor.steps == 6
     assert [e.rule for e in monitor.events if e.kind == "action"] == ["big", "big"]
@@ -1079,6 +1082,122 @@ def test_a_loop_without_monitor_step_closes_accelerates_steps_through_the_optimi
         wrapped.zero_grad()
     assert monitor.steps == 3
     monitor.detach()
+
+
+def _accelerated_sgd(accelerate, scaled: bool, model: nn.Module, lr: float = 1.0):
+    """A real Accelerator's (model, optimizer, LR schedule halving at each step, inner SGD). On
+    the CPU Accelerate makes no GradScaler: ``scaled`` plants one where fp16=True puts it, with
+    a scale that does not overflow."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    if scaled:
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=10**6)
+    sgd = torch.optim.SGD(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
+    return (accelerator, *accelerator.prepare(model, sgd, schedule), sgd)
+
+
+@pytest.mark.parametrize("attach", ["wrapper", "inner"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["no scaler", "scaler"])
+def test_a_withheld_update_is_a_skipped_step_for_accelerate(scaled, attach):
+    """A step skip_step withheld read as not skipped in AcceleratedOptimizer.step_was_skipped
+    (it is only ever set for the GradScaler's own overflow skips), so AcceleratedScheduler and
+    the Hugging Face Trainer advanced the LR schedule over it. It reads as skipped now, with or
+    without a GradScaler, whichever of the two optimizers was attached; the next step clears
+    it, and so does detach."""
+    accelerate = pytest.importorskip("accelerate", reason="accelerate (test extra) not installed")
+    from numwatch import Monitor
+
+    model = nn.Linear(1, 1, bias=False)
+    accelerator, model, optimizer, schedule, sgd = _accelerated_sgd(accelerate, scaled, model)
+    rule = {"type": "threshold", "name": "big", "metric": "loss", "threshold": 100.0}
+    rules = {"defaults": False, "add": [{**rule, "actions": ["skip_step"]}]}
+    monitor = Monitor(model, **monitor_options(rules=rules))
+    monitor.attach(optimizer if attach == "wrapper" else sgd)
+    used, skipped, lrs = [], [], []
+    for step in range(5):
+        before = model.weight.item()
+        accelerator.backward(model(torch.ones(1, 1)).sum())  # d/dw = 1: the update is -lr
+        monitor.step(1000.0 if step in (0, 2, 3) else 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        used.append(before - model.weight.item())
+        skipped.append(accelerator.optimizer_step_was_skipped)
+        lrs.append(schedule.get_last_lr()[0])
+    assert used == pytest.approx([0.0, 1.0, 0.0, 0.0, 0.5])
+    assert skipped == [True, False, True, True, False]
+    assert lrs == [1.0, 0.5, 0.5, 0.5, 0.25]  # the schedule steps once per update
+    accelerator.backward(model(torch.ones(1, 1)).sum())
+    monitor.step(1000.0)
+    optimizer.step()
+    assert optimizer.step_was_skipped
+    monitor.detach()
+    # without a scaler nothing would ever clear it: detach does; with one, Accelerate's next step
+    assert optimizer.step_was_skipped == scaled
+
+
+def test_an_accelerate_whose_step_was_skipped_reads_otherwise_is_said_once(caplog, monkeypatch):
+    """An accelerate whose step_was_skipped does not read the attributes numwatch sets: one
+    warning that withheld updates read as not skipped there; skip_step still withholds them."""
+    accelerate = pytest.importorskip("accelerate", reason="accelerate (test extra) not installed")
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from numwatch import Monitor
+
+    monkeypatch.setattr(AcceleratedOptimizer, "step_was_skipped", property(lambda self: False))
+    model = nn.Linear(1, 1, bias=False)
+    accelerator, model, optimizer, _, sgd = _accelerated_sgd(accelerate, False, model)
+    rule = {"type": "threshold", "name": "always", "metric": "loss", "threshold": -1.0}
+    rules = {"defaults": False, "add": [{**rule, "actions": ["skip_step"]}]}
+    before = model.weight.item()
+    with caplog.at_level(logging.WARNING, logger="numwatch"):
+        monitor = Monitor(model, **monitor_options(rules=rules)).attach(sgd)
+        for _ in range(2):
+            accelerator.backward(model(torch.ones(1, 1)).sum())
+            monitor.step(1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        monitor.detach()
+    assert model.weight.item() == before  # both updates withheld
+    assert caplog.text.count("step_was_skipped in this accelerate version is not read") == 1
+
+
+@pytest.mark.parametrize("attach", ["wrapper", "inner"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["no scaler", "scaler"])
+def test_healthy_accelerate_steps_are_bitwise_those_without_numwatch(scaled, attach):
+    """skip_step and lr_backoff armed under Accelerate but never firing: the weights, the LR
+    schedule and step_was_skipped are bit for bit those of the run without numwatch."""
+    accelerate = pytest.importorskip("accelerate", reason="accelerate (test extra) not installed")
+    from numwatch import Monitor
+
+    def run(attach):
+        torch.manual_seed(0)
+        accelerator, model, optimizer, schedule, sgd = _accelerated_sgd(
+            accelerate, scaled, TinyGPT(CFG), lr=0.1
+        )
+        rule = {"type": "threshold", "name": "huge", "metric": "loss", "threshold": 1e9}
+        actions = ["skip_step", {"type": "lr_backoff", "factor": 0.5, "steps": 2}]
+        rules = {"add": [{**rule, "actions": actions}]}
+        monitor = Monitor(model, **monitor_options(rules=rules))
+        if attach != "none":
+            monitor.attach(optimizer if attach == "wrapper" else sgd)
+        skipped = []
+        for x, y in batches(4):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            accelerator.backward(loss)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+            skipped.append(optimizer.step_was_skipped)
+        if monitor.attached:
+            assert monitor.steps == 4 and not monitor.events
+            monitor.detach()
+        return [p.detach().clone() for p in model.parameters()], schedule.get_last_lr(), skipped
+
+    weights, lrs, skipped = run(attach)
+    expected_weights, expected_lrs, expected_skipped = run("none")
+    assert all(torch.equal(a, b) for a, b in zip(weights, expected_weights, strict=True))
+    assert lrs == expected_lrs == [0.1 * 0.5**4] and skipped == expected_skipped == [False] * 4
 
 
 def test_hf_skip_step_acts_under_accelerates_grad_scaler(hf, tmp_path):

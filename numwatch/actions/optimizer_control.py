@@ -15,6 +15,13 @@ method, which drops a wrapper installed on the optimizer. Given that wrapper, ou
 the method it saved (and in its patched copy), and ``uninstall`` puts back what it had. Given
 the optimizer inside it instead, a step pre-hook sees the first update that runs without ours,
 finds the wrapper whose step runs it up the call stack, and does the same from there.
+
+A step we withhold reads as skipped in that wrapper's ``step_was_skipped``, as its GradScaler's
+overflow skips do, so Accelerate's ``AcceleratedScheduler`` and the Hugging Face Trainer keep the
+LR schedule where it was. With a GradScaler its step() derives that from whether the step method
+it saved was called: ours, skipping, says it was not. Without one nothing else sets the flag it
+reads: ours sets it for a skip and clears it at the next step (and at uninstall, so a skip that
+ends with a detach, as a halt's, is not shown: nothing would clear it later).
 """
 
 from __future__ import annotations
@@ -85,10 +92,13 @@ class OptimizerControl:
         optimizer.step = self._wrapper  # type: ignore[method-assign]
         # (AcceleratedOptimizer, the step method it saved, its patched copy) before ours
         self._accelerate: tuple[Any, Any, Any] | None = None
-        if getattr(accelerated, "scaler", None) is not None and type(
-            accelerated
-        ).__module__.startswith("accelerate."):  # (another library's wrapper: its own steps)
-            self._into_accelerate(accelerated)
+        self._accelerated: Any = None  # Accelerate's wrapper whose steps run ours, once known
+        self._skip_flag: str | None = None  # what shows our skip in its step_was_skipped
+        self._shown = False  # _is_overflow set for our skip: cleared at the next step
+        if type(accelerated).__module__.startswith("accelerate."):  # (not another library's)
+            self._show_skips_in(accelerated)
+            if getattr(accelerated, "scaler", None) is not None:
+                self._into_accelerate(accelerated)
         self._told_unwrapped = False  # _unwrapped_step's warning: once
         self._unwrapped_hook = optimizer.register_step_pre_hook(
             UserHook(running_step_pre_hook(self._unwrapped_step))
@@ -130,6 +140,8 @@ class OptimizerControl:
             return
         accelerated = _running_accelerated(optimizer)
         if self._accelerate is None and getattr(accelerated, "scaler", None) is not None:
+            if self._accelerated is None:
+                self._show_skips_in(accelerated)
             if self._into_accelerate(accelerated):
                 self._during_step(self._close_unwrapped)
             else:  # (it said why)
@@ -142,6 +154,38 @@ class OptimizerControl:
                 "qk_clip cannot act on its updates; attach() before that method is taken",
                 type(optimizer).__name__,
             )
+
+    def _show_skips_in(self, accelerated: Any) -> None:
+        """Our skips show in ``accelerated.step_was_skipped`` from now on (private attributes of
+        Accelerate: checked, and a warning if they are not the ones known)."""
+        self._accelerated = accelerated
+        self._skip_flag = _skip_flag(accelerated)
+        if self._skip_flag is None:
+            log.warning(
+                "numwatch: %s.step_was_skipped in this accelerate version is not read from the "
+                "attributes numwatch sets (_is_overflow, _accelerate_step_called), so an update "
+                "skip_step withholds reads as not skipped there: an LR schedule that Accelerate "
+                "or the Trainer steps advances on it",
+                type(accelerated).__name__,
+            )
+
+    def _show_skip(self) -> None:
+        """This step reads as skipped in the ``step_was_skipped`` of Accelerate's wrapper whose
+        step runs ours (found up the stack the first time: attach() given its optimizer)."""
+        if self._accelerated is None:
+            accelerated = _running_accelerated(self.optimizer)
+            if accelerated is None:
+                return
+            self._show_skips_in(accelerated)
+        if self._skip_flag == "_accelerate_step_called":  # its step reads it after ours
+            self._accelerated._accelerate_step_called = False
+        elif self._skip_flag == "_is_overflow":
+            self._accelerated._is_overflow = self._shown = True
+
+    def _unshow_skip(self) -> None:
+        """Clear a skip shown by ``_is_overflow`` (no GradScaler): nothing else ever would."""
+        if self._shown:
+            self._accelerated._is_overflow = self._shown = False
 
     def _close_unwrapped(self) -> None:
         """What our wrapper does before an update without a closure, in the update's pre-hook."""
@@ -187,6 +231,7 @@ class OptimizerControl:
 
     def _during_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._stepping = True
+        self._unshow_skip()  # the previous step's
         try:
             return fn(*args, **kwargs)
         finally:
@@ -293,6 +338,7 @@ class OptimizerControl:
         self._skip = False
         self.skipped_steps += 1
         clear_gradients(self.optimizer)
+        self._show_skip()
         if not self.active:  # the pass-through this skip kept in place goes now
             self._remove()
         return loss
@@ -326,6 +372,7 @@ class OptimizerControl:
         self._before_step = self._run_guarded = None
 
     def _remove(self) -> None:
+        self._unshow_skip()
         if self.optimizer.__dict__.get("step") is self._wrapper:
             previous = self._instance_step
             while (left := _pass_through(previous)) is not None:  # goes with ours
@@ -391,6 +438,26 @@ def _running_accelerated(optimizer: torch.optim.Optimizer) -> Any:
                 return owner
         frame = frame.f_back
     return None
+
+
+def _skip_flag(accelerated: Any) -> str | None:
+    """The attribute of Accelerate's wrapper through which its ``step_was_skipped`` shows a
+    skip of ours: its step() sets ``_is_overflow`` (what the property reads) from
+    ``_accelerate_step_called`` with a GradScaler, and nothing sets it without one. None where
+    this accelerate reads or sets them otherwise (the names its code uses tell)."""
+    cls = type(accelerated)
+    shown = getattr(inspect.getattr_static(cls, "step_was_skipped", None), "fget", None)
+    names = getattr(getattr(shown, "__code__", None), "co_names", ())
+    if "_is_overflow" not in names or not hasattr(accelerated, "_is_overflow"):
+        return None
+    if getattr(accelerated, "scaler", None) is None:
+        return "_is_overflow"
+    step = getattr(inspect.getattr_static(cls, "step", None), "__code__", None)
+    if "_accelerate_step_called" not in getattr(step, "co_names", ()) or not hasattr(
+        accelerated, "_accelerate_step_called"
+    ):
+        return None
+    return "_accelerate_step_called"
 
 
 def _skipped_by_scaler(optimizer: torch.optim.Optimizer) -> bool:

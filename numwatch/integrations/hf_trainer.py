@@ -5,7 +5,9 @@
 - The monitor attaches at ``on_train_begin`` to the trainer's model and optimizer (the torch
   optimizer inside Accelerate's wrapper: optimizer probe, skip_step, LR back-off), with the
   wrapper's GradScaler (fp16: its overflow steps are ``scaler_overflow`` anomalies, not
-  ``nonfinite`` events), and detaches at ``on_train_end``.
+  ``nonfinite`` events), and detaches at ``on_train_end``. A step skip_step withholds is a
+  skipped optimizer step for the Trainer (``optimizer_step_was_skipped``), as an overflow is:
+  the LR schedule does not advance over it.
 - Steps close in ``on_pre_optimizer_step``, the Trainer's only hook that sees final gradients:
   it runs **after** the Trainer clips them (``max_grad_norm``), so gradient statistics are of
   the clipped gradients the optimizer applies (``on_step_end`` sees none: they are zeroed).
