@@ -1256,11 +1256,16 @@ def test_hf_scaler_overflows_are_not_nonfinite_events(hf, tmp_path):
     """fp16: the callback unwrapped Accelerate's optimizer but dropped its GradScaler, so the
     scaler's overflow steps (skipped by design) were critical nonfinite events and stop_on
     stopped training at step 0. On the CPU Accelerate makes no scaler: one is planted where
-    fp16=True puts it, with a scale that overflows float32 gradients."""
+    fp16=True puts it, and an overflow of the scaled gradients in each step (a scale of 2**127
+    alone overflowed none: this model's gradients stay under 2)."""
     from numwatch.integrations.hf_trainer import NumwatchTrainerCallback
 
+    class Overflow(hf.TrainerCallback):  # before the monitor's: it sees the step's gradients
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            trainer.model.model.head.weight.grad[0, 0] = float("inf")
+
     callback = NumwatchTrainerCallback(stop_on=["nonfinite"], **monitor_options())
-    trainer = hf_trainer(hf, tmp_path, LMWrapper(), [callback], steps=3)
+    trainer = hf_trainer(hf, tmp_path, LMWrapper(), [Overflow(), callback], steps=3)
     trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
     trainer.train()
     assert trainer.state.global_step == 3 and callback.stop_reason is None
