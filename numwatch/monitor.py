@@ -396,6 +396,7 @@ class Monitor(Joinable):
                 self._before_optimizer_update,
                 partial(self._guard.run, "actions"),
                 accelerated,
+                skips=bool(self._engine.step_rules),
             )
         if self.config.optimizer.enabled:
             probe = OptimizerProbe(

@@ -1356,3 +1356,51 @@ def test_replay_keeps_a_users_rule_named_scaler_overflow_once(tmp_path):
     assert [(e.rule, e.step) for e in replay(read_jsonl(log), monitor.config.rules)] == [
         ("scaler_overflow", 1)
     ]
+
+
+class _CountedParameter(nn.Parameter):
+    """Counts the reads of its ``_version`` from Python."""
+
+    reads = 0
+
+    @property
+    def _version(self):
+        _CountedParameter.reads += 1
+        return super()._version
+
+
+class _OwnStep(torch.optim.SGD):
+    """An optimizer of the user's own: numwatch cannot know when it calls its closure."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "rules", "reads"),
+    [(_OwnStep, SKIP_NONFINITE, 8), (torch.optim.SGD, SKIP_NONFINITE, 0), (_OwnStep, None, 0)],
+)
+def test_a_closure_step_reads_a_few_parameter_versions_at_most(optimizer, rules, reads):
+    """Each optimizer.step(closure) read the version of every parameter twice (0.1-0.2 ms with
+    1000 parameters), also where no skip_step could withhold the update or the optimizer is one
+    of torch's, which call the closure before they change anything."""
+    params = nn.ParameterList([_CountedParameter(torch.ones(2)) for _ in range(40)])
+    model = nn.Module()
+    model.params = params
+    opt = optimizer(model.parameters(), lr=0.1)
+    backoff = {"add": [{"type": "threshold", "name": "big", "metric": "loss", "threshold": 1e9,
+                        "actions": [{"type": "lr_backoff"}]}]}  # fmt: skip
+    monitor = monitor_for(model, rules=rules or backoff).attach(opt)
+
+    def closure():
+        opt.zero_grad()
+        loss = sum(p.sum() for p in params)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    _CountedParameter.reads = 0
+    opt.step(closure)
+    assert _CountedParameter.reads == reads
+    assert monitor.optimizer_control is not None
+    monitor.detach()
