@@ -440,6 +440,13 @@ class Aggregator:
             out["loss"] = loss_sum / n_loss
         return out
 
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """``values`` summed over the ranks: one all-reduce on the host-side group."""
+        packet = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(packet, group=self._group_cpu())
+        self.collectives += 1
+        return packet.tolist()
+
     # --------------------------------------------------------------------- uneven inputs
     # Under ``Join([ddp, monitor])`` a rank that ran out of inputs stops stepping, and the
     # others' next aggregation would wait for it forever. So while a Join is enabled, every

@@ -65,7 +65,7 @@ from numwatch.kernels.host_copy import to_device
 from numwatch.probes.attention import AttentionProbe
 from numwatch.probes.base import ProbeContext
 from numwatch.probes.optimizer import OptimizerProbe
-from numwatch.probes.tensors import ActivationProbe, GradientProbe
+from numwatch.probes.tensors import ActivationProbe, GradientProbe, gradients_flag
 from numwatch.probes.weights import WeightProbe
 from numwatch.rules import Rule, RuleEngine, at_flush, configured_rules, unadopted
 from numwatch.selection import matches_any, select_parameters
@@ -397,6 +397,7 @@ class Monitor(Joinable):
                 partial(self._guard.run, "actions"),
                 accelerated,
                 skips=bool(self._engine.step_rules),
+                judge_again=self._judge_evaluation,
             )
         if self.config.optimizer.enabled:
             probe = OptimizerProbe(
@@ -745,6 +746,56 @@ class Monitor(Joinable):
             self._event_counts[(event.kind, event.rule)] += 1
         self._publish([e for e, _ in fired])
         self._run_actions(fired)
+
+    @torch.inference_mode(False)
+    def _judge_evaluation(self, loss: Any) -> None:
+        """A later call of the closure of the step under way (SAM's at its perturbed weights,
+        LBFGS's line search), whose gradients the optimizer's update uses too: the step-level
+        nonfinite rules fire, and their actions (skip_step) run, on a NaN/Inf in the gradients
+        of the attached optimizer's parameters or in the loss it returned.
+
+        SYNC: one read of two scalars (one all-reduce when distributed) per such call, only with
+        a nonfinite rule that has skip_step.
+        """
+        if not self._engine.judges_evaluations or self._optimizer is None:
+            return
+        params = [p for group in self._optimizer.param_groups for p in group["params"]]
+        flag = self._guard.run("step", gradients_flag, params)  # () float64: 0, or NaN
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().reshape(()) if loss.numel() == 1 and not loss.is_meta else None
+        elif isinstance(loss, bool) or not isinstance(loss, int | float):
+            loss = None
+        on_device = [t for t in (flag, loss) if isinstance(t, torch.Tensor)]
+        host = []
+        if on_device:
+            device = on_device[0].device
+            host = torch.stack([t.to(device, torch.float64) for t in on_device]).tolist()  # SYNC
+        bad = host.pop(0) if flag is not None else 0.0
+        value = host.pop(0) if isinstance(loss, torch.Tensor) else loss
+        if self._dist.active:  # every rank decides alike
+            bad, total, n = self._dist.sum_over_ranks(
+                [float(not math.isfinite(bad)), value or 0.0, float(value is not None)]
+            )
+            bad = math.nan if bad else 0.0
+            value = total / n if n else None
+        named = {"grad_norm": bad}  # a flag: 0, or NaN (its rules read only whether it is finite)
+        if value is not None:
+            named["loss"] = value
+        named["nonfinite"] = sum(named.values())
+        self._depth += 1
+        self._closing_step = True  # a detach asked from here keeps the skip for this update
+        try:
+            fired = (
+                self._guard.run("rules", self._engine.judge_evaluation, self._ctx.step - 1, named)
+                or []
+            )
+            for event, _ in fired:
+                self._event_counts[(event.kind, event.rule)] += 1
+            self._publish([e for e, _ in fired])
+            self._run_actions(fired)
+        finally:
+            self._closing_step = False
+            self._leave()
 
     @torch.no_grad()
     def _record_loss(

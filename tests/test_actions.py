@@ -1086,12 +1086,151 @@ def test_sam_trains_with_an_optimizer_action_as_without_one():
     assert watched_calls == plain_calls == 5
     assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
     assert not [e for e in monitor.events if e.kind == "action"]
-    # a NaN at the perturbed weights: SAM's ascent already moved them, so the skip that would
-    # leave them there is refused (counted, logged) and SAM's update runs
-    _, _, monitor = _sam_run(SKIP_NONFINITE, nan_at=5)
-    assert [e.step for e in monitor.events if e.kind == "action"] == [4]
+
+
+class SAMFirstAtW(SAM):
+    """SAM that makes its first gradient itself: closure calls at the weights, then at the
+    perturbed weights (the gradients its update uses)."""
+
+    @torch.no_grad()
+    def step(self, closure):
+        loss = torch.enable_grad()(closure)()
+        super().step(closure)
+        return loss
+
+
+def _same(a, b):
+    """Bitwise equal, through the dicts and lists of an optimizer's state."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+def _state(opt):
+    return copy.deepcopy({id(p): s for p, s in opt.state.items()})
+
+
+@pytest.mark.parametrize("optimizer", [SAM, SAMFirstAtW])
+@pytest.mark.parametrize("nan_step", [0, 3])
+def test_a_nan_at_sams_perturbed_weights_withholds_its_update_bitwise(optimizer, nan_step):
+    """SAM's update uses the gradients at its perturbed weights. A NaN there reached the weights:
+    with one closure call (davda54's SAM) the skip decided there was refused, the ascent having
+    moved the weights, and with two calls the second was never judged. Now the update is
+    withheld, with the weights and both optimizers' state as the step began."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    opt = optimizer(model.parameters(), lr=0.1, momentum=0.9)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE).attach(opt)
+    perturbed_call = 2 if optimizer is SAMFirstAtW else 1
+    for step in range(5):
+        calls = []
+
+        def closure(step=step, calls=calls):
+            calls.append(1)
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            if step == nan_step and len(calls) == perturbed_call:
+                model.bias.grad.fill_(float("nan"))
+            return loss
+
+        opt.zero_grad()
+        if optimizer is SAM:
+            (model(x) - y).square().mean().backward()  # SAM's first gradient
+        before = [p.detach().clone() for p in model.parameters()]
+        state, base = _state(opt), _state(opt.base_optimizer)
+        opt.step(closure)
+        assert _updated(model, before) == (step != nan_step)
+        if step == nan_step:
+            assert _same(_state(opt), state) and _same(_state(opt.base_optimizer), base)
+            assert all(p.grad is None for p in model.parameters())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert monitor.optimizer_control.skipped_steps == 1
+    assert [e.step for e in monitor.events if e.kind == "action"] == [nan_step]
+    assert not monitor.errors
+    monitor.detach()
+
+
+def test_a_nan_in_lbfgs_line_search_withholds_its_update_bitwise():
+    """LBFGS moves the weights and updates its state between closure calls: a NaN at its third
+    call was never judged and reached the weights. Now the step is withheld with the weights
+    and state it began with (its ``prev_flat_grad``, changed in place, copied from the step
+    after one that changed it)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    x = torch.randn(64, 4)
+    y = x @ torch.tensor([[1.0], [-2.0], [3.0], [0.5]]) + 0.3
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=3)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE).attach(opt)
+    for step in range(4):
+        calls = []
+
+        def closure(step=step, calls=calls):
+            calls.append(1)
+            opt.zero_grad()
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            if step == 2 and len(calls) == 3:
+                model.weight.grad[0, 1] = float("inf")
+            return loss
+
+        before = [p.detach().clone() for p in model.parameters()]
+        state = _state(opt)
+        opt.step(closure)
+        assert len(calls) == (3 if step == 2 else 4)
+        assert _updated(model, before) == (step != 2)
+        if step == 2:
+            assert _same(_state(opt), state)
+    assert monitor.optimizer_control.skipped_steps == 1
+    assert [e.step for e in monitor.events if e.kind == "action"] == [2]
+    assert not monitor.errors
+    monitor.detach()
+
+
+class SAMAfterFirstStep(SAM):
+    """Calls its closure once, first, at its first step; SAM's ascent before it from then on."""
+
+    @torch.no_grad()
+    def step(self, closure):
+        if self.base_optimizer.state:
+            return super().step(closure)
+        torch.enable_grad()(closure)()
+        self.base_optimizer.step()
+
+
+def test_a_skip_after_an_unforeseen_ascent_withholds_the_update_and_says_so():
+    """An optimizer whose first step called its closure once, first, is not copied; when a
+    later step moves the weights before its call, a skip there leaves them as it moved them
+    (finite: the NaN update stays out), counted as an error; its steps are copied from then."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    opt = SAMAfterFirstStep(model.parameters(), lr=0.1, momentum=0.9)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE).attach(opt)
+    updated = []
+    for step in range(4):
+
+        def closure(step=step):
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            if step >= 1:
+                model.bias.grad.fill_(float("nan"))
+            return loss
+
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step(closure)
+        updated.append(_updated(model, before))
+    assert updated == [True, True, False, False]  # step 1: left at its ascent; then put back
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert monitor.optimizer_control.skipped_steps == 3
     assert monitor.errors == {"actions": 1}
-    assert monitor.optimizer_control.skipped_steps == 0
+    monitor.detach()
 
 
 @pytest.mark.parametrize("as_keyword", [False, True])

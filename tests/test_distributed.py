@@ -427,6 +427,60 @@ def scenario_ddp_nan_unwatched(rank: int, out: Path) -> dict:
     return res
 
 
+class _SAM(torch.optim.SGD):
+    """Sharpness-aware minimization: a closure call at the weights, an ascent, a call at the
+    perturbed weights, whose gradients the update uses."""
+
+    @torch.no_grad()
+    def step(self, closure):
+        loss = torch.enable_grad()(closure)()
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        olds = [p.clone() for p in params]
+        for p in params:
+            p.add_(p.grad, alpha=0.05)
+        torch.enable_grad()(closure)()
+        for p, old in zip(params, olds, strict=True):
+            p.copy_(old)
+        super().step()
+        return loss
+
+
+def scenario_ddp_sam_nan(rank: int, out: Path) -> dict:
+    """SAM under DDP: a NaN at the perturbed weights at step 1, in rank 1's gradient of a
+    temperature outside the model (not all-reduced); the judgment of that later closure call
+    withholds the update on both ranks."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = Net()
+    ddp = DDP(net)
+    temperature = nn.Parameter(torch.ones(()))
+    params = [*net.parameters(), temperature]
+    opt = _SAM(params, lr=1e-2)
+    monitor = _monitor(net, out, "ddp_sam_nan", rules=_skip_rules()).attach(opt)
+    res: dict = {"updated": []}
+    for step in range(3):
+        calls = []
+
+        def closure(step=step, calls=calls):
+            calls.append(1)
+            opt.zero_grad()
+            loss = (ddp(batch(rank, step)) * temperature).square().mean()
+            loss.backward()
+            if step == 1 and rank == 1 and len(calls) == 2:
+                temperature.grad.fill_(float("nan"))
+            return loss
+
+        before = [p.detach().clone() for p in params]
+        opt.step(closure)
+        moved = not all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
+        res["updated"].append(moved)
+    res["finite"] = bool(torch.isfinite(temperature))
+    res["skipped"] = monitor.optimizer_control.skipped_steps
+    monitor.detach()
+    return res
+
+
 def scenario_ddp_add_group(rank: int, out: Path) -> dict:
     """DDP: the head's group added to the optimizer at step 2 (an unfreezing), a NaN in rank
     1's input at step 4. The update sums' per-row roles were taken at the first flush only, and
@@ -1009,6 +1063,7 @@ SCENARIOS = {
     "ddp_stats": scenario_ddp_stats,
     "ddp_nan": scenario_ddp_nan,
     "ddp_nan_unwatched": scenario_ddp_nan_unwatched,
+    "ddp_sam_nan": scenario_ddp_sam_nan,
     "ddp_add_group": scenario_ddp_add_group,
     "eval_rank0": scenario_eval_on_rank0_before_detach,
     "probe_fails": scenario_probe_fails,
@@ -1351,6 +1406,13 @@ def test_a_nan_in_an_unwatched_gradient_on_rank1_is_skipped_on_both_ranks(runs):
     """A parameter outside the model (its gradient not all-reduced by DDP): the skip covers it,
     and the ranks decide together."""
     for res in _ok(runs["ddp_nan_unwatched"]):
+        assert res["updated"] == [True, False, True]
+        assert res["finite"] and res["skipped"] == 1
+
+
+def test_a_nan_at_sams_perturbed_weights_on_rank1_is_skipped_on_both_ranks(runs):
+    """The later closure call is judged on global values, so that the ranks decide together."""
+    for res in _ok(runs["ddp_sam_nan"]):
         assert res["updated"] == [True, False, True]
         assert res["finite"] and res["skipped"] == 1
 

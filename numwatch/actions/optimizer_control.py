@@ -26,11 +26,13 @@ ends with a detach, as a halt's, is not shown: nothing would clear it later).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import sys
 import types
 from collections.abc import Callable, Hashable
+from functools import partial
 from operator import attrgetter
 from typing import Any
 
@@ -45,9 +47,10 @@ __all__ = ["OptimizerControl", "clear_gradients"]
 log = logging.getLogger("numwatch")
 
 _VERSION = attrgetter("_version")
-# Parameters whose versions tell whether an optimizer changed its parameters before calling its
-# closure: a few, spread over those that train (SAM's ascent step changes every one of them).
-# Reading every parameter's version cost 0.1-0.2 ms per step with 1000 parameters.
+# Parameters whose versions tell whether an optimizer taken for one that calls its closure first
+# changed its parameters before calling it: a few, spread over those that train (SAM's ascent
+# step changes every one of them). Reading every parameter's version cost 0.1-0.2 ms per step
+# with 1000 parameters.
 _WATCHED = 4
 
 
@@ -59,10 +62,13 @@ class OptimizerControl:
         run_guarded: Callable[[Callable[[], None]], Any] = lambda fn: fn(),
         accelerated: Any = None,
         skips: bool = True,
+        judge_again: Callable[[Any], None] = lambda loss: None,
     ) -> None:
         """``accelerated``: Accelerate's ``AcceleratedOptimizer`` around ``optimizer``, whose
         steps run it (see the module docstring). ``skips``: a skip_step rule is configured (a
-        step may be withheld; only then does a closure step watch the parameters)."""
+        step may be withheld; only then does a closure step watch or copy the parameters).
+        ``judge_again(loss)``: judges a later call of the closure in the same step (its
+        gradients are in ``.grad``), which may decide a skip."""
         self.optimizer = optimizer
         # the monitor's guard (failures counted, not raised); None, as _before_step, once released
         self._run_guarded: Callable[[Callable[[], None]], Any] | None = run_guarded
@@ -78,9 +84,16 @@ class OptimizerControl:
         self._stepping = False  # inside the wrapped step (it runs _after_step after the update)
         # (group, the schedule's LR, the LR we set, its version): undone after the update
         self._scaled: list[tuple[dict[str, Any], Any, Any, int | None]] = []
-        # closure steps: whether the optimizer may change its parameters before the closure
-        # call that a skip would end its step in, and the parameters watched for that
-        self._watches = skips and not _evaluates_first(optimizer)
+        # Closure steps. torch.optim's own optimizers call the closure once, before changing
+        # anything; another one may change its parameters before a call (SAM's ascent) or call
+        # it again after moving them (LBFGS): learned from its steps (None: none seen yet; True
+        # once seen, for good), and while not known to be False, each of its steps copies the
+        # parameters first so that a skip decided at any call can put them back.
+        self._skips = skips
+        self._judge_again: Callable[[Any], None] | None = judge_again
+        self._evaluates_first = not skips or _evaluates_first(optimizer)
+        self._moves_first: bool | None = None
+        self._in_place: set[Hashable] = set()  # state keys changed in place before a call
         self._watched: tuple[tuple[tuple[int, int], ...], list[torch.Tensor]] = ((), [])
 
         def step(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -264,13 +277,18 @@ class OptimizerControl:
             self._before_step(None)
             if self._skip:  # (a back-off counts the updates that run at its LR)
                 return self._skip_now(None, scaler=scaler)
-        elif "closure" in kwargs:
-            kwargs = {**kwargs, "closure": self._judging(closure)}
-        else:
-            args = (self._judging(closure), *args[1:])
+        judging = None
+        if closure is not None:
+            judging = self._judging(closure)
+            if "closure" in kwargs:
+                kwargs = {**kwargs, "closure": judging}
+            else:
+                args = (judging, *args[1:])
         self._scale_lrs()
         try:
             out = self._original(*args, **kwargs)
+            if judging is not None and judging.calls and self._moves_first is None:
+                self._moves_first = judging.calls > 1 or judging.moved  # (the first closure step)
         except _Withheld as withheld:
             if withheld.control is not self:  # another monitor's wrapper, around ours
                 raise
@@ -284,35 +302,41 @@ class OptimizerControl:
             self._run_pending()
         return out
 
-    def _judging(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+    def _judging(self, closure: Callable[[], Any]) -> _Judging:
         """``closure``, judging the step after its first call, as the optimizer makes it: that
         call makes the step's gradients (LBFGS's later ones probe other points; SAM's first
         comes after its ascent step, at the perturbed weights). Evaluated before the step
         instead, it was one more backward, and SAM's own call got that cached loss and no
-        gradients, so its second step never restored the weights. A skip ends the step from
-        here, before the update; unless the optimizer changed its parameters before calling
-        the closure (SAM's ascent), which that would leave changed: then the update runs."""
-        params = self._watched_params() if self._watches else []
-        versions = list(map(_VERSION, params))
-        judged = False
+        gradients, so its second step never restored the weights. Later calls are judged by
+        ``judge_again``: the update uses their gradients too (SAM's at the perturbed weights).
+        A skip ends the step from the call that decided it, before the update, with the
+        parameters and state the step began with."""
+        snapshot = watched = None
+        if not self._evaluates_first:
+            if self._moves_first is not False:
+                snapshot = self._run_guarded(lambda: _Snapshot(self.optimizer, self._in_place))
+            else:
+                watched = self._watched_params()
+        return _Judging(self, closure, snapshot, watched)
 
-        def judging() -> Any:
-            nonlocal judged
-            if judged:
-                return closure()
-            judged = True
-            moved = list(map(_VERSION, params)) != versions
-            loss = closure()
-            self._before_step(loss if isinstance(loss, torch.Tensor) else None)
-            if self._skip and not moved:
-                raise _Withheld(self, loss)
+    def _judged(self, judging: _Judging, loss: Any) -> None:
+        """The closure's call ``judging.calls`` returned ``loss``: judge it; a skip ends the
+        step here."""
+        try:
+            if judging.calls == 1:
+                self._before_step(loss if isinstance(loss, torch.Tensor) else None)
+            elif self._skips and self.active and self._judge_again is not None:
+                self._judge_again(loss)
+        finally:  # (a halt raised with the skip: the update never comes either)
             if self._skip:
-                self._skip = False
-                self._run_guarded(_cannot_withhold)
+                if judging.snapshot is not None:
+                    self._run_guarded(partial(judging.snapshot.restore, self.optimizer))
+                elif judging.moved:
+                    self._run_guarded(_cannot_restore)
+        if self._skip:
+            raise _Withheld(self, loss)
+        if judging.calls == 1:
             self._scale_lrs()  # a back-off decided on this step slows its update
-            return loss
-
-        return judging
 
     def _watched_params(self) -> list[torch.Tensor]:
         """A few of the optimizer's parameters that train, spread over them; chosen again when
@@ -394,7 +418,7 @@ class OptimizerControl:
     def _release(self) -> None:
         """Drop every reference back to the monitor (nothing is pending): a pass-through left in
         a wrapper chain (an LR scheduler built after attach) lives as long as the optimizer."""
-        self._before_step = self._run_guarded = None
+        self._before_step = self._run_guarded = self._judge_again = None
 
     def _remove(self) -> None:
         self._unshow_skip()
@@ -435,12 +459,112 @@ class _Withheld(Exception):
         self.loss = loss
 
 
-def _cannot_withhold() -> None:
+def _cannot_restore() -> None:
     raise NumwatchError(
-        "skip_step could not withhold this update: the optimizer changed its parameters before "
-        "calling its closure (as SAM's ascent step does), and ending its step there would leave "
-        "them changed; the update was applied"
+        "skip_step withheld this update, but the optimizer had changed its parameters before "
+        "calling its closure (as SAM's ascent step does) in a step numwatch did not copy them "
+        "for (it had called its closure once, first, until then): they stay as it left them; "
+        "its steps are copied from now on"
     )
+
+
+class _Judging:
+    """The closure an optimizer's step gets: each call is judged (``OptimizerControl._judged``).
+    ``moved``: the optimizer changed its parameters before a call (or between calls)."""
+
+    def __init__(
+        self,
+        control: OptimizerControl,
+        closure: Callable[[], Any],
+        snapshot: _Snapshot | None,
+        watched: list[torch.Tensor] | None,
+    ) -> None:
+        self.control = control
+        self.closure = closure
+        self.snapshot = snapshot
+        self.watched = watched or []
+        self.versions = list(map(_VERSION, self.watched))
+        self.calls = 0
+        self.moved = False
+
+    def __call__(self) -> Any:
+        control = self.control
+        self.calls += 1
+        if self.snapshot is not None:
+            self.moved = self.moved or self.snapshot.moved()
+            control._in_place |= self.snapshot.changed_in_place()  # copied from the next step
+        elif self.watched:
+            self.moved = self.moved or list(map(_VERSION, self.watched)) != self.versions
+        if self.moved or self.calls > 1:
+            control._moves_first = True
+        loss = self.closure()
+        control._judged(self, loss)
+        return loss
+
+
+class _Snapshot:
+    """An optimizer's parameters and state at the start of a step, put back bitwise when a skip
+    ends the step after the optimizer changed them. The state is copied shallowly (dicts and
+    lists anew, tensors by reference: an optimizer mostly replaces its tensors, as SAM's
+    ``old_p`` and LBFGS's directions), except the tensors under ``in_place`` keys, seen changed
+    in place before a closure call in an earlier step (LBFGS's ``prev_flat_grad``): copied."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, in_place: set[Hashable]) -> None:
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.versions = list(map(_VERSION, self.params))
+        with torch.no_grad():
+            self.values = [torch.empty_like(p) for p in self.params]
+            torch._foreach_copy_(self.values, self.params)
+        self.state = {p: _state_copy(s, in_place) for p, s in optimizer.state.items()}
+        self.tensors = [  # (key, tensor, its version) of the state held by reference
+            (key, t, t._version)
+            for s in self.state.values()
+            if isinstance(s, dict)
+            for key, t in s.items()
+            if isinstance(t, torch.Tensor) and key not in in_place
+        ]
+
+    def moved(self) -> bool:
+        return list(map(_VERSION, self.params)) != self.versions
+
+    def changed_in_place(self) -> set[Hashable]:
+        return {key for key, t, version in self.tensors if t._version != version}
+
+    def restore(self, optimizer: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.values)
+        state = optimizer.state
+        for p in [p for p in state if p not in self.state]:  # state the step began
+            del state[p]
+        for p, saved in self.state.items():
+            current = state.get(p)
+            if isinstance(current, dict) and isinstance(saved, dict):
+                current.clear()  # the same dict: an optimizer may hold it
+                current.update(saved)
+            else:
+                state[p] = saved
+        changed = self.changed_in_place()
+        if changed:
+            optimizer_name = type(optimizer).__name__
+            raise NumwatchError(
+                f"skip_step put the parameters back, but {optimizer_name} had changed its state "
+                f"{sorted(map(str, changed))} in place before calling its closure: that state "
+                "is as it left it (it is copied from the next step on)"
+            )
+
+
+def _state_copy(state: Any, in_place: set[Hashable]) -> Any:
+    """One parameter's optimizer state, to put back: see ``_Snapshot``."""
+    if not isinstance(state, dict):
+        return state
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and key in in_place:
+            value = value.clone()
+        elif isinstance(value, list | dict | set):
+            value = copy.copy(value)
+        out[key] = value
+    return out
 
 
 def _evaluates_first(optimizer: torch.optim.Optimizer) -> bool:

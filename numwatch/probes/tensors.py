@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import cache, partial
 from itertools import repeat
 from operator import attrgetter
@@ -37,7 +37,13 @@ from numwatch.probes.base import ProbeContext
 from numwatch.selection import select_modules, select_parameters
 from numwatch.snapshot import MetricRecord
 
-__all__ = ["ActivationProbe", "GradientProbe", "stat_records", "table_records"]
+__all__ = [
+    "ActivationProbe",
+    "GradientProbe",
+    "gradients_flag",
+    "stat_records",
+    "table_records",
+]
 
 log = logging.getLogger("numwatch")
 
@@ -161,6 +167,13 @@ def _nonfinite_flag(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         part = absmax.to(torch.float64) * 0.0  # inf * 0 and NaN * 0 are NaN
         flag = part if flag is None else flag + part.to(flag.device, non_blocking=True)
     return flag
+
+
+def gradients_flag(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """``_nonfinite_flag`` of the gradients of ``params`` that have values to measure (a
+    DTensor's: its local shard); None where none has."""
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+    return _nonfinite_flag([g for g in grads if _usable(g) is not None])
 
 
 _GRAD = attrgetter("grad")
@@ -464,8 +477,7 @@ class GradientProbe:
             watched = {id(p) for p in self._tensors}
             params = [p for group in groups for p in group["params"] if id(p) not in watched]
             self._unwatched = (len(groups), params)
-        grads = [local_tensor(p.grad) for p in self._unwatched[1] if p.grad is not None]
-        return _nonfinite_flag([g for g in grads if _usable(g) is not None])
+        return gradients_flag(self._unwatched[1])
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         self.settle()

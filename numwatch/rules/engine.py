@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -193,6 +194,25 @@ class RuleEngine:
                     fired.append((event, rule))
                     self._step_fired.add(rule.name)
             rule.end_flush()
+        return fired
+
+    @property
+    def judges_evaluations(self) -> bool:
+        """A step-level nonfinite rule judges later closure calls too (``judge_evaluation``)."""
+        return any(isinstance(r, NonfiniteRule) for r in self.step_rules)
+
+    def judge_evaluation(self, step: int, values: Mapping[str, float]) -> list[tuple[Event, Rule]]:
+        """Events of the step-level nonfinite rules on a later closure call of ``step`` (SAM's
+        gradients at its perturbed weights: the update uses them too), from that call's
+        values: each fires on a non-finite value of its metric. Their history is left as it
+        is: the step was observed once, when it closed."""
+        fired = []
+        for rule in self.step_rules:
+            if isinstance(rule, NonfiniteRule) and rule.metric in values:
+                finding = self._run(rule.check, deque(), values[rule.metric])
+                if finding is not None:
+                    fired.append((self._event(rule, step, {}, finding), rule))
+                    self._step_fired.add(rule.name)
         return fired
 
     def _check_metric_names(self, records: Sequence[MetricRecord]) -> None:
