@@ -263,6 +263,7 @@ class Aggregator:
         # shard_role of each row's parameter, per table: {"grad_table": ..., "opt": ...}
         self._roles: dict[str, tuple[int, ...]] = {}
         self._counted: dict[torch.device, torch.Tensor] = {}
+        self._grad_params: Any = None  # the gradient probe's selection the two above are of
         self._one: dict[torch.device, torch.Tensor] = {}  # the 'has a norm' flag of an entry
         # per closed step: (3,) [counted norm^2 share, bad, has a norm]; every step has one, on
         # every rank (a failed or gradient-less step too), so the ranks' lists line up
@@ -286,6 +287,7 @@ class Aggregator:
         (uneven inputs) ends with it: every rank attaches again, and aggregates again."""
         self._roles.clear()
         self._counted.clear()
+        self._grad_params = None
         self._plans.clear()
         self._norms = []
         self.joined_step = None
@@ -529,8 +531,8 @@ class Aggregator:
             device = norms[0].device
             tensors["grad_norm_steps"] = torch.stack([n.to(device) for n in norms])  # (steps, 2)
             own_norms = {k: tensors.pop(k) for k in ("grad_norm_sq_last", "grad_norm_sq_max")}
-        if gradients is not None and "grad_table" not in self._roles:
-            self._roles["grad_table"] = tuple(shard_role(p) for _, p in gradients.params)
+        if gradients is not None:
+            self._follow_selection(gradients)
         if optimizer is not None:  # every flush: a param group added or removed since
             self._roles["opt"] = tuple(shard_role(p) for _, p in optimizer.params)
         if "loss" in tensors:
@@ -595,6 +597,7 @@ class Aggregator:
     # --------------------------------------------------------------------- internals
     def _counted_rows(self, gradients: GradientProbe, device: torch.device) -> torch.Tensor:
         """(n_params,) bool: this rank's rows count in global sums (shards; replicas on rank 0)."""
+        self._follow_selection(gradients)
         counted = self._counted.get(device)
         if counted is None:
             first = dist.get_rank() == 0
@@ -602,6 +605,14 @@ class Aggregator:
             flags = [r == SHARD or (r == REPLICA and first) for r in roles]
             counted = self._counted[device] = to_device(flags, torch.bool, device)
         return counted
+
+    def _follow_selection(self, gradients: GradientProbe) -> None:
+        """The rows' roles of the gradient probe's selection, made again when it selected again
+        (a parameter unfrozen or frozen: at the start of a flush window, alike on every rank)."""
+        if gradients.params is not self._grad_params:
+            self._grad_params = gradients.params
+            self._roles["grad_table"] = tuple(shard_role(p) for _, p in gradients.params)
+            self._counted.clear()
 
     def _reduce(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         layout = [(k, tuple(tensors[k].shape)) for k in sorted(tensors)]

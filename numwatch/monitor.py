@@ -68,7 +68,7 @@ from numwatch.probes.optimizer import OptimizerProbe
 from numwatch.probes.tensors import ActivationProbe, GradientProbe, gradients_flag
 from numwatch.probes.weights import WeightProbe
 from numwatch.rules import Rule, RuleEngine, at_flush, configured_rules, unadopted
-from numwatch.selection import matches_any, select_parameters
+from numwatch.selection import matches_any
 from numwatch.sinks.base import Sink
 from numwatch.sinks.console import ConsoleSink
 from numwatch.sinks.jsonl import JsonlSink, LogInUse
@@ -237,7 +237,6 @@ class Monitor(Joinable):
         self._local_snapshot: Snapshot | None = None  # this rank's own values (per-rank JSONL)
         self._control: OptimizerControl | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._new_trainable: tuple[str, ...] = ()  # trainable since attach, last warned about
         self._history: deque[Snapshot] = deque(maxlen=self.config.history)
         self._event_counts: Counter[tuple[str, str]] = Counter()
         self._unsent_events: list[Event] = []  # raised between flushes, for the next flush's sinks
@@ -1052,7 +1051,6 @@ class Monitor(Joinable):
         start = time.perf_counter()
         self._guard.run("flush", self._dist.settle, self._ctx.step)
         self._guard.run("sinks", self._log_own_values)
-        self._guard.run("flush", self._warn_new_trainable)
         with gc_paused():
             snapshot, fired = self._guard.run("flush", self._collect) or (None, [])
             if snapshot is not None:
@@ -1138,25 +1136,6 @@ class Monitor(Joinable):
                 ", ".join(self._loss_rules),
             )
             self._loss_rules = []
-
-    def _warn_new_trainable(self) -> None:
-        """Parameters that began to require grad after attach (gradual unfreezing) are outside
-        the selection the probes made then: say so, once per change (a host walk, per flush)."""
-        probe = self._gradients
-        if probe is None:
-            return
-        watched = {id(p) for _, p in probe.params}
-        selected = select_parameters(self.model, probe.cfg.params, probe.cfg.exclude)
-        new = tuple(name for name, p in selected if id(p) not in watched)
-        if new and new != self._new_trainable:
-            log.warning(
-                "numwatch: %d parameters require grad since attach() and get no gradient "
-                "statistics: %s; detach() and attach() again to include them (spectral norms "
-                "include them from the next sampled step)",
-                len(new),
-                ", ".join(new[:8]) + (", ..." if len(new) > 8 else ""),
-            )
-        self._new_trainable = new
 
     def _collect(self) -> tuple[Snapshot, list[tuple[Event, Rule | None]]]:
         ctx = self._ctx

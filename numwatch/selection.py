@@ -11,7 +11,14 @@ from torch import nn
 
 log = logging.getLogger("numwatch")
 
-__all__ = ["matches", "matches_any", "matches_within", "select_modules", "select_parameters"]
+__all__ = [
+    "matches",
+    "matches_any",
+    "matches_within",
+    "parameter_state",
+    "select_modules",
+    "select_parameters",
+]
 
 
 def matches(name: str, include: Iterable[str], exclude: Iterable[str] = ()) -> bool:
@@ -45,6 +52,12 @@ def select_parameters(
     if setting is not None:
         _warn_unmatched(setting, include, [name for name, _ in named])
     return [(name, p) for name, p in named if p.requires_grad and matches(name, include, exclude)]
+
+
+def parameter_state(model: nn.Module) -> tuple[tuple[int, bool], ...]:
+    """Which Parameters the model holds and which are trainable (``select_parameters``'s
+    inputs besides the globs): a probe selects again when it changed."""
+    return tuple((id(p), p.requires_grad) for p in model.parameters())
 
 
 def _warn_unmatched(setting: str, patterns: list[str], names: list[str]) -> None:

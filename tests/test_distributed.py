@@ -304,6 +304,33 @@ def scenario_reattach_unfrozen(rank: int, out: Path) -> dict:
     return {"norms": got, "errors": dict(monitor.errors)}
 
 
+def scenario_unfrozen_while_attached(rank: int, out: Path) -> dict:
+    """A layer unfrozen after step 0: the gradient probe selects it at the first step of the
+    next flush window (flush_every=1: step 1), and the rows' roles follow (global norms over
+    the selected gradients at each step)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    net[0].requires_grad_(False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    monitor = _monitor(net, out, "unfrozen_while_attached", activations__every=50).attach(opt)
+    got = []
+    for step in range(3):
+        if step == 1:
+            net[0].requires_grad_(True)
+        net(torch.ones(2, 4) * (rank + 1)).square().mean().backward()
+        for p in net.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= WORLD
+        selected = net.parameters() if step else net[1].parameters()
+        want = math.sqrt(sum(p.grad.double().square().sum().item() for p in selected))
+        monitor.step()
+        opt.zero_grad()
+        got.append((monitor.snapshot().value("grad_norm"), want))
+    monitor.detach()
+    return {"norms": got, "errors": dict(monitor.errors)}
+
+
 def scenario_attach_alone(rank: int, out: Path) -> dict:
     """Rank 0 attaches a monitor and rank 1 does not (monitoring 'on rank 0 only'): rank 0
     raises after attach_timeout instead of waiting in the first collective for ever; then both
@@ -1086,6 +1113,7 @@ SCENARIOS = {
     "rule_mismatch": scenario_rule_mismatch,
     "layouts_differ": scenario_layouts_differ,
     "reattach_unfrozen": scenario_reattach_unfrozen,
+    "unfrozen_while_attached": scenario_unfrozen_while_attached,
     "default_name": scenario_default_name,
     "fsdp_one_rank_local": scenario_fsdp_one_rank_local,
     "callable_callback": scenario_callable_callback,
@@ -1559,6 +1587,13 @@ def test_statistics_that_cannot_combine_stay_local_and_a_nan_on_one_rank_does_no
 
 def test_a_new_attach_rebuilds_the_rows_roles(runs):
     for res in _ok(runs["reattach_unfrozen"]):
+        assert not any(res["errors"].values()), res["errors"]
+        for got, want in res["norms"]:
+            assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_a_layer_unfrozen_while_attached_is_aggregated_from_its_next_step(runs):
+    for res in _ok(runs["unfrozen_while_attached"]):
         assert not any(res["errors"].values()), res["errors"]
         for got, want in res["norms"]:
             assert got == pytest.approx(want, rel=1e-6)

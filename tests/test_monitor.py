@@ -996,30 +996,37 @@ def test_step_with_a_closure_measures_the_gradients_the_closure_made(
     assert [s.value("loss") for s in monitor.history] == pytest.approx(losses)
 
 
-def test_parameters_unfrozen_after_attach_are_named_once(make_monitor, caplog):
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    model[0].requires_grad_(False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    monitor = make_monitor(model, flush_every=1).attach(opt)
-    with caplog.at_level("WARNING", logger="numwatch"):
-        for step in range(4):
-            if step == 2:
-                model[0].requires_grad_(True)  # gradual unfreezing
-            model(torch.randn(2, 4)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    warned = [r.getMessage() for r in caplog.records if "since attach()" in r.getMessage()]
-    assert warned == [
-        "numwatch: 2 parameters require grad since attach() and get no gradient statistics: "
-        "0.weight, 0.bias; detach() and attach() again to include them (spectral norms include "
-        "them from the next sampled step)"
-    ]
+def test_gradient_statistics_follow_parameters_unfrozen_and_frozen_after_attach(make_monitor):
+    """Gradual unfreezing: a parameter unfrozen after attach never got gradient statistics (a
+    warning told to attach again), and one frozen after it kept reporting its stale gradient.
+    The selection follows, as the weight probe's does, from the first step of a flush window."""
+    model = nn.ModuleDict({name: nn.Linear(4, 1) for name in "abc"})
+    model["a"].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = make_monitor(model, flush_every=2).attach(opt)
+    for step in range(6):
+        if step == 3:  # in the window of steps 2-3: left out from step 4
+            model["b"].requires_grad_(False)  # its gradient stays, zeroed, not cleared
+        if step == 4:  # after step 3's flush: measured from this step on
+            model["a"].requires_grad_(True)
+        x = torch.full((2, 4), step + 1.0)
+        sum(layer(x).sum() for layer in model.values()).backward()  # d/dW = 2 (step + 1)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
     monitor.detach()
-    monitor.attach(opt)  # the remedy it names
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()  # closes the step and flushes (flush_every=1)
-    params = {r.labels["param"] for r in monitor.snapshot().series("grad_absmax")}
-    assert params == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    absmax = [
+        {
+            r.labels["param"]: r.value
+            for r in s.series("grad_absmax")
+            if r.labels["param"] != "c.bias"
+        }
+        for s in monitor.history
+    ]
+    assert absmax == [
+        {"b.weight": 4.0, "b.bias": 2.0, "c.weight": 4.0},
+        {"b.weight": 6.0, "b.bias": 2.0, "c.weight": 8.0},  # b: step 3's stale zeros, here only
+        {"a.weight": 12.0, "a.bias": 2.0, "c.weight": 12.0},
+    ]
 
 
 def test_parameters_frozen_after_attach_keep_the_monitor_running(make_monitor):

@@ -34,7 +34,7 @@ from numwatch.hooks import UserHook, outside_graphs
 from numwatch.kernels import tensor_stats as ts
 from numwatch.kernels.host_copy import to_device
 from numwatch.probes.base import ProbeContext
-from numwatch.selection import select_modules, select_parameters
+from numwatch.selection import parameter_state, select_modules, select_parameters
 from numwatch.snapshot import MetricRecord
 
 __all__ = [
@@ -274,17 +274,14 @@ class GradientProbe:
     ) -> None:
         self.cfg = cfg
         self.ctx = ctx
+        self.model = model
         self._every = 1 if every_step else cfg.every
-        self.params = select_parameters(model, cfg.params, cfg.exclude, "gradients.params")
-        self._tensors = [p for _, p in self.params]
-        self._sharded = any(is_dtensor(p) for p in self._tensors)
         self._handles: list[Any] = []
         self._fired: list[int] = []
         self._fired_set: set[int] = set()
-        self._order: tuple[int, ...] = ()  # backward order learned by the hooks
-        self._tables = DeviceTables("grad_table", len(self.params))
-        self._unmeasured: set[int] = set()  # gradients reported as not measurable
-        self._plans: dict[tuple, list[tuple]] = {}
+        self._unmeasured: set[int] = set()  # ids of parameters whose gradients were reported
+        self._check_selection = False  # at the next step: the model's parameters changed?
+        self._select("gradients.params")
         # Steps measured since the last settle: [(plan entry, stats, first order number)] each.
         self._pending: list[list[tuple[tuple, torch.Tensor, int]]] = []
         self._norm_sq_last: torch.Tensor | None = None
@@ -293,6 +290,20 @@ class GradientProbe:
         self.step_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
         # per device: ((device, address, version) of the loss scale, its unscaling factors)
         self._factors: dict[torch.device, tuple[tuple, torch.Tensor]] = {}
+
+    def _select(self, setting: str | None = None) -> None:
+        """Choose the parameters: those that train now. Again at the first step of a flush
+        window after the model's parameters changed (weights unfrozen or frozen: gradual
+        unfreezing; a module replaced), as the weight probe does at its sampled steps, so that a
+        window's table has the same rows for all of its steps, and the steps between pay
+        nothing. ``setting``: say which globs match nothing."""
+        self._param_state = parameter_state(self.model)
+        self.params = select_parameters(self.model, self.cfg.params, self.cfg.exclude, setting)
+        self._tensors = [p for _, p in self.params]
+        self._sharded = any(is_dtensor(p) for p in self._tensors)
+        self._order: tuple[int, ...] = ()  # backward order learned by the hooks
+        self._tables = DeviceTables("grad_table", len(self.params))
+        self._plans: dict[tuple, list[tuple]] = {}
         # (number of param groups, the optimizer's parameters this probe does not watch)
         self._unwatched: tuple[int, list[torch.Tensor]] = (-1, [])
 
@@ -303,8 +314,8 @@ class GradientProbe:
         self._disarm()
 
     def _arm(self) -> None:
-        """Order hooks on the parameters that take gradients now (one frozen since attach
-        refuses a hook); each handle is kept as it is made, so detach removes all of them."""
+        """Order hooks on the parameters that take gradients now (one frozen since the
+        selection refuses a hook); each handle is kept as it is made, so detach removes all."""
         if not self._handles:
             for i, p in enumerate(self._tensors):
                 if p.requires_grad:
@@ -324,6 +335,13 @@ class GradientProbe:
 
     def on_step(self) -> None:
         """Read every gradient of the closing step (called by Monitor.step, guarded)."""
+        if self._check_selection:  # the window's first step: one walk over the parameters
+            self._check_selection = False
+            if parameter_state(self.model) != self._param_state:
+                fired = [self._tensors[i] for i in self._fired]
+                self._select()
+                index = {id(p): i for i, p in enumerate(self._tensors)}
+                self._fired = [index[id(p)] for p in fired if id(p) in index]  # backward order
         if self._handles:
             if self._fired and tuple(self._fired) != self._order:
                 self._order = tuple(self._fired)
@@ -395,13 +413,13 @@ class GradientProbe:
             i
             for i, (g, d) in enumerate(zip(grads, usable, strict=True))
             if d is None
-            and i not in self._unmeasured
+            and id(self._tensors[i]) not in self._unmeasured
             and g is not None
             and g.numel()
             and not g.is_meta
         ]
         if unmeasured:
-            self._unmeasured.update(unmeasured)
+            self._unmeasured.update(id(self._tensors[i]) for i in unmeasured)
             log.warning(
                 "numwatch: gradients not measured (their grad_* statistics, grad_norm and the "
                 "non-finite search leave them out): %s",
@@ -500,10 +518,12 @@ class GradientProbe:
         return out
 
     def reset(self) -> None:
-        """After a flush: a new window, and one step that re-learns the backward order."""
+        """After a flush: a new window, whose first step checks the selection, and one step
+        that re-learns the backward order."""
         self._pending.clear()
         self._tables.reset()
         self._norm_sq_last = self._norm_max = None
+        self._check_selection = True
         self._arm()
 
 

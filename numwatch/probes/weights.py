@@ -21,7 +21,7 @@ from numwatch.kernels.host_copy import to_device
 from numwatch.kernels.power_iteration import WARMUP_ITERS, PowerIteration, qk_logit_bound
 from numwatch.probes.base import ProbeContext, gathering_device
 from numwatch.probes.qk_layout import QKLayout, find_qk_layout, reads_parameters
-from numwatch.selection import _warn_unmatched, matches, select_parameters
+from numwatch.selection import _warn_unmatched, matches, parameter_state, select_parameters
 from numwatch.snapshot import MetricRecord
 
 log = logging.getLogger("numwatch")
@@ -82,11 +82,6 @@ def _computed_weights(model: nn.Module) -> dict[int, str]:
     return out
 
 
-def _parameter_state(model: nn.Module) -> tuple[tuple[int, bool], ...]:
-    """Which Parameters the model holds and which are trainable (the selection's inputs)."""
-    return tuple((id(p), p.requires_grad) for p in model.parameters())
-
-
 class WeightProbe:
     component = "weights"
 
@@ -112,7 +107,7 @@ class WeightProbe:
         unfrozen or frozen: gradual unfreezing), before the weights are read: a Parameter kept
         from before would be reported under the name of its replacement."""
         model, cfg = self.model, self.cfg
-        self._param_ids = _parameter_state(model)
+        self._param_ids = parameter_state(model)
         tables = set() if cfg.embeddings else _embedding_tables(model)
         computed = _computed_weights(model)
         self.params = [
@@ -238,7 +233,7 @@ class WeightProbe:
     def on_step(self) -> None:
         if self.ctx.step % self.cfg.every:
             return
-        if _parameter_state(self.model) != self._param_ids:  # host-side only
+        if parameter_state(self.model) != self._param_ids:  # host-side only
             self._select()
             self._pi.clear()
         self._fresh = True
