@@ -5,7 +5,8 @@ file) < ``NUMWATCH_*`` environment variables < keyword overrides. Nested fields 
 double underscore in both env names and keywords: ``NUMWATCH_SINKS__JSONL__PATH=run.jsonl`` or
 ``Monitor(model, sinks__jsonl__path="run.jsonl")``. An env value for a text field is taken as is
 (``NUMWATCH_RUN_NAME=0042``); others are parsed as YAML, so ``NUMWATCH_FLUSH_EVERY=5`` is an int
-(``010`` is 10: numbers are decimal) and ``NUMWATCH_GRADIENTS__PARAMS="[h.*]"`` a list. Section
+and ``NUMWATCH_GRADIENTS__PARAMS="[h.*]"`` a list. Files and values are read as YAML 1.2
+(``_ConfigLoader``): ``1e-3`` is a float, ``010`` is 10, yes/no/on/off are text. Section
 objects (``GradientConfig(every=7)``) count for the fields they were given, like the equivalent
 dict.
 """
@@ -536,7 +537,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             f"{where} " + ("is not a file" if path.exists() else "does not exist")
         )
     try:
-        data = yaml.safe_load(path.read_bytes().decode())
+        data = yaml.load(path.read_bytes().decode(), _ConfigLoader)  # a SafeLoader
     except UnicodeDecodeError as exc:
         raise NumwatchConfigError(f"{where} is not UTF-8 text: {exc}") from None
     except yaml.YAMLError as exc:
@@ -621,7 +622,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
             flat[key] = raw
             continue
         try:
-            flat[key] = yaml.load(raw, _EnvLoader)  # a SafeLoader
+            flat[key] = yaml.load(raw, _ConfigLoader)  # a SafeLoader
         except yaml.YAMLError as e:
             if raw.lstrip()[:1] in "[{":  # meant as a list or mapping: say why it is not one
                 raise NumwatchConfigError(
@@ -632,30 +633,53 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     return _expand_dunder(flat)
 
 
-class _EnvLoader(yaml.SafeLoader):
-    """YAML for NUMWATCH_* values, with decimal numbers only: YAML 1.1 read a zero-padded
-    ``NUMWATCH_FIRST_STEP=000500`` as octal (320) and ``NUMWATCH_FLUSH_EVERY=1:30`` as base 60
-    (90). Such a value is now 500, or text that validation refuses."""
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML for config files and NUMWATCH_* values, with YAML 1.2's plain scalars (its core
+    schema) instead of PyYAML's YAML 1.1 ones, which surprised:
+
+    - ``lr_factor: 1e-3`` and ``5e-1`` (no dot) were text, a float only where pydantic
+      converts it (not in an action's settings, a dict until the action is built);
+    - yes/no/on/off were booleans: a text field given ``run_name: no`` or a glob ``[on]`` got
+      False/True and failed as "got False"; only true/false are booleans now, the other words
+      are the text written, which a bool field still takes (pydantic reads yes/no/on/off);
+    - zero-padded numbers were octal (``first_step: 010`` was 8) and time-like ones base 60
+      (``flush_every: 1:30`` was 90); numbers are decimal now, ``1:30`` is text;
+    - dates were dates (``run_name: 2026-01-01`` failed as "got datetime.date").
+    """
 
 
-_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
-_EnvLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT, _FLOAT)]
+_BOOL, _INT, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_YAML11 = (_BOOL, _INT, _FLOAT, "tag:yaml.org,2002:timestamp")
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: kept
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    if (kept := [(tag, regexp) for tag, regexp in resolvers if tag not in _YAML11])
 }
-_EnvLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
-_EnvLoader.add_implicit_resolver(
+_ConfigLoader.add_implicit_resolver(
+    _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_ConfigLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+_ConfigLoader.add_implicit_resolver(  # after the int: the pattern takes integers too
     _FLOAT,
-    re.compile(  # YAML 1.1's float without its base-60 form
-        r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?
-        |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
     ),
     list("-+.0123456789"),
 )
-_EnvLoader.add_constructor(_INT, lambda loader, node: int(loader.construct_scalar(node)))
+
+
+def _decimal_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    try:
+        return int(text, 10)
+    except ValueError:  # an explicit !!int of another form
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not a decimal integer", node.start_mark
+        ) from None
+
+
+_ConfigLoader.add_constructor(_INT, _decimal_int)
 
 
 def _takes_text(key: str) -> bool:

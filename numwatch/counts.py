@@ -1,8 +1,8 @@
-"""What every settings model shares: a count refuses YAML's booleans.
+"""What every settings model shares: a count refuses booleans.
 
-YAML reads yes/no/on/off as booleans, which pydantic took as 1/0 for counts: ``flush_every: yes``
-flushed every step, ``port: no`` bound a random port, a rule's ``cooldown: yes`` kept it quiet
-for one flush.
+pydantic takes booleans as 1/0 for counts: ``flush_every: true`` (once also PyYAML's ``yes``)
+flushed every step, ``port: false`` bound a random port, a rule's ``cooldown: true`` kept it
+quiet for one flush.
 """
 
 from __future__ import annotations

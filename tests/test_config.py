@@ -346,17 +346,49 @@ def test_a_jsonl_path_field_other_than_run_name_and_rank_is_a_config_error(path,
 
 
 @pytest.mark.parametrize(
-    ("yaml_text", "field"),
-    [("flush_every: yes\n", "flush_every"), ("sinks: {prometheus: {port: no}}\n", "port"),
-     ("attention: {batch: off}\n", "batch")],
+    ("yaml_text", "error"),
+    [("flush_every: true\n", "flush_every: a number is expected, got the boolean True"),
+     ("sinks: {prometheus: {port: false}}\n", "port: a number is expected"),
+     ("flush_every: yes\n", "flush_every: got 'yes'; Input should be a valid integer"),
+     ("attention: {batch: off}\n", "attention.batch: got 'off'; Input should be a valid integer")],
 )  # fmt: skip
-def test_a_boolean_is_not_taken_for_a_number(tmp_path, yaml_text, field):
-    """YAML reads yes/no/off as booleans; pydantic took them as 1/0 (a flush every step, a
-    random port, every batch element for 'off')."""
+def test_a_boolean_is_not_taken_for_a_number(tmp_path, yaml_text, error):
+    """pydantic took booleans as 1/0 (a flush every step, a random port, every batch element
+    for 'off'); yes/no/on/off are text (YAML 1.2), which a count refuses too."""
     path = tmp_path / "c.yaml"
     path.write_text(yaml_text)
-    with pytest.raises(NumwatchConfigError, match=f"{field}: a number is expected"):
+    with pytest.raises(NumwatchConfigError, match=error):
         MonitorConfig.load(path, env={})
+
+
+def test_yaml_scalars_are_read_as_yaml_1_2(tmp_path):
+    """PyYAML reads YAML 1.1: 1e-3 and 5e-1 (no dot) were text (an action's factor stayed '5e-1'
+    in the config), yes/no/on/off booleans (a run named 'no', a glob 'on' or a label value
+    were refused as "got False"), 010 octal (8) and a date a date. Now 1e-3 is a number,
+    those words are the text written (a bool field still reads them), numbers are decimal."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "run_name: no\nfirst_step: 010\nstrict: yes\n"
+        "gradients: {params: [on, yes], enabled: off}\n"
+        "attention: {layers: [off]}\n"
+        "distributed: {attach_timeout: 1e2}\n"
+        "sinks: {console: {enabled: false}}\n"
+        "rules: {add: [{name: r, type: threshold, metric: grad_rms, threshold: 1e-3,\n"
+        "               labels: {param: on}, actions: [{type: lr_backoff, factor: 5e-1}]}]}\n"
+    )
+    cfg = MonitorConfig.from_yaml(path)
+    assert (cfg.run_name, cfg.first_step, cfg.strict) == ("no", 10, True)
+    assert (cfg.gradients.params, cfg.gradients.enabled) == (["on", "yes"], False)
+    assert cfg.attention.layers == ["off"]
+    assert cfg.distributed.attach_timeout == 100.0 and not cfg.sinks.console.enabled
+    [rule] = cfg.rules.add
+    assert (rule.threshold, rule.labels) == (1e-3, {"param": "on"})
+    assert rule.actions == [{"type": "lr_backoff", "factor": 0.5}]
+    path.write_text("run_name: 2026-01-01\n")
+    assert MonitorConfig.from_yaml(path).run_name == "2026-01-01"
+    env = {"NUMWATCH_GRADIENTS__PARAMS": "[on, no]", "NUMWATCH_SINKS__PROMETHEUS__EXCLUDE": "[off]"}
+    cfg = MonitorConfig.load(env=env)
+    assert (cfg.gradients.params, cfg.sinks.prometheus.exclude) == (["on", "no"], ["off"])
 
 
 def test_a_boolean_count_names_only_its_own_source(tmp_path):
@@ -364,9 +396,9 @@ def test_a_boolean_count_names_only_its_own_source(tmp_path):
     source that set something (the good file along with the bad variable)."""
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text("run_name: exp1\nsinks: {prometheus: {host: x}}\n")
-    bad.write_text("flush_every: on\n")
+    bad.write_text("flush_every: true\n")
     with pytest.raises(NumwatchConfigError) as err:
-        MonitorConfig.load(good, env={"NUMWATCH_FLUSH_EVERY": "yes"})
+        MonitorConfig.load(good, env={"NUMWATCH_FLUSH_EVERY": "true"})
     assert str(err.value) == (
         "invalid numwatch config: flush_every: a number is expected, got the boolean True "
         "(from NUMWATCH_FLUSH_EVERY)"
@@ -376,7 +408,7 @@ def test_a_boolean_count_names_only_its_own_source(tmp_path):
     assert str(err.value).endswith(f"flush_every: a number is expected, got the boolean True "
                                    f"(from config file {str(bad)!r})")  # fmt: skip
     with pytest.raises(NumwatchConfigError) as err:
-        MonitorConfig.load(good, env={"NUMWATCH_SINKS__PROMETHEUS__PORT": "no"})
+        MonitorConfig.load(good, env={"NUMWATCH_SINKS__PROMETHEUS__PORT": "false"})
     assert str(err.value).endswith(
         "sinks.prometheus.port: a number is expected, got the boolean False "
         "(from NUMWATCH_SINKS__PROMETHEUS__PORT)"
@@ -385,15 +417,15 @@ def test_a_boolean_count_names_only_its_own_source(tmp_path):
 
 @pytest.mark.parametrize(
     ("setting", "field", "value"),
-    [("for_flushes: yes", "for_flushes", True), ("cooldown: yes", "cooldown", True),
-     ("window: yes", "window", True),
-     ("actions: [{type: lr_backoff, min_interval_steps: yes}]", "min_interval_steps", True),
-     ("actions: [{type: lr_backoff, steps: yes}]", "steps", True),
-     ("actions: [{type: snapshot, max_bytes: no}]", "max_bytes", False)],
+    [("for_flushes: true", "for_flushes", True), ("cooldown: true", "cooldown", True),
+     ("window: true", "window", True),
+     ("actions: [{type: lr_backoff, min_interval_steps: true}]", "min_interval_steps", True),
+     ("actions: [{type: lr_backoff, steps: true}]", "steps", True),
+     ("actions: [{type: snapshot, max_bytes: false}]", "max_bytes", False)],
 )  # fmt: skip
 def test_a_rule_or_action_count_refuses_a_boolean(tmp_path, setting, field, value):
-    """Rules and actions missed the sections' check: 'for_flushes: yes' was 1 and a
-    snapshot's 'max_bytes: no' saved no tensor."""
+    """Rules and actions missed the sections' check: 'for_flushes: true' was 1 and a
+    snapshot's 'max_bytes: false' saved no tensor."""
     path = tmp_path / "c.yaml"
     path.write_text(
         f"rules: {{add: [{{name: r, type: threshold, metric: loss, threshold: 1, {setting}}}]}}\n"
