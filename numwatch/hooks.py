@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -108,14 +109,29 @@ def warn_compiled(model: Any) -> None:
     """Warn at attach when Dynamo holds compiled graphs of a forward of ``model``'s module
     classes (``torch.compile`` or ``module.compile()`` ran before): a graph traced before the
     hooks were added runs without them, since Dynamo does not guard on module hooks, also for
-    another instance of the class (a model compiled earlier in the process)."""
+    another instance of the class (a model compiled earlier in the process).
+
+    A forward's code is often shared: transformers wraps ``forward`` in decorators whose one
+    wrapper serves every model class, and a subclass runs its base's. So each code along the
+    ``__wrapped__`` chain is read, and a graph whose guards tie its ``self`` to another class
+    is not counted (compiling a BERT made a never-compiled GPT-2 warn, and the advised
+    ``torch._dynamo.reset()`` would have thrown away the BERT's graphs)."""
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
     except ImportError:  # another torch: no way to tell
         return
-    classes = {type(m) for m in model.modules()}
-    codes = {cls: getattr(getattr(cls, "forward", None), "__code__", None) for cls in classes}
-    compiled = sorted(cls.__name__ for cls, code in codes.items() if code and cache_entries(code))
+    instances: dict[type, set[int]] = {}
+    for m in model.modules():
+        instances.setdefault(type(m), set()).add(id(m))
+    compiled = sorted(
+        cls.__name__
+        for cls, ids in instances.items()
+        if any(
+            _may_run_for(entry, code, cls, ids)
+            for code in _forward_codes(cls)
+            for entry in cache_entries(code)
+        )
+    )
     if compiled:
         log.warning(
             "numwatch: torch.compile compiled %s before attach(): a compiled graph does not see "
@@ -125,6 +141,48 @@ def warn_compiled(model: Any) -> None:
             "forward, or call torch._dynamo.reset() after attach()",
             ", ".join(f"{name}.forward" for name in compiled),
         )
+
+
+def _forward_codes(cls: type) -> list[Any]:
+    """The code objects of ``cls.forward`` and of each function it wraps (``__wrapped__``)."""
+    codes, fn, seen = [], getattr(cls, "forward", None), set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            codes.append(code)
+        fn = getattr(fn, "__wrapped__", None)
+    return codes
+
+
+# A guard on a frame's first argument: its type's id (TYPE_MATCH) or its own (ID_MATCH).
+_SELF_GUARD = re.compile(r"___check_(type|obj)_id\(L\['\w+'\], (\d+)\)")
+
+
+def _may_run_for(entry: Any, code: Any, cls: type, ids: set[int]) -> bool:
+    """Whether a Dynamo cache entry of ``code`` may run for the instances of ``cls`` whose ids
+    are ``ids``: False only where its guards require the frame's first
+    argument to be of another type, or another object; True where they cannot be read."""
+    if not code.co_argcount:
+        return True  # (*args, **kwargs): its self is not a local of its own
+    first = code.co_varnames[0]
+    try:
+        managers = entry.guard_manager.root.get_child_managers()
+        parts = [
+            part
+            for manager in managers
+            if manager.get_source() == f"L['{first}']"
+            for guard in manager.get_leaf_guards()
+            for part in guard.verbose_code_parts()
+        ]
+    except Exception:  # another torch's guard internals: counted, as before
+        return True
+    for part in parts:
+        found = _SELF_GUARD.match(part)
+        if found:
+            wanted = int(found[2])
+            return wanted == id(cls) if found[1] == "type" else wanted in ids
+    return True
 
 
 def after_first_closure_call(

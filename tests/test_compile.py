@@ -8,6 +8,7 @@ from the wrong base: "shape '[4, 64, 384]' is invalid for input of size 32768").
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -211,3 +212,55 @@ def test_attaching_after_a_compiled_forward_warns(make_monitor, caplog):
     torch._dynamo.reset()  # what the warning advises: the next compile traces the hooks
     make_monitor(model, attention__enabled=False).attach().detach()
     assert not [r for r in caplog.records if "before attach()" in r.getMessage()]
+
+
+def _shared_wrapper(forward):
+    """A forward decorator like transformers' (can_return_tuple...): one wrapper code object
+    serves every class that uses it."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class _Doubles(torch.nn.Module):
+    @_shared_wrapper
+    def forward(self, x):
+        return 2 * x
+
+
+class _Halves(torch.nn.Module):
+    @_shared_wrapper
+    def forward(self, x):
+        return x / 2
+
+
+def test_a_forward_wrapper_compiled_for_another_class_does_not_warn(make_monitor, caplog):
+    """Classes whose forward goes through one shared decorator share its code object: compiling
+    one (a BERT) made attach() on another, never compiled (a GPT-2), warn that its forward was
+    compiled and advise torch._dynamo.reset(), which would throw the BERT's graphs away."""
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
+
+    torch._dynamo.reset()
+    assert _Doubles.forward.__code__ is _Halves.forward.__code__
+    torch.compile(_Doubles(), backend="eager")(torch.ones(2))
+    bert = BertModel(
+        BertConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            vocab_size=100,
+        )
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        torch.compile(bert, backend="eager")(input_ids=torch.randint(0, 100, (1, 8)))
+    assert BertModel.forward.__code__ is GPT2Model.forward.__code__
+    gpt2 = GPT2Model(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100))
+    for model in (_Halves(), gpt2):
+        make_monitor(model, attention__enabled=False).attach().detach()
+    assert not [r for r in caplog.records if "before attach()" in r.getMessage()]
+    for model, name in [(_Doubles(), "_Doubles"), (bert, "BertModel")]:  # compiled: told
+        caplog.clear()
+        make_monitor(model, attention__enabled=False).attach().detach()
+        told = [r.getMessage() for r in caplog.records if "before attach()" in r.getMessage()]
+        assert len(told) == 1 and f"compiled {name}.forward before attach()" in told[0]
