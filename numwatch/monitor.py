@@ -59,7 +59,7 @@ from numwatch.hooks import (
     settle_step_hooks,
     warn_compiled,
 )
-from numwatch.integrations.transformers import refuse_unsupported_models
+from numwatch.integrations.transformers import check_attention_implementation
 from numwatch.kernels import launch
 from numwatch.kernels.host_copy import to_device
 from numwatch.probes.attention import AttentionProbe
@@ -210,6 +210,7 @@ class Monitor(Joinable):
         self._jsonl_path: str | None = None
         self._optimizer_handles: list[Any] = []
         self._activity_handle: Any = None
+        self._attention_checks: list[Any] = []  # first-forward checks of HF models' attention
         self._forwards_since_flush = False  # a forward of the model ran since the last flush
         self._pending_losses: list[tuple[int, torch.Tensor]] = []  # (order, loss) since a flush
         self._loss_window = LossWindow()
@@ -317,7 +318,7 @@ class Monitor(Joinable):
                 self._start_window()
                 if self.config.enabled:
                     _refuse_lazy_parameters(self.model)
-                    refuse_unsupported_models(self.model)
+                    self._attention_checks = check_attention_implementation(self.model)
                     warn_fsdp1(self.model)
                     warn_compiled(self.model)
                     self.rank = get_rank()  # torch.distributed may start after __init__
@@ -473,6 +474,9 @@ class Monitor(Joinable):
         if self._activity_handle is not None:
             self._activity_handle.remove()
             self._activity_handle = None
+        for handle in self._attention_checks:
+            handle.remove()
+        self._attention_checks = []
         for handle in self._optimizer_handles:
             remove_step_pre_hook(self._optimizer, handle)
         if self._control is not None:

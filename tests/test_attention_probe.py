@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -999,6 +1000,110 @@ def test_attach_refuses_numwatch_implementation_on_models_that_cannot_run_it(mak
     with pytest.raises(NumwatchConfigError, match='GptOssForCausalLM is refused "sdpa"'):
         make_monitor(gpt_oss)
     make_monitor(tiny_llama("numwatch")).detach()  # through AttentionInterface, SDPA's math
+
+
+# A trust_remote_code-style model file: {attention} computes the (B, H, T, D) attention output.
+_REMOTE_MODEL = """
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+
+class TinyConfig(PretrainedConfig):
+    model_type = "tiny-remote"
+
+
+class TinyAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config, self.qkv = config, nn.Linear(8, 24)
+        self.scaling, self.is_causal = 0.5, True
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, 2, 4).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        out = {attention}
+        return out.transpose(1, 2).reshape(B, T, C)
+
+
+class TinyModel(PreTrainedModel):
+    config_class = TinyConfig
+    _supports_sdpa = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.attn = TinyAttention(config)
+        self.post_init()
+
+    def forward(self, x):
+        return self.attn(x)
+"""
+_INDEXED = (
+    "ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]"
+    "(self, q, k, v, None)[0].transpose(1, 2)"
+)
+_GET_INTERFACE = (
+    "ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)"
+    "(self, q, k, v, None)[0].transpose(1, 2)"
+)
+_OWN_CODE = "torch.softmax(q @ k.transpose(-1, -2) * self.scaling, -1) @ v"
+
+
+@pytest.mark.parametrize(
+    ("name", "attention", "readable", "compiled", "runs_it"),
+    [
+        pytest.param(*case, id=case[0])
+        for case in [
+            ("remote_indexed", _INDEXED, True, False, True),  # transformers 4.5x style
+            ("remote_compiled", _INDEXED, True, True, True),  # compiled after attach
+            ("notebook_interface", _GET_INTERFACE, False, False, True),  # a notebook's class
+            ("notebook_own_code", _OWN_CODE, False, False, False),
+        ]
+    ],
+)
+def test_attach_takes_numwatch_implementation_where_the_source_test_cannot_tell(
+    make_monitor, tmp_path, monkeypatch, caplog, name, attention, readable, compiled, runs_it
+):
+    """transformers' _can_set_attn_implementation is a text search for
+    ALL_ATTENTION_FUNCTIONS.get_interface( in the model's file: False for a model that indexes
+    ALL_ATTENTION_FUNCTIONS[...] and for one whose file cannot be read, though both run
+    numwatch's attention. attach() refused them; it now takes them and checks the first forward
+    instead (compiled: numwatch's attention runs while Dynamo traces it), which warns, once,
+    where numwatch's attention did not run."""
+    import importlib
+    import linecache
+
+    from numwatch.integrations.transformers import register_attention
+
+    register_attention()
+    (tmp_path / f"{name}.py").write_text(_REMOTE_MODEL.format(attention=attention))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    remote = importlib.import_module(name)
+    monkeypatch.delitem(sys.modules, name)
+    if not readable:  # as a class defined in a notebook cell or read from stdin
+        (tmp_path / f"{name}.py").unlink()
+        linecache.clearcache()
+    model = remote.TinyModel(remote.TinyConfig(attn_implementation="numwatch"))
+    assert model.config._attn_implementation == "numwatch"
+    assert remote.TinyModel._can_set_attn_implementation() is False
+    monitor = make_monitor(model, attention__every=1)
+    run = torch.compile(model, backend="eager") if compiled else model
+    x = torch.randn(2, 3, 8)
+    for _ in range(2):
+        run(x)
+        monitor.step()
+    told = [r.getMessage() for r in caplog.records if "without calling numwatch" in r.getMessage()]
+    monitor.detach()
+    if runs_it:
+        assert told == []
+        assert monitor.snapshot().series("attn_max_logit")  # measured through numwatch's SDPA
+    else:
+        assert len(told) == 1  # the first forward only
+        assert told[0].startswith(
+            'numwatch: attn_implementation="numwatch": TinyModel ran a forward without calling '
+            "numwatch's attention: it computes attention in its own code"
+        )
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "numwatch"])
