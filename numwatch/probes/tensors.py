@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import cache, partial
 from itertools import repeat
@@ -274,7 +275,10 @@ class GradientProbe:
     ) -> None:
         self.cfg = cfg
         self.ctx = ctx
-        self.model = model
+        # weakly: the order hooks outlive a run dropped without detach (a halt, in a sweep) on
+        # tensors the garbage collector cannot free, and through the model's own hooks they
+        # would keep its monitor, and its Prometheus port, alive for good
+        self._model = weakref.ref(model)
         self._every = 1 if every_step else cfg.every
         self._handles: list[Any] = []
         self._fired: list[int] = []
@@ -297,8 +301,9 @@ class GradientProbe:
         unfreezing; a module replaced), as the weight probe does at its sampled steps, so that a
         window's table has the same rows for all of its steps, and the steps between pay
         nothing. ``setting``: say which globs match nothing."""
-        self._param_state = parameter_state(self.model)
-        self.params = select_parameters(self.model, self.cfg.params, self.cfg.exclude, setting)
+        model = self._model()
+        self._param_state = parameter_state(model)
+        self.params = select_parameters(model, self.cfg.params, self.cfg.exclude, setting)
         self._tensors = [p for _, p in self.params]
         self._sharded = any(is_dtensor(p) for p in self._tensors)
         self._order: tuple[int, ...] = ()  # backward order learned by the hooks
@@ -337,7 +342,8 @@ class GradientProbe:
         """Read every gradient of the closing step (called by Monitor.step, guarded)."""
         if self._check_selection:  # the window's first step: one walk over the parameters
             self._check_selection = False
-            if parameter_state(self.model) != self._param_state:
+            model = self._model()
+            if model is not None and parameter_state(model) != self._param_state:
                 fired = [self._tensors[i] for i in self._fired]
                 self._select()
                 index = {id(p): i for i, p in enumerate(self._tensors)}
