@@ -36,10 +36,13 @@ SCORE_STATS = (
 
 @pytest.fixture(autouse=True)
 def _quiet_eager_flex():
-    """Eager flex_attention warns that it is unfused: true, and beside the point here."""
+    """Eager flex_attention warns that it is unfused: true, and beside the point here. Graphs
+    compiled here are dropped after each test: attach() in later tests warns of graphs left on
+    the forward of classes they share (nn.Linear)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         yield
+    torch._dynamo.reset()
 
 
 class Fixed(nn.Module):
