@@ -156,6 +156,17 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _FALLBACKS: Counter[str] = Counter()
 # The counter of the caller running calls now (count_fallbacks), counted in as well.
 _CALLER_FALLBACKS: ContextVar[Counter[str] | None] = ContextVar("fallbacks", default=None)
+# Those of the calls Dynamo traces, innermost last (it cannot trace a ContextVar). A counter
+# there is one the traced code made, read while tracing: counts kept in an existing object
+# would be replayed on every run of the graph, each a new guard, and recompile it every call.
+_TRACED_CALLERS: list[Counter[str]] = []
+
+
+@torch._dynamo.assume_constant_result  # Dynamo calls it while tracing, not when the graph runs
+def _count_traced_fallback(reason: str) -> bool:
+    """Count a fallback in a graph Dynamo traces, once, when traced (see _TRACED_CALLERS)."""
+    _FALLBACKS[reason] += 1
+    return True
 
 
 def flash_attention_fallbacks() -> dict[str, int]:
@@ -167,6 +178,13 @@ def flash_attention_fallbacks() -> dict[str, int]:
 def count_fallbacks(counter: Counter[str]) -> Iterator[None]:
     """Count the fallbacks of the calls made inside in ``counter`` too: the process-wide count
     mixes every caller's (a monitor would report those of an earlier run)."""
+    if torch.compiler.is_compiling():
+        _TRACED_CALLERS.append(counter)
+        try:
+            yield
+        finally:
+            _TRACED_CALLERS.pop()
+        return
     token = _CALLER_FALLBACKS.set(counter)
     try:
         yield
@@ -217,13 +235,16 @@ def _fallback_reason(
     dropout_p: float,
     scale: float | None,
     enable_gqa: bool,
+    traced: bool,
 ) -> str | None:
-    """Why this call cannot run in our kernel (None if it can). Arguments and metadata only."""
+    """Why this call cannot run in our kernel (None if it can). Arguments and metadata only.
+    ``traced``: Dynamo traces the call (torch.compiler.is_compiling())."""
     if any(isinstance(t, Tensor) and t.is_nested for t in (q, k, v)):  # strided ones too
         return "nested"
     if not all(isinstance(t, Tensor) and t.layout == torch.strided for t in (q, k, v)):
         return "layout"
-    if any(_is_functorch(t) for t in (q, k, v, attn_mask) if t is not None):
+    if not traced and any(_is_functorch(t) for t in (q, k, v, attn_mask) if t is not None):
+        # (Dynamo cannot call the check, and traces a transform's function on plain tensors)
         return "functorch"  # vmap / grad: the transform's own tensors
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "ndim"
@@ -266,12 +287,17 @@ def _fallback_reason(
     if q.device.type == "cuda":
         if _tri is None:
             return "no_triton"
-        if _tri.capability_major(q.device) < 9:
+        if _capability_major(q.device) < 9:
             return "gpu_arch"  # tensor descriptors (TMA) are only tested on Hopper
     return None
 
 
 _is_functorch = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+@torch._dynamo.assume_constant_result  # a property of the GPU: Dynamo calls it while tracing
+def _capability_major(device: torch.device) -> int:
+    return _tri.capability_major(device)
 
 
 def autocast_like_sdpa(
@@ -314,8 +340,18 @@ def _forward(q, k, v, mask, causal, sm_scale, mode, beta, use_triton) -> tuple[T
     return reference_forward(q, k, v, mask, causal, sm_scale, mode, beta)
 
 
+def _backward(
+    do, q, k, v, o, lse, mask, causal, sm_scale, mode, use_triton
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of one call from what its forward saved: the kernels' or the reference's."""
+    args = (do, q, k, v, o, lse, mask, causal, sm_scale, mode)
+    with _no_autocast(q.device.type), torch.no_grad():
+        return (_tri.triton_backward if use_triton else reference_backward)(*args)
+
+
 class _FlashFn(torch.autograd.Function):
-    """Forward/backward of one call; ``use_triton`` picks the kernels or the torch reference."""
+    """Forward/backward of one eager call; ``use_triton`` picks the kernels or the torch
+    reference. A call Dynamo traces runs the same code through the custom ops below."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, sm_scale, mode, beta, use_triton):  # type: ignore[override]
@@ -327,13 +363,107 @@ class _FlashFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):  # type: ignore[override]
         q, k, v, o, lse, mask = ctx.saved_tensors
-        args = (do, q, k, v, o, lse, mask, ctx.causal, ctx.sm_scale, ctx.mode)
         create_graph = torch.is_grad_enabled()
-        with _no_autocast(q.device.type), torch.no_grad():
-            grads = (_tri.triton_backward if ctx.use_triton else reference_backward)(*args)
+        grads = _backward(
+            do, q, k, v, o, lse, mask, ctx.causal, ctx.sm_scale, ctx.mode, ctx.use_triton
+        )
         if create_graph:  # the kernels' backward is not differentiable: say so, never be wrong
             grads = _no_second_derivative(*grads)
         return *grads, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- torch.compile
+# Dynamo cannot trace the launches (they read tensor addresses, and the Triton interpreter runs
+# Python on real tensors), and inductor would drop the paper_repro modes' roundings were it to
+# trace the reference: a traced call runs the same forward and backward as an eager one as two
+# custom ops, opaque to the compiler, whose fake implementations give only the outputs' shapes,
+# dtypes and strides. Eager calls keep _FlashFn: a custom op's dispatch costs host time per
+# call that the launches were trimmed of (kernels/launch.py).
+
+
+def _kernel_layouts(ts: tuple[Tensor, ...], use_triton: bool) -> tuple[Tensor, ...]:
+    """The tensors as the Triton kernels take them: TMA needs 16-byte strides and base, and the
+    rare layouts that lack them are copied."""
+    if not use_triton:
+        return ts
+    return tuple(t if _tri.descriptor_ready(t) else _tri.aligned_copy(t) for t in ts)
+
+
+def _strided_like(out: Tensor, like: Tensor) -> Tensor:
+    """``out`` with the strides of ``torch.empty_like(like)``, which the fake implementations
+    promise (inductor asserts them): a copy only where they differ, i.e. where the reference
+    computed ``out`` in another layout or ``like`` was copied to be descriptor-ready."""
+    if out.stride() == like.stride():
+        return out
+    want = torch.empty_like(like)
+    return out if want.stride() == out.stride() else want.copy_(out)
+
+
+@torch.library.custom_op("numwatch::flash_attention_forward", mutates_args=())
+def _forward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    sm_scale: float,
+    mode: int,
+    beta: float,
+    use_triton: bool,
+) -> tuple[Tensor, Tensor]:
+    """O (strided like q) and the row LSE (B, H, Tq) fp32 of a traced call."""
+    qa, ka, va = _kernel_layouts((q, k, v), use_triton)
+    with _no_autocast(q.device.type):  # a compiled graph runs the op inside the user's autocast
+        o, lse = _forward(qa, ka, va, mask, causal, sm_scale, mode, beta, use_triton)
+    if qa is not q or not use_triton:
+        o, lse = _strided_like(o, q), lse.contiguous()
+    return o, lse
+
+
+@_forward_op.register_fake
+def _(q, k, v, mask, causal, sm_scale, mode, beta, use_triton):  # type: ignore[no-untyped-def]
+    b, h, tq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, tq), dtype=torch.float32)
+
+
+@torch.library.custom_op("numwatch::flash_attention_backward", mutates_args=())
+def _backward_op(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    sm_scale: float,
+    mode: int,
+    use_triton: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv (strided like q, k, v) of a traced call."""
+    qa, ka, va = _kernel_layouts((q, k, v), use_triton)
+    dq, dk, dv = _backward(do, qa, ka, va, o, lse, mask, causal, sm_scale, mode, use_triton)
+    return _strided_like(dq, q), _strided_like(dk, k), _strided_like(dv, v)
+
+
+@_backward_op.register_fake
+def _(do, q, k, v, o, lse, mask, causal, sm_scale, mode, use_triton):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, mask, causal, sm_scale, mode, _beta, use_triton = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], mask)
+    ctx.causal, ctx.sm_scale, ctx.mode, ctx.use_triton = causal, sm_scale, mode, use_triton
+
+
+def _backward_of_op(ctx, do, _dlse):  # type: ignore[no-untyped-def]
+    q, k, v, o, lse, mask = ctx.saved_tensors
+    args = (ctx.causal, ctx.sm_scale, ctx.mode, ctx.use_triton)
+    return *_backward_op(do, q, k, v, o, lse, mask, *args), None, None, None, None, None, None
+
+
+_forward_op.register_autograd(_backward_of_op, setup_context=_setup_context)
 
 
 def _private_mask(mask: Tensor) -> Tensor:
@@ -389,8 +519,12 @@ def _sdpa_fallback(
         raise ValueError(
             f"the paper_repro modes cannot run this call ({reason}); they have no SDPA fallback"
         )
-    _FALLBACKS[reason] += 1
-    caller = _CALLER_FALLBACKS.get()
+    if torch.compiler.is_compiling():
+        _count_traced_fallback(reason)
+        caller = _TRACED_CALLERS[-1] if _TRACED_CALLERS else None
+    else:
+        _FALLBACKS[reason] += 1
+        caller = _CALLER_FALLBACKS.get()
     if caller is not None:
         caller[reason] += 1
     extra = {"enable_gqa": True} if enable_gqa else {}
@@ -423,7 +557,8 @@ def _run(
             use_triton,
         )  # fmt: skip
         return out.reshape(*lead, *out.shape[-3:])
-    reason = _fallback_reason(q, k, v, attn_mask, dropout_p, scale, enable_gqa)
+    traced = torch.compiler.is_compiling()
+    reason = _fallback_reason(q, k, v, attn_mask, dropout_p, scale, enable_gqa, traced)
     if reason == "empty" and 0 in q.shape[:2]:
         # No output element; SDPA's CUDA path returns None for an empty batch (torch 2.11). The
         # output joins q, k and v's graph (sums of no element: exactly 0), as SDPA's does.
@@ -440,8 +575,9 @@ def _run(
     mask = None if attn_mask is None else attn_mask.expand(b, h, tq, k.shape[2])
     if mask is not None and mask.dtype == torch.bool and _records_graph(q, k, v):
         mask = _private_mask(mask)
-    if use_triton:  # TMA needs 16-byte strides and base: copy the rare layouts that lack them
-        q, k, v = (t if _tri.descriptor_ready(t) else _tri.aligned_copy(t) for t in (q, k, v))
+    if traced:
+        return _forward_op(q, k, v, mask, is_causal, sm_scale, mode, beta, use_triton)[0]
+    q, k, v = _kernel_layouts((q, k, v), use_triton)
     with _no_autocast(q.device.type):
         return _FlashFn.apply(q, k, v, mask, is_causal, sm_scale, mode, beta, use_triton)
 
@@ -467,16 +603,12 @@ def flash_attention(
     ``mode`` and ``split_sum`` are described in the module docstring; the rest are SDPA's
     arguments. Runs the Triton kernel on CUDA and on CPU under ``TRITON_INTERPRET=1``, the torch
     reference on plain CPU. It dispatches like a torch function, so TorchFunctionModes
-    (numwatch's attention probe) see it. Under ``torch.compile`` it is a graph break: the call
-    runs eagerly (inductor would drop the paper_repro modes' roundings, and the kernels read
-    tensor addresses), so ``fullgraph=True`` refuses it.
+    (numwatch's attention probe) see it. Under ``torch.compile`` (``fullgraph=True`` too) the
+    call joins the graph as two custom ops, ``numwatch::flash_attention_forward`` and
+    ``_backward``, which run the same code as an eager call and which the compiler does not see
+    into (inductor would drop the paper_repro modes' roundings, and the kernels read tensor
+    addresses); a compiled graph's fallbacks are counted once, when it is traced.
     """
-    if torch.compiler.is_compiling():
-        return _flash_attention_eager(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=enable_gqa, stabilize=stabilize, beta=beta, mode=mode,
-            split_sum=split_sum,
-        )  # fmt: skip
     # Nested tensors go to SDPA as they came, before any torch-function dispatch: the nested
     # tensor's own dispatch would hand them back with subclass dispatch off, where SDPA refuses
     # them ('must be contiguous').
@@ -496,9 +628,6 @@ def flash_attention(
     return _run(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, kernel_mode, beta, use_triton
     )
-
-
-_flash_attention_eager = torch.compiler.disable(flash_attention)
 
 
 def flash_attention_reference(

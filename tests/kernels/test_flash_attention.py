@@ -874,19 +874,74 @@ def test_torch_func_transforms_run_native_sdpa_and_are_counted():
     assert torch.equal(g, q.grad)
 
 
-def test_under_torch_compile_the_call_runs_eagerly():
-    """Inductor dropped paper_repro's roundings (bias ratio -0.99 eager, -0.04 compiled) and the
-    Triton path raised inside the trace: the call is a graph break, and fullgraph refuses it."""
-    q, k, v = planted_tie_attention(2)
+@pytest.mark.parametrize(
+    ("fn", "device"),
+    [*((flash_attention, d) for d in KERNEL_DEVICES), (flash_attention_reference, "cpu")],
+    ids=lambda x: getattr(x, "__name__", x),
+)
+@pytest.mark.parametrize("case", ["paper_repro_ties", "gqa_padding_mask", "gluon_d128"])
+def test_compiled_with_fullgraph_the_call_runs_in_the_graph_as_in_eager(fn, device, case):
+    """The call was a graph break, so fullgraph=True refused it, and a layer routed to the
+    kernel with it: Dynamo cannot trace the launches (tensor addresses; the interpreter runs
+    Python on real tensors), and inductor dropped paper_repro's roundings where it traced the
+    reference (bias ratio -0.99 eager, -0.04 compiled). Forward and backward are custom ops
+    now, opaque to the compiler: compiled by inductor with fullgraph=True, the output and the
+    gradients are eager's, bitwise (the same code runs; inductor asserts that the outputs have
+    the fake implementations' strides, which the reference's dK and dV of (B, T, H, D) views
+    lacked). Head dim 128 without a mask is the Gluon forward's, on a Hopper GPU."""
+    if case == "gluon_d128" and (device != "cuda" or fn is flash_attention_reference):
+        pytest.skip("the Gluon forward runs on a GPU only")
+    if case == "gluon_d128":
+        q, k, v, _ = _inputs(2, 4, 4, 256, 256, 128, torch.bfloat16, device)
+        kw = {"is_causal": True}
+    elif case == "paper_repro_ties":
+        q, k, v = (t.to(device).requires_grad_() for t in planted_tie_attention(2, t=128))
+        kw = {"is_causal": True, "mode": "paper_repro"}
+    else:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (
+            torch.randn(2, 40, heads, 32, generator=g).to(device, torch.bfloat16).transpose(1, 2)
+            for heads in (4, 2, 2)
+        )  # (B, H, T, D) views of (B, T, H, D), as a model's projections give them
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        mask = torch.ones(2, 1, 1, 40, dtype=torch.bool, device=device)
+        mask[1, ..., 30:] = False  # key padding of the second sequence
+        kw = {"attn_mask": mask, "enable_gqa": True}
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device, q.dtype)
 
-    def fn(q, k, v):
-        return flash_attention(q, k, v, is_causal=True, mode="paper_repro") * 1
+    def attention(q, k, v):
+        return fn(q, k, v, **kw) * 1  # (an op of the graph's own around the call)
 
     torch._dynamo.reset()
-    assert torch.equal(torch.compile(fn)(q, k, v), fn(q, k, v))
+    before = flash_attention_fallbacks()
+    want, want_grads = _run_with_grads(attention, q, k, v, do)
+    got, got_grads = _run_with_grads(torch.compile(attention, fullgraph=True), q, k, v, do)
+    assert flash_attention_fallbacks() == before  # the kernel ran every call
+    assert torch.equal(got, want)
+    for g_got, g_want in zip(got_grads, want_grads, strict=True):
+        assert torch.equal(g_got, g_want)
+
+
+def test_a_compiled_call_that_falls_back_runs_sdpa_in_the_graph_counted_once():
+    """An fp32 call falls back to SDPA. Inside a graph, the count of an eager call would be
+    replayed by Dynamo on every run, each value a new guard (and its caller's counter, a
+    ContextVar, cannot be traced): counted when traced, it compiles once."""
+    q, k, v, _ = _inputs(1, 2, 2, 16, 16, 32, torch.float32, "cpu")
+    q, k, v = (t.detach() for t in (q, k, v))
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"disable\(\)"):
-        torch.compile(fn, fullgraph=True)(q, k, v)
+    attention = torch.compile(
+        lambda q, k, v: flash_attention(q, k, v), backend=backend, fullgraph=True
+    )
+    outs = {}
+    counts = _counts_after(lambda: outs.update((i, attention(q, k, v)) for i in range(3)))
+    assert counts == {"dtype": 1} and len(compiles) == 1
+    assert all(torch.equal(o, F.scaled_dot_product_attention(q, k, v)) for o in outs.values())
 
 
 def test_nested_tensors_go_to_sdpa_as_they_came():
