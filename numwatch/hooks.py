@@ -54,17 +54,23 @@ class UserHook(functools.partial):
         return (InertHook, ())
 
 
-def outside_graphs(fn: Callable[..., Any]) -> Callable[..., Any]:
+def outside_graphs(
+    fn: Callable[..., Any] | None = None, *, in_graph: Callable[..., Any] | None = None
+) -> Callable[..., Any]:
     """``fn``, a hook, run outside compiled graphs: ``torch.compiler.disable``d, so a compile
     that may split its graph (the default) runs it eagerly between two graphs. A compile that
     may not (``fullgraph=True``) skips it instead, and that graph runs unobserved: refused, the
-    graph break crashed the user's forward."""
+    graph break crashed the user's forward. There ``in_graph``, where given, runs in its place,
+    traced by Dynamo (it must trace without a break). As a decorator with only ``in_graph``:
+    ``@outside_graphs(in_graph=f)``."""
+    if fn is None:
+        return functools.partial(outside_graphs, in_graph=in_graph)
     disabled = torch.compiler.disable(fn)
 
     @functools.wraps(fn)
     def hook(*args: Any, **kwargs: Any) -> Any:
         if single_graph():
-            return None
+            return None if in_graph is None else in_graph(*args, **kwargs)
         return disabled(*args, **kwargs)
 
     # Dynamo inlines this wrapper into the graph it traces (to read single_graph()), but never

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import numwatch
 from numwatch.kernels.flash_attention import flash_attention_fallbacks
@@ -81,11 +82,13 @@ def test_compiled_model_is_monitored_like_the_eager_one(make_monitor):
         pytest.param("cuda", 256, marks=requires_gpu),  # head dim 128: the Gluon forward
     ],
 )
-def test_routed_attention_under_compile_trains_as_in_eager(make_monitor, device, n_embd):
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_routed_attention_under_compile_trains_as_in_eager(make_monitor, device, n_embd, fullgraph):
     """A layer routed to numwatch's kernel trains compiled as in eager mode: on the CPU the
     paper's emulation (in the Triton interpreter under the test suite), bitwise; on a GPU the
-    compiled stabilized kernel, whose launches Dynamo cannot trace (they run between graphs),
-    to 1e-5 (cuBLAS may pick other algorithms for the compiled graphs' layouts)."""
+    compiled stabilized kernel, to 1e-5 (cuBLAS may pick other algorithms for the compiled
+    graphs' layouts). Its launches run between graphs, or with fullgraph=True in the graph
+    (the kernel's custom ops)."""
     mode = "paper_repro" if device == "cpu" else "stabilized"
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=n_embd)
 
@@ -95,7 +98,7 @@ def test_routed_attention_under_compile_trains_as_in_eager(make_monitor, device,
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         monitor = make_monitor(model, flush_every=4, attention__every=2).attach(opt)
         monitor.swap_attention(mode=mode, stabilize=mode == "stabilized")
-        run = torch.compile(model, backend="aot_eager") if compiled else model
+        run = torch.compile(model, backend="aot_eager", fullgraph=fullgraph) if compiled else model
         g = torch.Generator().manual_seed(1)
         out = []
         for _ in range(5):
@@ -264,3 +267,189 @@ def test_a_forward_wrapper_compiled_for_another_class_does_not_warn(make_monitor
         make_monitor(model, attention__enabled=False).attach().detach()
         told = [r.getMessage() for r in caplog.records if "before attach()" in r.getMessage()]
         assert len(told) == 1 and f"compiled {name}.forward before attach()" in told[0]
+    torch._dynamo.reset()  # later tests' attach() would warn of these graphs
+
+
+# Two layers: routes can take one and not the other.
+ROUTED = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)
+
+
+class _CountingBackend:
+    """aot_eager, counting the graphs it is given (a recompile is one more)."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return torch._dynamo.backends.registry.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def _step_with_grads(run, model, opt, monitor, x, autocast=True) -> tuple[float, torch.Tensor]:
+    """train_step without clipping, keeping the loss and the gradients of every parameter."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = run(x)
+    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), x.roll(-1, 1).reshape(-1))
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    monitor.step(loss)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def _kernels(monitor: numwatch.Monitor) -> dict:
+    snap = monitor.snapshot()
+    return {
+        (name, *sorted(r.labels.items())): r.value
+        for name in ("attn_kernel_stabilized", "attn_kernel_mode")
+        for r in snap.series(name)
+    }
+
+
+def test_fullgraph_compile_runs_routed_layers_in_the_graph_as_in_eager(make_monitor):
+    """With a layer routed to numwatch's kernel (swap_attention, or the swap action),
+    fullgraph=True failed: the routed call left the graph ("Skip calling
+    torch.compiler.disable()d function"), and a model compiled whole, whose root hooks are
+    traced, ran native SDPA unsaid while attn_kernel_stabilized read 1. Now the routing mode
+    is entered in the traced hooks and the kernel's custom ops join the graph: losses and
+    gradients are eager's, bitwise, through swaps and restores between steps, which recompile
+    the graph once each (Dynamo guards on the routes); steps that change nothing compile
+    nothing."""
+    schedule = {
+        1: lambda m: m.swap_attention("h.0"),
+        3: lambda m: m.swap_attention("h.1", mode="plain"),
+        5: lambda m: m.restore_attention("h.0"),
+        6: lambda m: m.restore_attention(),
+    }
+
+    def run(compiled: bool, swaps: dict) -> tuple[list, list, list, list]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(ROUTED)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        monitor = make_monitor(model, flush_every=1, attention__every=2).attach(opt)
+        backend = _CountingBackend()
+        fwd = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
+        g = torch.Generator().manual_seed(1)
+        losses, grads, kernels, graphs = [], [], [], []
+        for step in range(8):
+            if step in swaps:
+                swaps[step](monitor)
+            before = backend.graphs
+            x = torch.randint(0, ROUTED.vocab_size, (2, ROUTED.block_size), generator=g)
+            loss, grad = _step_with_grads(fwd, model, opt, monitor, x)
+            losses.append(loss)
+            grads.append(grad)
+            kernels.append(_kernels(monitor))
+            graphs.append(backend.graphs - before)
+        assert not any(monitor.errors.values())
+        monitor.detach()
+        return losses, grads, kernels, graphs
+
+    native = run(False, {})
+    eager = run(False, schedule)
+    compiled = run(True, schedule)
+    assert compiled[0] == eager[0]
+    assert all(torch.equal(a, b) for a, b in zip(compiled[1], eager[1], strict=True))
+    # the routes change the arithmetic: equal results are the kernel's, not SDPA's
+    assert not torch.equal(eager[1][1], native[1][1])
+    # attn_kernel_* as in eager from the first route on (before it, no layer is seen: a graph
+    # that may not break observes nothing)
+    assert compiled[2][1:] == eager[2][1:]
+    assert eager[2][2] == {
+        ("attn_kernel_mode", ("layer", "h.0.attn"), ("mode", "stabilized")): 1.0,
+        ("attn_kernel_stabilized", ("layer", "h.0.attn")): 1.0,
+        ("attn_kernel_stabilized", ("layer", "h.1.attn")): 0.0,
+    }
+    assert compiled[3][2] == compiled[3][4] == compiled[3][7] == 0
+
+
+def test_blocks_compiled_one_by_one_with_fullgraph_route_only_their_own_layer(make_monitor):
+    """Dynamo shares one graph among modules of one structure: compiled block by block, the
+    graph traced for h.0 (native SDPA) ran for h.1 too, routed to the kernel. The graph is
+    guarded on the layer it routes: each block gets its own."""
+
+    def losses(compiled: bool) -> list[float]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(ROUTED)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        monitor = make_monitor(model, flush_every=1, attention__every=2).attach(opt)
+        monitor.swap_attention("h.1", mode="paper_repro")
+        if compiled:
+            for block in model.h:
+                block.compile(backend="aot_eager", fullgraph=True)
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(4):
+            x = torch.randint(0, ROUTED.vocab_size, (2, ROUTED.block_size), generator=g)
+            out.append(train_step(model, opt, x, x.roll(-1, 1), monitor).item())
+        assert monitor.attention_kernel("h.1.attn").mode == "paper_repro"
+        assert monitor.attention_kernel("h.0.attn") is None
+        monitor.detach()
+        return out
+
+    assert losses(True) == losses(False)
+
+
+def test_a_routed_call_that_falls_back_under_fullgraph_reads_0_and_never_recompiles(
+    make_monitor, caplog
+):
+    """An fp32 model's routed calls fall back to SDPA. Inside a graph that may not break, a
+    count kept in Python is replayed on every run, each value a new guard: counted per call,
+    the graph recompiled every step. What the graph runs is noted when traced instead:
+    attn_kernel_stabilized reads 0, the layer is named once, the fallback counts once."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # (no activation probe: its hooks, there on its sampled steps only, recompile the graph)
+    monitor = make_monitor(model, flush_every=1, activations__enabled=False).attach(opt)
+    monitor.swap_attention()
+    backend = _CountingBackend()
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    before = flash_attention_fallbacks().get("dtype", 0)
+    g = torch.Generator().manual_seed(1)
+    with caplog.at_level("WARNING", logger="numwatch"):
+        for step in range(4):
+            x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size), generator=g)
+            _step_with_grads(run, model, opt, monitor, x, autocast=False)
+            if step == 0:
+                compiled = backend.graphs
+            assert monitor.snapshot().value("attn_kernel_stabilized", layer="h.0.attn") == 0.0
+    assert backend.graphs == compiled
+    assert flash_attention_fallbacks().get("dtype", 0) - before == 1  # once, when traced
+    said = [r.getMessage() for r in caplog.records if "fall back" in r.getMessage()]
+    assert len(said) == 1 and "'h.0.attn'" in said[0] and "not bf16 or fp16" in said[0]
+    monitor.detach()
+
+
+class _Breaks(GPT):
+    """A GPT whose forward has a graph break: fullgraph=True fails to compile it."""
+
+    def forward(self, idx):
+        torch._dynamo.graph_break()
+        return super().forward(idx)
+
+
+def test_a_fullgraph_compile_that_fails_leaves_no_routing_mode_after_the_step(make_monitor):
+    """The root hooks of a model compiled whole run as frames of their own: where a route is
+    set, the entry's frame pushes the routing mode and the exit's pops it. The exit hook of a
+    forward that failed to compile ran outside Dynamo, where it does not pop it: the mode
+    stayed, and intercepted every later call. The step's close drops it."""
+    torch._dynamo.reset()
+    model = _Breaks(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = make_monitor(model, flush_every=1).attach(opt)
+    monitor.swap_attention()
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size))
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    monitor.step()
+    assert torch.overrides._get_current_function_mode_stack() == []
+    loss = train_step(model, opt, x, x.roll(-1, 1), monitor)  # eager: routed as before
+    assert torch.isfinite(loss)
+    assert monitor.snapshot().value("attn_kernel_stabilized", layer="h.0.attn") == 1.0
+    assert torch.overrides._get_current_function_mode_stack() == []
+    monitor.detach()

@@ -15,6 +15,7 @@ Outside sampled steps the mode is not entered at all: the model runs with zero i
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import math
 import sys
@@ -31,6 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from numwatch.config import AttentionConfig
+from numwatch.errors import NumwatchError
 from numwatch.hooks import UserHook, outside_graphs, single_graph
 from numwatch.kernels import attention_stats as ats
 from numwatch.kernels.flash_attention import (
@@ -151,6 +153,94 @@ _ROW_SEED = 0
 _HOLD_BYTES = 256 * 2**20
 
 
+def _call_route(
+    route: Callable[[SdpaCall], torch.Tensor],
+    func: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+) -> tuple[torch.Tensor, Counter[str] | None]:
+    """A routed call's output, and the calls it handed to SDPA by reason, the kernel's
+    fallbacks (None: the call passes arguments of a newer SDPA than SdpaCall knows, which
+    SDPA takes itself)."""
+    call = SdpaCall.from_args(args, kwargs)
+    if call.extra:
+        return func(*args, **kwargs), None
+    fell: Counter[str] = Counter()
+    with count_fallbacks(fell):
+        out = route(call)
+    return out, fell
+
+
+def _fallback_of(fell: Counter[str] | None) -> str | None:
+    """Why a routed call went to SDPA (None: the kernel ran it)."""
+    return "arguments" if fell is None else next(iter(fell), None)
+
+
+# Probes by key, for what runs while Dynamo traces (_traced_locate, _note_traced): code run
+# then takes constants only, never the probe itself.
+_TRACING_PROBES: weakref.WeakValueDictionary[int, AttentionProbe] = weakref.WeakValueDictionary()
+_probe_keys = itertools.count()
+
+
+@torch._dynamo.assume_constant_result  # Dynamo calls it while tracing: its result is the graph's
+def _traced_locate(probe_key: int) -> str:
+    """``AttentionProbe.locate`` for a call Dynamo traces, whose frames are not Python's: the
+    innermost module of the probe's model whose method is on the traced stack ('' for none).
+    The graph is guarded on that module's identity: Dynamo shares one graph among modules of
+    one structure (blocks compiled one by one), whose layers may be routed apart."""
+    probe = _TRACING_PROBES[probe_key]
+    try:
+        from torch._dynamo.guards import GuardBuilder, install_guard
+        from torch._dynamo.source import ChainedSource, LocalSource
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables import CellVariable
+
+        tx = InstructionTranslator.current_tx().output.current_tx  # the innermost frame
+        while tx is not None:
+            var = tx.symbolic_locals.get("self")
+            if isinstance(var, CellVariable):  # a forward whose closures use self
+                var = tx.output.side_effects.load_cell(var)
+            name = probe.name_of(getattr(var, "value", None))
+            if name is not None:
+                root = var.source
+                while isinstance(root, ChainedSource):
+                    root = root.base
+                # the frame's own module too: Dynamo then counts its recompile limit per
+                # instance (a model of more blocks than the limit compiled block by block)
+                sources = {var.source, root} if isinstance(root, LocalSource) else {var.source}
+                install_guard(*(src.make_guard(GuardBuilder.ID_MATCH) for src in sources))
+                return name
+            tx = tx.parent
+    except Exception as e:  # another torch's internals
+        raise NumwatchError(
+            "numwatch cannot tell which layer calls attention in a graph compiled with "
+            f"fullgraph=True on torch {torch.__version__} ({type(e).__name__}: {e}); compile "
+            "without fullgraph=True to route attention layers to numwatch's kernel"
+        ) from e
+    return ""
+
+
+@torch._dynamo.assume_constant_result  # Dynamo calls it while tracing, never when graphs run
+def _note_traced(probe_key: int, layer: str, routed: bool, reason: str | None) -> bool:
+    """Note a layer's attention call in a graph Dynamo traces, and whether that graph runs it
+    in numwatch's kernel (``reason``: why it falls back to SDPA instead). Noted by the traced
+    code itself, the notes would be replayed on every run of the graph, and guarded: each
+    layer seen first recompiled it."""
+    probe = _TRACING_PROBES[probe_key]
+    probe.layers_seen.add(layer)
+    probe.sdpa_layers.add(layer)
+    if routed:
+        probe._graph_routes[layer] = reason
+    else:
+        probe._graph_routes.pop(layer, None)
+    return True
+
+
+@torch._dynamo.assume_constant_result  # fnmatch, which Dynamo cannot trace, of two constants
+def _traced_within(layer: str, pattern: str) -> bool:
+    return matches_within(layer, pattern)
+
+
 class _Interceptor(TorchFunctionMode):
     def __init__(self, probe: AttentionProbe) -> None:
         super().__init__()
@@ -166,10 +256,11 @@ class _Interceptor(TorchFunctionMode):
         elif func is flex.FLEX_HOP and torch.compiler.is_compiling():
             flex.tell_compiled()
         if func in _SDPA_FUNCS or func is flash_attention:
-            if single_graph() and not self.probe.routing:  # fullgraph=True: no call leaves it
-                return func(*args, **kwargs)
             # numwatch's own kernel, called by the model itself: observed, never routed
-            return self.probe.on_sdpa(func, args, kwargs, routable=func is not flash_attention)
+            routable = func is not flash_attention
+            if single_graph():  # fullgraph=True: no call leaves the graph
+                return self.probe.route_in_graph(func, args, kwargs, routable)
+            return self.probe.on_sdpa(func, args, kwargs, routable=routable)
         if func is F.multi_head_attention_forward:
             # Ops inside MHA's forward run with this mode popped: measured from its arguments,
             # and its SDPA call cannot be routed.
@@ -228,6 +319,15 @@ class AttentionProbe:
         self._routed_calls: dict[str, list[int]] = {}
         self._closed_routed_calls: dict[str, list[int]] = {}
         self._told_fallback: set[str] = set()
+        # Graphs that may not break (fullgraph=True): the routing mode entered there and its
+        # depth (_graph_enter), and, per layer routed there, why its calls fall back to SDPA
+        # (None: they run numwatch's kernel), as traced; this probe's key for code run while
+        # Dynamo traces (_TRACING_PROBES)
+        self._graph_mode = _Interceptor(self)
+        self._graph_depth = 0
+        self._graph_routes: dict[str, str | None] = {}
+        self._key = next(_probe_keys)
+        _TRACING_PROBES[self._key] = self
         # Route patterns set since the last check against the layers seen calling SDPA (at the
         # close of a step whose forward the mode saw: _check_routes), those found to take none
         self._unchecked_routes: set[str] = set()
@@ -412,9 +512,12 @@ class AttentionProbe:
             with torch._C.DisableTorchFunction():  # the mode may still be entered
                 self._measure_flex()
                 self._measure_held()
-        if self._root_open:
+        if self._root_open or self._graph_depth:
             self._abandon_forward()
         self._closed_routed_calls, self._routed_calls = self._routed_calls, {}
+        for layer, reason in self._graph_routes.items():
+            if reason is not None:  # (a graph cannot log)
+                self._tell_fallback(layer, reason)
         if self._forward_seen and self._unchecked_routes:
             self._check_routes()
         self._forward_seen = False
@@ -426,17 +529,45 @@ class AttentionProbe:
         self._depth = self._root_open = 0
         self._leave()
         self._flex_frame = None
+        self._drop_graph_mode()
         self._held.clear()
         self._held_masks.clear()
         self._held_bytes = 0
 
+    def _graph_enter(self, _module: nn.Module, _inputs: Any) -> None:
+        """``_enter`` where no graph may break (fullgraph=True): nothing is sampled, but where a
+        route is set the routing mode is entered, so that routed layers run numwatch's kernel
+        in the graph (``route_in_graph``). Dynamo traces this: inlined into the model's graph,
+        the mode only shapes that graph; compiled as a frame of its own (the root hooks of a
+        model compiled whole), the frame pushes the mode when it runs, and ``_graph_exit``'s
+        pops it. Reading the routes guards it: a swap or restore recompiles it."""
+        if self.routing:
+            self._graph_depth += 1
+            if self._graph_depth == 1:
+                self._graph_mode.__enter__()
+
+    def _graph_exit(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
+        if self._graph_depth:
+            self._graph_depth -= 1
+            if self._graph_depth == 0:
+                self._graph_mode.__exit__(None, None, None)
+
+    def _drop_graph_mode(self) -> None:
+        """Pop the routing mode that an entry compiled as a frame of its own pushed, where its
+        exit never ran compiled (a forward that failed to compile runs its exit hook outside
+        Dynamo, where it is ``_exit``): it would stay entered for good."""
+        depth, self._graph_depth = self._graph_depth, 0
+        stack = torch.overrides._get_current_function_mode_stack()
+        if depth and stack and stack[-1] is self._graph_mode:
+            self._graph_mode.__exit__(None, None, None)
+
     # The mode is entered and left outside compiled graphs (tests/test_compile.py).
-    @outside_graphs
+    @outside_graphs(in_graph=_graph_enter)
     def _enter(self, _module: nn.Module, _inputs: Any) -> None:
         self._root_open += 1
         self.begin_forward()
 
-    @outside_graphs
+    @outside_graphs(in_graph=_graph_exit)
     def _exit(self, _module: nn.Module, _inputs: Any, _output: Any) -> None:
         self._root_open = max(self._root_open - 1, 0)
         self.end_forward()
@@ -485,17 +616,23 @@ class AttentionProbe:
         frame = sys._getframe(2)
         while frame is not None:
             obj = frame.f_locals.get("self")
-            if isinstance(obj, nn.Module):
-                name = self._names.get(id(obj))
-                if name is None and obj not in self._foreign:  # added after attach?
-                    self._names = {id(m): n for n, m in self.model.named_modules()}
-                    name = self._names.get(id(obj))
-                    if name is None:
-                        self._foreign.add(obj)
-                if name is not None:
-                    return name, obj
+            name = self.name_of(obj)
+            if name is not None:
+                return name, obj
             frame = frame.f_back
         return "", None
+
+    def name_of(self, obj: Any) -> str | None:
+        """``obj``'s path in the model, None where it is no module of it."""
+        if not isinstance(obj, nn.Module):
+            return None
+        name = self._names.get(id(obj))
+        if name is None and obj not in self._foreign:  # added after attach?
+            self._names = {id(m): n for n, m in self.model.named_modules()}
+            name = self._names.get(id(obj))
+            if name is None:
+                self._foreign.add(obj)
+        return name
 
     def _wanted(self, layer: str) -> bool:
         hit = self._selected.get(layer)
@@ -535,21 +672,20 @@ class AttentionProbe:
         """A routed call, counted by whether the kernel ran it: a call it cannot run (the kernel
         decides from the arguments: no host sync) goes to SDPA, and a layer whose calls do is
         said once, or its route would seem to stabilize it."""
-        call = SdpaCall.from_args(args, kwargs)
-        reason: str | None = "arguments"
-        if call.extra:  # arguments of a newer SDPA than SdpaCall knows: SDPA takes them
-            out = func(*args, **kwargs)
-        else:
-            fell: Counter[str] = Counter()
-            with count_fallbacks(fell):
-                out = route(call)
+        out, fell = _call_route(route, func, args, kwargs)
+        if fell is not None:
             self.ctx.kernel_fallbacks.update(fell)
-            reason = next(iter(fell), None)
+        reason = _fallback_of(fell)
         counts = self._routed_calls.setdefault(layer, [0, 0])
         counts[0] += 1
         if reason is None:
             counts[1] += 1
-        elif layer not in self._told_fallback:
+        else:
+            self._tell_fallback(layer, reason)
+        return out
+
+    def _tell_fallback(self, layer: str, reason: str) -> None:
+        if layer not in self._told_fallback:
             self._told_fallback.add(layer)
             log.warning(
                 "numwatch: layer %r is routed to numwatch's attention kernel, but its calls fall "
@@ -557,13 +693,43 @@ class AttentionProbe:
                 layer,
                 _FALLBACK_HINTS.get(reason, f"reason {reason!r} (attn_kernel_fallbacks_total)"),
             )
+
+    def route_in_graph(
+        self, func: Callable[..., Any], args: tuple, kwargs: dict, routable: bool
+    ) -> torch.Tensor:
+        """An attention call in a graph that may not break (fullgraph=True): never observed; a
+        routed one runs numwatch's kernel inside the graph (its custom ops). Calls are not
+        counted there: Dynamo replays a count kept in Python on every run of the graph, each
+        value a new guard, which recompiled it every step. What the graph runs is noted per
+        layer instead, when traced (``_graph_routes``, read by ``kernel_share``)."""
+        if not (routable and self.routing):
+            return func(*args, **kwargs)
+        layer = _traced_locate(self._key)
+        route = self._traced_route(layer)
+        if route is None:
+            _note_traced(self._key, layer, False, None)
+            return func(*args, **kwargs)
+        out, fell = _call_route(route, func, args, kwargs)
+        _note_traced(self._key, layer, True, _fallback_of(fell))
         return out
+
+    def _traced_route(self, layer: str) -> Callable[[SdpaCall], torch.Tensor] | None:
+        """``route_for`` for a call Dynamo traces: the patterns are read there (they guard the
+        graph: a swap or restore recompiles it), and matched while it traces."""
+        for pattern in reversed(list(self._routes)):
+            if _traced_within(layer, pattern):
+                return self._routes[pattern]
+        return None
 
     def kernel_share(self, layer: str) -> float | None:
         """The share of ``layer``'s routed calls in the step closed last that numwatch's kernel
         ran (the rest fell back to SDPA); None where the layer had no routed call."""
         calls, ran = self._closed_routed_calls.get(layer, (0, 0))
-        return ran / calls if calls else None
+        if calls:
+            return ran / calls
+        if layer in self._graph_routes:  # routed in a compiled graph, whose calls it runs
+            return 0.0 if self._graph_routes[layer] else 1.0
+        return None
 
     @outside_graphs
     def on_softmax(self, args: tuple, kwargs: dict) -> None:
