@@ -370,6 +370,48 @@ def test_the_step_wrapper_keeps_the_grad_scaler_keyword_contract():
     monitor.detach()
 
 
+class UnscaledOnceSGD(ScalingSGD):
+    """The legacy contract as optimizers keep it: unscale unless the user already did (to clip)
+    for this step."""
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        state = grad_scaler._per_optimizer_states[id(self)] if grad_scaler is not None else None
+        super().step(closure, grad_scaler if state and state["stage"].name == "READY" else None)
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself:FutureWarning")
+def test_a_skip_after_the_user_unscaled_to_clip_does_not_unscale_again():
+    """The documented clipping pattern, scaler.unscale_(opt), clip_grad_norm_, scaler.step(opt):
+    a skipped step unscaled again, and unscale_() raised "has already been called on this
+    optimizer" out of scaler.step(). Now the user's unscale_ (its inf check) stands: the step
+    is withheld, update() backs off the scale for the planted Inf, the next step trains."""
+    model = nn.Linear(1, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    opt = UnscaledOnceSGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**6)
+    monitor = monitor_for(model, rules=SKIP_NONFINITE).attach(opt, scaler=scaler)
+    weights, scales = [], []
+    for step in range(3):
+        scaler.scale(model(torch.ones(1, 1)).sum()).backward()  # d/dw = 1
+        if step == 1:
+            model.weight.grad.fill_(math.inf)
+        monitor.step()
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        weights.append(model.weight.item())
+        scales.append(scaler.get_scale())
+    assert weights == pytest.approx([-0.1, -0.1, -0.2])  # step 1 withheld
+    assert scales == [1.0, 0.5, 0.5]  # the user's unscale_ found the Inf
+    assert monitor.optimizer_control.skipped_steps == 1
+    assert [e.step for e in monitor.events if e.kind == "action"] == [1]
+    assert not monitor.errors
+    monitor.detach()
+
+
 def test_skip_step_clears_the_gradients_whatever_the_signature_of_zero_grad():
     """The skip called zero_grad(set_to_none=True): an optimizer overriding zero_grad(self)
     (an older or third-party signature) raised a TypeError out of optimizer.step()."""

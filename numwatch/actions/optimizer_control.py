@@ -383,7 +383,7 @@ class OptimizerControl:
             with torch.enable_grad():
                 loss = closure()
         if scaler is not None:
-            scaler.unscale_(self.optimizer)
+            _unscale_once(scaler, self.optimizer)
         self._skip = False
         self.skipped_steps += 1
         clear_gradients(self.optimizer)
@@ -614,6 +614,24 @@ def _skip_flag(accelerated: Any) -> str | None:
     ):
         return None
     return "_accelerate_step_called"
+
+
+def _unscale_once(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """``scaler.unscale_(optimizer)`` unless the user already called it for this step (to clip
+    the gradients, as torch's AMP recipe does): a second call raises, and the first one's inf
+    check is the one update() reads. The stage is GradScaler's private per-optimizer state;
+    where it cannot be read, unscale_ is called and its refusal to unscale twice taken as that
+    answer."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    state = states.get(id(optimizer)) if isinstance(states, dict) else None
+    stage = getattr(state.get("stage"), "name", None) if isinstance(state, dict) else None
+    if stage is not None and stage != "READY":
+        return  # UNSCALED: the user's unscale_ stands
+    try:
+        scaler.unscale_(optimizer)
+    except RuntimeError:
+        if stage is not None:  # known to be READY: not the twice-unscaled refusal
+            raise
 
 
 def _skipped_by_scaler(optimizer: torch.optim.Optimizer) -> bool:
