@@ -1070,7 +1070,11 @@ def test_lbfgs_with_an_optimizer_action_evaluates_its_closure_as_without_one():
 
 class SAM(torch.optim.Optimizer):
     """Sharpness-aware minimization as github.com/davda54/sam writes it: an ascent step to the
-    perturbed weights, its closure's gradient there, back to the weights, the base update."""
+    perturbed weights, its closure's gradient there, back to the weights, the base update.
+    ``through_data``: the ascent written through ``p.data``, as many SAM ports do (it leaves
+    the parameter's version as it was)."""
+
+    through_data = False
 
     def __init__(self, params, rho=0.05, **kw):
         super().__init__(params, dict(rho=rho, **kw))
@@ -1086,7 +1090,7 @@ class SAM(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     self.state[p]["old_p"] = p.data.clone()
-                    p.add_(p.grad * scale)
+                    (p.data if self.through_data else p).add_(p.grad * scale)
         self.zero_grad()
         torch.enable_grad()(closure)()
         for group in self.param_groups:
@@ -1141,6 +1145,10 @@ class SAMFirstAtW(SAM):
         return loss
 
 
+class DataSAM(SAM):
+    through_data = True
+
+
 def _same(a, b):
     """Bitwise equal, through the dicts and lists of an optimizer's state."""
     if isinstance(a, torch.Tensor):
@@ -1156,13 +1164,15 @@ def _state(opt):
     return copy.deepcopy({id(p): s for p, s in opt.state.items()})
 
 
-@pytest.mark.parametrize("optimizer", [SAM, SAMFirstAtW])
+@pytest.mark.parametrize("optimizer", [SAM, SAMFirstAtW, DataSAM])
 @pytest.mark.parametrize("nan_step", [0, 3])
 def test_a_nan_at_sams_perturbed_weights_withholds_its_update_bitwise(optimizer, nan_step):
     """SAM's update uses the gradients at its perturbed weights. A NaN there reached the weights:
     with one closure call (davda54's SAM) the skip decided there was refused, the ascent having
     moved the weights, and with two calls the second was never judged. Now the update is
-    withheld, with the weights and both optimizers' state as the step began."""
+    withheld, with the weights and both optimizers' state as the step began. An ascent written
+    through ``p.data`` changes no version: taken for no ascent, its later steps were not
+    copied, and a skip left the weights at the perturbed point, said to be withheld cleanly."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     x, y = torch.randn(8, 3), torch.randn(8, 1)
@@ -1181,7 +1191,7 @@ def test_a_nan_at_sams_perturbed_weights_withholds_its_update_bitwise(optimizer,
             return loss
 
         opt.zero_grad()
-        if optimizer is SAM:
+        if optimizer is not SAMFirstAtW:
             (model(x) - y).square().mean().backward()  # SAM's first gradient
         before = [p.detach().clone() for p in model.parameters()]
         state, base = _state(opt), _state(opt.base_optimizer)
@@ -1236,6 +1246,10 @@ def test_a_nan_in_lbfgs_line_search_withholds_its_update_bitwise():
 class SAMAfterFirstStep(SAM):
     """Calls its closure once, first, at its first step; SAM's ascent before it from then on."""
 
+    def __init__(self, params, through_data=False, **kw):
+        super().__init__(params, **kw)
+        self.through_data = through_data
+
     @torch.no_grad()
     def step(self, closure):
         if self.base_optimizer.state:
@@ -1244,14 +1258,17 @@ class SAMAfterFirstStep(SAM):
         self.base_optimizer.step()
 
 
-def test_a_skip_after_an_unforeseen_ascent_withholds_the_update_and_says_so():
+@pytest.mark.parametrize("through_data", [False, True])
+def test_a_skip_after_an_unforeseen_ascent_withholds_the_update_and_says_so(through_data):
     """An optimizer whose first step called its closure once, first, is not copied; when a
     later step moves the weights before its call, a skip there leaves them as it moved them
-    (finite: the NaN update stays out), counted as an error; its steps are copied from then."""
+    (finite: the NaN update stays out), counted as an error; its steps are copied from then.
+    Also when the ascent is written through ``p.data`` (no version changes): that skip was
+    said to be clean, and the later ones left the weights perturbed too."""
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     x, y = torch.randn(8, 3), torch.randn(8, 1)
-    opt = SAMAfterFirstStep(model.parameters(), lr=0.1, momentum=0.9)
+    opt = SAMAfterFirstStep(model.parameters(), through_data, lr=0.1, momentum=0.9)
     monitor = monitor_for(model, rules=SKIP_NONFINITE).attach(opt)
     updated = []
     for step in range(4):

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from numwatch.distributed import local_tensor
 from numwatch.errors import NumwatchError
 from numwatch.hooks import UserHook, remove_step_pre_hook, running_step_pre_hook
 from numwatch.probes.optimizer import numeric_lr
@@ -47,11 +48,14 @@ __all__ = ["OptimizerControl", "clear_gradients"]
 log = logging.getLogger("numwatch")
 
 _VERSION = attrgetter("_version")
-# Parameters whose versions tell whether an optimizer taken for one that calls its closure first
-# changed its parameters before calling it: a few, spread over those that train (SAM's ascent
-# step changes every one of them). Reading every parameter's version cost 0.1-0.2 ms per step
-# with 1000 parameters.
+# Parameters whose versions and values tell whether an optimizer taken for one that calls its
+# closure first changed its parameters before calling it: a few, spread over those that train
+# (SAM's ascent step changes every one of them). Reading every parameter's version cost
+# 0.1-0.2 ms per step with 1000 parameters.
 _WATCHED = 4
+# The integer dtype a parameter's elements are read as for its checksum, by element size
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INTEGERS = frozenset(_BITS.values())
 
 
 class OptimizerControl:
@@ -288,7 +292,8 @@ class OptimizerControl:
         try:
             out = self._original(*args, **kwargs)
             if judging is not None and judging.calls and self._moves_first is None:
-                self._moves_first = judging.calls > 1 or judging.moved  # (the first closure step)
+                # (the first closure step) SYNC: once, where no version showed a move
+                self._moves_first = judging.calls > 1 or judging.moved or judging.moved_unseen()
         except _Withheld as withheld:
             if withheld.control is not self:  # another monitor's wrapper, around ours
                 raise
@@ -313,10 +318,10 @@ class OptimizerControl:
         parameters and state the step began with."""
         snapshot = watched = None
         if not self._evaluates_first:
+            if self._moves_first is not True:  # (learning it, or taken for False)
+                watched = self._watched_params()
             if self._moves_first is not False:
                 snapshot = self._run_guarded(lambda: _Snapshot(self.optimizer, self._in_place))
-            else:
-                watched = self._watched_params()
         return _Judging(self, closure, snapshot, watched)
 
     def _judged(self, judging: _Judging, loss: Any) -> None:
@@ -331,7 +336,8 @@ class OptimizerControl:
             if self._skip:
                 if judging.snapshot is not None:
                     self._run_guarded(partial(judging.snapshot.restore, self.optimizer))
-                elif judging.moved:
+                elif judging.moved or judging.moved_unseen():
+                    self._moves_first = True
                     self._run_guarded(_cannot_restore)
         if self._skip:
             raise _Withheld(self, loss)
@@ -470,7 +476,11 @@ def _cannot_restore() -> None:
 
 class _Judging:
     """The closure an optimizer's step gets: each call is judged (``OptimizerControl._judged``).
-    ``moved``: the optimizer changed its parameters before a call (or between calls)."""
+    ``moved``: the optimizer changed its parameters before a call (or between calls), as their
+    versions show. A change written through ``p.data`` (as many SAM ports write the ascent)
+    leaves the version as it was: ``unseen`` holds device flags of the ``watched`` parameters'
+    values against the step's copy of them (the first closure step) or their checksums at its
+    start (a step taken for one that calls its closure first), read only where it matters."""
 
     def __init__(
         self,
@@ -483,7 +493,9 @@ class _Judging:
         self.closure = closure
         self.snapshot = snapshot
         self.watched = watched or []
-        self.versions = list(map(_VERSION, self.watched))
+        self.versions = list(map(_VERSION, self.watched)) if snapshot is None else []
+        self.sums = self._checksums() if snapshot is None else []
+        self.unseen: list[torch.Tensor] = []
         self.calls = 0
         self.moved = False
 
@@ -493,13 +505,29 @@ class _Judging:
         if self.snapshot is not None:
             self.moved = self.moved or self.snapshot.moved()
             control._in_place |= self.snapshot.changed_in_place()  # copied from the next step
+            if not self.moved and self.calls == 1:
+                self.unseen += (
+                    control._run_guarded(partial(self.snapshot.differ, self.watched)) or []
+                )
         elif self.watched:
             self.moved = self.moved or list(map(_VERSION, self.watched)) != self.versions
+            if not self.moved:
+                self.unseen += map(torch.ne, self._checksums(), self.sums)
         if self.moved or self.calls > 1:
             control._moves_first = True
         loss = self.closure()
         control._judged(self, loss)
         return loss
+
+    def _checksums(self) -> list[torch.Tensor]:
+        return self.control._run_guarded(partial(_checksums, self.watched)) or []
+
+    def moved_unseen(self) -> bool:
+        """The watched parameters changed before a call with no version change.
+        SYNC: a read of a flag or a few, where a step ends in its closure or the first closure
+        step of an optimizer ends."""
+        flags = self.unseen
+        return bool(flags) and bool(self.control._run_guarded(lambda: any(map(bool, flags))))
 
 
 class _Snapshot:
@@ -526,6 +554,14 @@ class _Snapshot:
 
     def moved(self) -> bool:
         return list(map(_VERSION, self.params)) != self.versions
+
+    def differ(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Device flags: each of ``params`` (of this optimizer) differs bitwise from its copy."""
+        copies = {id(p): v for p, v in zip(self.params, self.values, strict=True)}
+        with torch.no_grad():
+            return [
+                torch.ne(_bits(p), _bits(copies[id(p)])).any() for p in params if id(p) in copies
+            ]
 
     def changed_in_place(self) -> set[Hashable]:
         return {key for key, t, version in self.tensors if t._version != version}
@@ -565,6 +601,21 @@ def _state_copy(state: Any, in_place: set[Hashable]) -> Any:
             value = copy.copy(value)
         out[key] = value
     return out
+
+
+def _bits(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s local elements read as integers of their size (a NaN equals itself), or as they
+    are where no integer dtype has that size."""
+    t = local_tensor(p.detach())
+    bits = _BITS.get(t.element_size())
+    return t if bits is None or t.dtype == bits else t.view(bits)
+
+
+def _checksums(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The sum of each parameter's bits (``_bits``), on its device: it changes when any element
+    does, short of changes that cancel to the last bit."""
+    with torch.no_grad():
+        return [b.sum(dtype=torch.int64) for b in map(_bits, params) if b.dtype in _INTEGERS]
 
 
 def _evaluates_first(optimizer: torch.optim.Optimizer) -> bool:
