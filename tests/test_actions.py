@@ -1207,6 +1207,46 @@ def test_a_nan_at_sams_perturbed_weights_withholds_its_update_bitwise(optimizer,
     monitor.detach()
 
 
+@pytest.mark.parametrize("optimizer", [SAM, DataSAM])
+@pytest.mark.parametrize("halt_step", [0, 3])
+def test_a_halt_at_sams_perturbed_weights_leaves_the_weights_as_the_step_began(
+    optimizer, halt_step
+):
+    """A halt decided in SAM's closure (after its ascent) raised out of SAM's step with the
+    weights left at the perturbed point, w + rho*g/|g|, when training stopped. Now they and the
+    optimizers' state are put back, as a skip puts them, before the halt goes on."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    opt = optimizer(model.parameters(), lr=0.1, momentum=0.9)
+    halt = {"type": "threshold", "name": "big_loss", "metric": "loss", "threshold": 100,
+            "actions": ["halt"]}  # fmt: skip
+    rules = {"add": [*SKIP_NONFINITE["add"], halt]}
+    monitor = monitor_for(model, rules=rules).attach(opt)
+    for step in range(halt_step + 1):
+        shift = 1000.0 if step == halt_step else 0.0
+
+        def closure(shift=shift):
+            loss = (model(x) - y + shift).square().mean()
+            loss.backward()
+            return loss
+
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()  # SAM's first gradient, at the weights
+        before = [p.detach().clone() for p in model.parameters()]
+        state, base = _state(opt), _state(opt.base_optimizer)
+        if step < halt_step:
+            opt.step(closure)
+            continue
+        with pytest.raises(NumwatchHalt) as err:
+            opt.step(closure)
+    assert err.value.report["rule"] == "big_loss"
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert _same(_state(opt), state) and _same(_state(opt.base_optimizer), base)
+    assert not monitor.errors
+    monitor.detach()
+
+
 def test_a_nan_in_lbfgs_line_search_withholds_its_update_bitwise():
     """LBFGS moves the weights and updates its state between closure calls: a NaN at its third
     call was never judged and reached the weights. Now the step is withheld with the weights

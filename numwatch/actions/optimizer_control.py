@@ -326,23 +326,32 @@ class OptimizerControl:
 
     def _judged(self, judging: _Judging, loss: Any) -> None:
         """The closure's call ``judging.calls`` returned ``loss``: judge it; a skip ends the
-        step here."""
+        step here. So does a halt decided here (or a strict monitor's error), raised through
+        the optimizer's step: the parameters are put back first, or SAM's would stay at its
+        perturbed point when training stops."""
         try:
             if judging.calls == 1:
                 self._before_step(loss if isinstance(loss, torch.Tensor) else None)
             elif self._skips and self.active and self._judge_again is not None:
                 self._judge_again(loss)
-        finally:  # (a halt raised with the skip: the update never comes either)
-            if self._skip:
-                if judging.snapshot is not None:
-                    self._run_guarded(partial(judging.snapshot.restore, self.optimizer))
-                elif judging.moved or judging.moved_unseen():
-                    self._moves_first = True
-                    self._run_guarded(_cannot_restore)
+        except Exception:
+            self._put_back(judging)
+            raise
         if self._skip:
+            self._put_back(judging)
             raise _Withheld(self, loss)
         if judging.calls == 1:
             self._scale_lrs()  # a back-off decided on this step slows its update
+
+    def _put_back(self, judging: _Judging) -> None:
+        """The parameters and state as the step began, for a step ended in its closure: from
+        the step's copy; where none was taken and the optimizer moved them, they stay as they
+        are, counted as an error (its steps are copied from then on)."""
+        if judging.snapshot is not None:
+            self._run_guarded(partial(judging.snapshot.restore, self.optimizer))
+        elif judging.moved or judging.moved_unseen():
+            self._moves_first = True
+            self._run_guarded(_cannot_restore)
 
     def _watched_params(self) -> list[torch.Tensor]:
         """A few of the optimizer's parameters that train, spread over them; chosen again when
@@ -467,10 +476,11 @@ class _Withheld(Exception):
 
 def _cannot_restore() -> None:
     raise NumwatchError(
-        "skip_step withheld this update, but the optimizer had changed its parameters before "
-        "calling its closure (as SAM's ascent step does) in a step numwatch did not copy them "
-        "for (it had called its closure once, first, until then): they stay as it left them; "
-        "its steps are copied from now on"
+        "numwatch ended this step in its closure (skip_step withheld the update, or a halt "
+        "stopped training), but the optimizer had changed its parameters before calling its "
+        "closure (as SAM's ascent step does) in a step numwatch did not copy them for (it had "
+        "called its closure once, first, until then): they stay as it left them; its steps "
+        "are copied from now on"
     )
 
 
