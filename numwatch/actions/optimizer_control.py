@@ -515,7 +515,7 @@ class _Judging:
         if self.snapshot is not None:
             self.moved = self.moved or self.snapshot.moved()
             control._in_place |= self.snapshot.changed_in_place()  # copied from the next step
-            if not self.moved and self.calls == 1:
+            if self.watched and not self.moved and self.calls == 1:  # (learning)
                 self.unseen += (
                     control._run_guarded(partial(self.snapshot.differ, self.watched)) or []
                 )
