@@ -643,7 +643,8 @@ class _ConfigLoader(yaml.SafeLoader):
       False/True and failed as "got False"; only true/false are booleans now, the other words
       are the text written, which a bool field still takes (pydantic reads yes/no/on/off);
     - zero-padded numbers were octal (``first_step: 010`` was 8) and time-like ones base 60
-      (``flush_every: 1:30`` was 90); numbers are decimal now, ``1:30`` is text;
+      (``flush_every: 1:30`` was 90); numbers are decimal now (or YAML 1.2's ``0x``/``0o``),
+      ``1:30`` is text;
     - dates were dates (``run_name: 2026-01-01`` failed as "got datetime.date").
     """
 
@@ -658,7 +659,9 @@ _ConfigLoader.yaml_implicit_resolvers = {
 _ConfigLoader.add_implicit_resolver(
     _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
-_ConfigLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+_ConfigLoader.add_implicit_resolver(  # YAML 1.2 core: decimal, 0o octal, 0x hexadecimal
+    _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
 _ConfigLoader.add_implicit_resolver(  # after the int: the pattern takes integers too
     _FLOAT,
     re.compile(
@@ -669,17 +672,20 @@ _ConfigLoader.add_implicit_resolver(  # after the int: the pattern takes integer
 )
 
 
-def _decimal_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+def _core_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """A YAML 1.2 core integer: zero-padded decimals stay decimal (``010`` is 10)."""
     text = loader.construct_scalar(node)
     try:
+        if text[:2] in ("0x", "0o"):
+            return int(text, 0)
         return int(text, 10)
     except ValueError:  # an explicit !!int of another form
         raise yaml.constructor.ConstructorError(
-            None, None, f"{text!r} is not a decimal integer", node.start_mark
+            None, None, f"{text!r} is not a YAML 1.2 integer", node.start_mark
         ) from None
 
 
-_ConfigLoader.add_constructor(_INT, _decimal_int)
+_ConfigLoader.add_constructor(_INT, _core_int)
 
 
 def _takes_text(key: str) -> bool:

@@ -386,6 +386,9 @@ def test_yaml_scalars_are_read_as_yaml_1_2(tmp_path):
     assert rule.actions == [{"type": "lr_backoff", "factor": 0.5}]
     path.write_text("run_name: 2026-01-01\n")
     assert MonitorConfig.from_yaml(path).run_name == "2026-01-01"
+    path.write_text("flush_every: 0x10\nfirst_step: 0o10\n")  # YAML 1.2's other integers
+    cfg = MonitorConfig.from_yaml(path)
+    assert (cfg.flush_every, cfg.first_step) == (16, 8)
     env = {"NUMWATCH_GRADIENTS__PARAMS": "[on, no]", "NUMWATCH_SINKS__PROMETHEUS__EXCLUDE": "[off]"}
     cfg = MonitorConfig.load(env=env)
     assert (cfg.gradients.params, cfg.sinks.prometheus.exclude) == (["on", "no"], ["off"])
