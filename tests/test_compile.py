@@ -453,3 +453,73 @@ def test_a_fullgraph_compile_that_fails_leaves_no_routing_mode_after_the_step(ma
     assert monitor.snapshot().value("attn_kernel_stabilized", layer="h.0.attn") == 1.0
     assert torch.overrides._get_current_function_mode_stack() == []
     monitor.detach()
+
+
+class _AttnS(torch.nn.Module):
+    """An attention layer whose methods name their module ``s``, not ``self``."""
+
+    def __init__(s) -> None:
+        super().__init__()
+        s.qkv = torch.nn.Linear(32, 96)
+
+    def forward(s, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = s.qkv(x).view(B, T, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).reshape(B, T, 32)
+
+
+class _TwoAttnS(torch.nn.Module):
+    """Two such layers, run through activation checkpointing where ``checkpointed``."""
+
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.h = torch.nn.ModuleList([_AttnS(), _AttnS()])
+        self.o = torch.nn.Linear(32, 1)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.h:
+            y = (
+                torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+                if self.checkpointed
+                else b(x)
+            )
+            x = x + y
+        return self.o(x).sum()
+
+
+def _two_attn_grads(make_monitor, route: bool, compile_kw: dict | None, checkpointed=False):
+    """h.0's qkv gradient over 3 steps (bf16: the kernel runs), h.0 routed where ``route``."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TwoAttnS(checkpointed).to(torch.bfloat16)
+    x = torch.randn(2, 8, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    monitor = make_monitor(model, flush_every=1, attention__every=2).attach()
+    if route:
+        monitor.swap_attention("h.0")
+    run = (
+        torch.compile(model, backend="aot_eager", **compile_kw) if compile_kw is not None else model
+    )
+    grads, shares = [], []
+    for _ in range(3):
+        run(x).backward()
+        grads.append(model.h[0].qkv.weight.grad.clone())
+        model.zero_grad()
+        monitor.step()
+        shares.append(monitor.snapshot().value("attn_kernel_stabilized", layer="h.0"))
+    monitor.detach()
+    return grads, shares
+
+
+def test_fullgraph_routes_a_layer_whose_forward_names_its_module_otherwise(make_monitor):
+    """Under fullgraph=True the layer was looked up as the traced frames' local ``self``: a
+    forward written ``def forward(s, x)`` located no layer, and the routed layer ran native
+    SDPA, unsaid (eager finds it through nn.Module's call frame). The frame's first argument
+    is taken now: gradients are eager's, bitwise, and differ from native SDPA's."""
+    native, _ = _two_attn_grads(make_monitor, False, None)
+    eager, eager_shares = _two_attn_grads(make_monitor, True, None)
+    compiled, shares = _two_attn_grads(make_monitor, True, {"fullgraph": True})
+    assert not torch.equal(eager[0], native[0])
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager, strict=True))
+    assert shares == eager_shares == [1.0, 1.0, 1.0]

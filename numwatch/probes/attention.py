@@ -185,7 +185,8 @@ _probe_keys = itertools.count()
 @torch._dynamo.assume_constant_result  # Dynamo calls it while tracing: its result is the graph's
 def _traced_locate(probe_key: int) -> str:
     """``AttentionProbe.locate`` for a call Dynamo traces, whose frames are not Python's: the
-    innermost module of the probe's model whose method is on the traced stack ('' for none).
+    innermost module of the probe's model that is a traced frame's first argument (its
+    method's ``self``; '' for none).
     The graph is guarded on that module's identity: Dynamo shares one graph among modules of
     one structure (blocks compiled one by one), whose layers may be routed apart."""
     probe = _TRACING_PROBES[probe_key]
@@ -197,7 +198,10 @@ def _traced_locate(probe_key: int) -> str:
 
         tx = InstructionTranslator.current_tx().output.current_tx  # the innermost frame
         while tx is not None:
-            var = tx.symbolic_locals.get("self")
+            # a method's module is its first argument, whatever its name (``def forward(s,
+            # x)``): eager finds it as nn.Module's call frame's ``self``, which Dynamo inlines
+            code = tx.f_code
+            var = tx.symbolic_locals.get(code.co_varnames[0]) if code.co_argcount else None
             if isinstance(var, CellVariable):  # a forward whose closures use self
                 var = tx.output.side_effects.load_cell(var)
             name = probe.name_of(getattr(var, "value", None))
