@@ -489,13 +489,18 @@ class _TwoAttnS(torch.nn.Module):
         return self.o(x).sum()
 
 
-def _two_attn_grads(make_monitor, route: bool, compile_kw: dict | None, checkpointed=False):
-    """h.0's qkv gradient over 3 steps (bf16: the kernel runs), h.0 routed where ``route``."""
+def _two_attn_grads(
+    make_monitor, route: bool, compile_kw: dict | None, checkpointed=False, activations=False
+):
+    """h.0's qkv gradient over 3 steps (bf16: the kernel runs), h.0 routed where ``route``;
+    the activation probe on where ``activations`` (its hooks break a checkpointed graph)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _TwoAttnS(checkpointed).to(torch.bfloat16)
     x = torch.randn(2, 8, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
-    monitor = make_monitor(model, flush_every=1, attention__every=2).attach()
+    monitor = make_monitor(
+        model, flush_every=1, attention__every=2, activations__enabled=activations
+    ).attach()
     if route:
         monitor.swap_attention("h.0")
     run = (
@@ -507,7 +512,7 @@ def _two_attn_grads(make_monitor, route: bool, compile_kw: dict | None, checkpoi
         grads.append(model.h[0].qkv.weight.grad.clone())
         model.zero_grad()
         monitor.step()
-        shares.append(monitor.snapshot().value("attn_kernel_stabilized", layer="h.0"))
+        shares.append(monitor.snapshot().get("attn_kernel_stabilized", layer="h.0"))
     monitor.detach()
     return grads, shares
 
@@ -523,3 +528,30 @@ def test_fullgraph_routes_a_layer_whose_forward_names_its_module_otherwise(make_
     assert not torch.equal(eager[0], native[0])
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager, strict=True))
     assert shares == eager_shares == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_routed_block_checkpointed_under_compile_is_said_once(make_monitor, caplog, fullgraph):
+    """Dynamo traces torch.utils.checkpoint's body with numwatch's mode popped: a routed
+    layer in a checkpointed block ran native SDPA once compiled, unsaid. It still does (a
+    mode pushed again there is a side effect the checkpoint refuses), but the block is named
+    once, and training is native SDPA's, bitwise."""
+    native, _ = _two_attn_grads(make_monitor, False, None, checkpointed=True)
+    with caplog.at_level("WARNING", logger="numwatch"):
+        compiled, _ = _two_attn_grads(make_monitor, True, {"fullgraph": fullgraph}, True)
+    said = [r.getMessage() for r in caplog.records if "activation checkpointing" in r.getMessage()]
+    assert len(said) == 1 and "block 'h.0'" in said[0] and "native SDPA" in said[0]
+    assert all(torch.equal(a, b) for a, b in zip(compiled, native, strict=True))
+
+
+def test_a_checkpointed_block_whose_trace_falls_back_to_eager_is_routed_unsaid(
+    make_monitor, caplog
+):
+    """The activation probe's hooks break the checkpointed body's graph, and Dynamo runs that
+    frame eagerly, where the mode routes: the block is not said, and trains as in eager."""
+    eager, _ = _two_attn_grads(make_monitor, True, None, True, activations=True)
+    with caplog.at_level("WARNING", logger="numwatch"):
+        compiled, shares = _two_attn_grads(make_monitor, True, {}, True, activations=True)
+    assert not [r for r in caplog.records if "activation checkpointing" in r.getMessage()]
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager, strict=True))
+    assert shares == [1.0, 1.0, 1.0]

@@ -54,6 +54,10 @@ _SOFTMAX_FUNCS = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.
 _SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 _TENSOR_DIM = torch.Tensor.dim
+try:  # the higher-order op Dynamo traces torch.utils.checkpoint.checkpoint as
+    from torch._higher_order_ops.wrap import tag_activation_checkpoint as _CHECKPOINT_HOP
+except ImportError:  # another torch
+    _CHECKPOINT_HOP = None
 
 log = logging.getLogger("numwatch")
 
@@ -240,6 +244,33 @@ def _note_traced(probe_key: int, layer: str, routed: bool, reason: str | None) -
     return True
 
 
+@torch._dynamo.assume_constant_result  # Dynamo calls it while tracing, never when graphs run
+def _note_checkpointed(probe_key: int) -> bool:
+    """Note a block Dynamo traces through activation checkpointing with a layer in it routed
+    ('' for a body of no module): said at the step's close (``_tell_checkpointed``). Dynamo
+    hands the checkpoint's higher-order op to the routing mode, popped while the op traces its
+    body (a mode pushed again there is a side effect the op refuses): the body's attention
+    calls never reach the mode, and run native SDPA, unrouted and unsaid."""
+    probe = _TRACING_PROBES[probe_key]
+    block = ""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx().output.current_tx  # the mode's frame
+        body = tx.symbolic_locals["args"].items[0]
+        block = probe.name_of(getattr(body, "value", None)) or ""
+    except Exception:  # another torch's internals: noted unnamed
+        pass
+    if block and not any(
+        probe.route_for(n) is not None
+        for n in probe._names.values()
+        if n == block or n.startswith(block + ".")
+    ):
+        return False  # nothing routed in it
+    probe._checkpointed.add(block)
+    return True
+
+
 @torch._dynamo.assume_constant_result  # fnmatch, which Dynamo cannot trace, of two constants
 def _traced_within(layer: str, pattern: str) -> bool:
     return matches_within(layer, pattern)
@@ -259,6 +290,8 @@ class _Interceptor(TorchFunctionMode):
             self.probe.on_flex_entry(sys._getframe(1))
         elif func is flex.FLEX_HOP and torch.compiler.is_compiling():
             flex.tell_compiled()
+        elif func is _CHECKPOINT_HOP and self.probe.routing:  # (eager checkpointing calls none)
+            _note_checkpointed(self.probe._key)
         if func in _SDPA_FUNCS or func is flash_attention:
             # numwatch's own kernel, called by the model itself: observed, never routed
             routable = func is not flash_attention
@@ -345,6 +378,10 @@ class AttentionProbe:
         self._flex_frame: FrameType | None = None
         self._flex_layer: str | None = None
         self._told_unmeasured: set[str] = set()
+        # blocks traced through activation checkpointing with a routed layer in them, in the
+        # step in progress (_note_checkpointed), and whether one was said (_tell_checkpointed)
+        self._checkpointed: set[str] = set()
+        self._told_checkpointed = False
 
     # ------------------------------------------------------------------ kernel routing
     def set_route(self, pattern: str, kernel: Callable[[SdpaCall], torch.Tensor] | None) -> None:
@@ -519,12 +556,37 @@ class AttentionProbe:
         if self._root_open or self._graph_depth:
             self._abandon_forward()
         self._closed_routed_calls, self._routed_calls = self._routed_calls, {}
+        if self._checkpointed:
+            self._tell_checkpointed()
         for layer, reason in self._graph_routes.items():
             if reason is not None:  # (a graph cannot log)
                 self._tell_fallback(layer, reason)
         if self._forward_seen and self._unchecked_routes:
             self._check_routes()
         self._forward_seen = False
+
+    def _tell_checkpointed(self) -> None:
+        """Say once that a block traced through activation checkpointing ran native SDPA for
+        its routed layers: none of its layers had a routed call in the step (a trace that
+        fell back to eager, e.g. a graph break in the body, routed them as eager does)."""
+        blocks, self._checkpointed = self._checkpointed, set()
+        for block in sorted(blocks):
+            if self._told_checkpointed:
+                return
+            if any(
+                not block or layer == block or layer.startswith(block + ".")
+                for layer in self._closed_routed_calls
+            ):
+                continue
+            self._told_checkpointed = True
+            log.warning(
+                "numwatch: torch.compile traced %s through activation checkpointing "
+                "(torch.utils.checkpoint), where numwatch cannot route attention: its routed "
+                "layers run native SDPA in the compiled graph, not numwatch's kernel, and "
+                "attn_kernel_stabilized does not count them. Run routed layers without "
+                "checkpointing under torch.compile, or eagerly, to route them",
+                f"block {block!r}" if block else "a checkpointed block",
+            )
 
     def _abandon_forward(self) -> None:
         # A forward that never reached its exit (a KeyboardInterrupt, or an exception in a
