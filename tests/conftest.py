@@ -16,6 +16,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Graphs a test compiled are dropped after it: left on the forward of classes later tests
+    share (nn.Linear), they made those tests' attach() warn that the model was compiled."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture
 def make_monitor(tmp_path):
     """A Monitor factory: no console, the JSONL log in the test's own folder (run.jsonl; run-2,

@@ -36,13 +36,10 @@ SCORE_STATS = (
 
 @pytest.fixture(autouse=True)
 def _quiet_eager_flex():
-    """Eager flex_attention warns that it is unfused: true, and beside the point here. Graphs
-    compiled here are dropped after each test: attach() in later tests warns of graphs left on
-    the forward of classes they share (nn.Linear)."""
+    """Eager flex_attention warns that it is unfused: true, and beside the point here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         yield
-    torch._dynamo.reset()
 
 
 class Fixed(nn.Module):
