@@ -28,8 +28,8 @@ from torch.amp.grad_scaler import OptState
 from torch.distributed.algorithms.join import Joinable
 
 from numwatch.actions.base import Action
-from numwatch.actions.library import LrBackoff, QKClip, SkipStep, build_action
-from numwatch.actions.optimizer_control import OptimizerControl
+from numwatch.actions.library import Halt, LrBackoff, QKClip, SkipStep, build_action
+from numwatch.actions.optimizer_control import OptimizerControl, moves_before_closure
 from numwatch.actions.swap_kernel import AttentionKernel, AttentionMode
 from numwatch.buffers import (
     SETTLE_STEPS,
@@ -384,13 +384,17 @@ class Monitor(Joinable):
         settle_step_hooks(optimizer)  # hooks a detach inside a step left inert
         self._optimizer = optimizer
         self._scaler = scaler
-        uses_optimizer = any(
-            isinstance(a, _OPTIMIZER_ACTIONS) for acts in self._actions.values() for a in acts
-        )
+        actions = [a for acts in self._actions.values() for a in acts]
+        uses_optimizer = any(isinstance(a, _OPTIMIZER_ACTIONS) for a in actions)
+        # A halt decided in the closure of a step that moved the parameters first (SAM's
+        # ascent) puts them back before it stops training: only the wrapper copies them.
+        halts = any(isinstance(a, Halt) for a in actions)
+        wrapped = uses_optimizer or (halts and moves_before_closure(optimizer))
         # The control before the probe: its step pre-hook, where it withholds an update its
         # wrapper did not see by clearing the gradients, runs before the probe's reads them.
-        if uses_optimizer:  # the step wrapper closes steps itself, before deciding a skip
-            _warn_uncovered(self.model, optimizer)
+        if wrapped:  # the step wrapper closes steps itself, before deciding a skip
+            if uses_optimizer:
+                _warn_uncovered(self.model, optimizer)
             self._control = OptimizerControl(
                 optimizer,
                 self._before_optimizer_update,
@@ -398,6 +402,7 @@ class Monitor(Joinable):
                 accelerated,
                 skips=bool(self._engine.step_rules),
                 judge_again=self._judge_evaluation,
+                halts=halts,
             )
         if self.config.optimizer.enabled:
             probe = OptimizerProbe(
@@ -405,7 +410,7 @@ class Monitor(Joinable):
             )
             self._probes.append(probe)
             probe.attach()
-        if not uses_optimizer:
+        if not wrapped:
             self._optimizer_handles = [
                 optimizer.register_step_pre_hook(
                     UserHook(running_step_pre_hook(self._on_optimizer_step))

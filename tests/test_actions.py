@@ -1247,6 +1247,50 @@ def test_a_halt_at_sams_perturbed_weights_leaves_the_weights_as_the_step_began(
     monitor.detach()
 
 
+@pytest.mark.parametrize("optimizer", [SAM, DataSAM])
+@pytest.mark.parametrize("nan_step", [0, 3])
+def test_a_halt_only_monitor_puts_sams_ascent_back_before_it_stops_training(optimizer, nan_step):
+    """With halt rules only (no skip_step), no step wrapper was installed: a halt decided in
+    SAM's closure, on a NaN gradient at its perturbed weights, stopped training with the weights
+    at w + rho*g/|g|. Now SAM's steps are wrapped and copied as for a skip: the weights and both
+    optimizers' state are put back before the halt goes on. torch.optim's own optimizers,
+    which change nothing before their closure, stay unwrapped."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    opt = optimizer(model.parameters(), lr=0.1, momentum=0.9)
+    monitor = monitor_for(model, rules=HALT_NONFINITE).attach(opt)
+    assert monitor.optimizer_control is not None
+    for step in range(nan_step + 1):
+
+        def closure(step=step):
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            if step == nan_step:
+                model.bias.grad.fill_(float("nan"))
+            return loss
+
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()  # SAM's first gradient, at the weights
+        before = [p.detach().clone() for p in model.parameters()]
+        state, base = _state(opt), _state(opt.base_optimizer)
+        if step < nan_step:
+            opt.step(closure)
+            assert _updated(model, before)
+            continue
+        with pytest.raises(NumwatchHalt) as err:
+            opt.step(closure)
+    assert err.value.report["rule"] == "nonfinite"
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert _same(_state(opt), state) and _same(_state(opt.base_optimizer), base)
+    assert not monitor.errors
+    monitor.detach()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = monitor_for(model, rules=HALT_NONFINITE).attach(sgd)
+    assert plain.optimizer_control is None
+    plain.detach()
+
+
 def test_a_nan_in_lbfgs_line_search_withholds_its_update_bitwise():
     """LBFGS moves the weights and updates its state between closure calls: a NaN at its third
     call was never judged and reached the weights. Now the step is withheld with the weights

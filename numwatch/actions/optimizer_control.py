@@ -1,6 +1,8 @@
 """The optimizer as actions see it: a wrapper around ``optimizer.step`` installed on demand.
 
-Installed only when a configured action needs it (skip_step, lr_backoff, qk_clip). It
+Installed only when a configured action needs it (skip_step, lr_backoff, qk_clip; halt, for an
+optimizer not of torch.optim's own, whose step may move its parameters before calling its
+closure, where a halt is decided: SAM's ascent, put back before the halt stops training). It
 replaces the instance attribute ``optimizer.step`` with a bound method, as the class's own step
 is: an LR scheduler built after us wraps ``optimizer.step.__func__``. ``uninstall`` restores what
 was there (the class's method, or a wrapper a user or an LR scheduler had installed before us)
@@ -43,7 +45,7 @@ from numwatch.errors import NumwatchError
 from numwatch.hooks import UserHook, remove_step_pre_hook, running_step_pre_hook
 from numwatch.probes.optimizer import numeric_lr
 
-__all__ = ["OptimizerControl", "clear_gradients"]
+__all__ = ["OptimizerControl", "clear_gradients", "moves_before_closure"]
 
 log = logging.getLogger("numwatch")
 
@@ -67,12 +69,15 @@ class OptimizerControl:
         accelerated: Any = None,
         skips: bool = True,
         judge_again: Callable[[Any], None] = lambda loss: None,
+        halts: bool = False,
     ) -> None:
         """``accelerated``: Accelerate's ``AcceleratedOptimizer`` around ``optimizer``, whose
         steps run it (see the module docstring). ``skips``: a skip_step rule is configured (a
-        step may be withheld; only then does a closure step watch or copy the parameters).
+        step may be withheld; only then, or with ``halts``, does a closure step watch or copy the
+        parameters).
         ``judge_again(loss)``: judges a later call of the closure in the same step (its
-        gradients are in ``.grad``), which may decide a skip."""
+        gradients are in ``.grad``), which may decide a skip. ``halts``: a halt rule is configured
+        (a step may end in its closure too, so closure steps watch and copy as for a skip)."""
         self.optimizer = optimizer
         # the monitor's guard (failures counted, not raised); None, as _before_step, once released
         self._run_guarded: Callable[[Callable[[], None]], Any] | None = run_guarded
@@ -95,7 +100,7 @@ class OptimizerControl:
         # parameters first so that a skip decided at any call can put them back.
         self._skips = skips
         self._judge_again: Callable[[Any], None] | None = judge_again
-        self._evaluates_first = not skips or _evaluates_first(optimizer)
+        self._evaluates_first = not (skips or halts) or _evaluates_first(optimizer)
         self._moves_first: bool | None = None
         self._in_place: set[Hashable] = set()  # state keys changed in place before a call
         self._watched: tuple[tuple[tuple[int, int], ...], list[torch.Tensor]] = ((), [])
@@ -633,6 +638,13 @@ def _evaluates_first(optimizer: torch.optim.Optimizer) -> bool:
     before they change anything; LBFGS calls it again after moving its parameters."""
     module = getattr(type(optimizer).step, "__module__", None) or ""
     return module.startswith("torch.optim.") and module != "torch.optim.lbfgs"
+
+
+def moves_before_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step may change its parameters before calling its closure (SAM's
+    ascent): any step but torch.optim's own (LBFGS moves them only between its calls)."""
+    module = getattr(getattr(type(optimizer), "step", None), "__module__", None) or ""
+    return not module.startswith("torch.optim.")
 
 
 def _pass_through(step: Any) -> OptimizerControl | None:
