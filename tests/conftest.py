@@ -108,3 +108,26 @@ def forked_child():
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+class Fixed(torch.nn.Module):
+    """Calls attention on fixed planted Q/K/V (the model input is ignored)."""
+
+    def __init__(self, q, k, v, fn):
+        super().__init__()
+        self.q, self.k, self.v, self.fn = q, k, v, fn
+
+    def forward(self, _x=None):
+        return self.fn(self.q, self.k, self.v)
+
+
+class Net(torch.nn.Module):
+    """``inner`` as the module ``block.attn``: the layer label attention calls get."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.block = torch.nn.Module()
+        self.block.attn = inner
+
+    def forward(self, x=None):
+        return self.block.attn(x)

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from conftest import Fixed, Net
 
 from numwatch.probes import flex as flex_probe
 from numwatch.testing import planted_sink_attention
@@ -40,27 +40,6 @@ def _quiet_eager_flex():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         yield
-
-
-class Fixed(nn.Module):
-    """Calls attention on fixed planted Q/K/V (the model input is ignored)."""
-
-    def __init__(self, q, k, v, fn):
-        super().__init__()
-        self.q, self.k, self.v, self.fn = q, k, v, fn
-
-    def forward(self, _x=None):
-        return self.fn(self.q, self.k, self.v)
-
-
-class Net(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.block = nn.Module()
-        self.block.attn = inner
-
-    def forward(self, x=None):
-        return self.block.attn(x)
 
 
 def measure(make_monitor, fn, q, k, v, **overrides):

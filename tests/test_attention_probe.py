@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import Fixed, Net
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -29,33 +30,12 @@ def make_monitor(tmp_path):
     return make
 
 
-class Fixed(nn.Module):
-    """Calls attention on fixed planted Q/K/V (the model input is ignored)."""
-
-    def __init__(self, q, k, v, fn):
-        super().__init__()
-        self.q, self.k, self.v, self.fn = q, k, v, fn
-
-    def forward(self, _x=None):
-        return self.fn(self.q, self.k, self.v)
-
-
 def wrap(**children):
     model = nn.Module()
     for name, child in children.items():
         model.add_module(name, child)
     model.forward = lambda x=None: [c(x) for c in children.values()]  # type: ignore[method-assign]
     return model
-
-
-class Net(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.block = nn.Module()
-        self.block.attn = inner
-
-    def forward(self, x=None):
-        return self.block.attn(x)
 
 
 def oracle(q, k, *, causal=True, mask=None, scale=None):
