@@ -948,21 +948,27 @@ def test_attach_takes_accelerates_optimizer_and_its_scaler():
     assert not monitor.attached
 
 
-def test_actions_act_on_the_steps_of_accelerates_grad_scaler(caplog):
-    """With a GradScaler, AcceleratedOptimizer.step runs the method it saved at prepare and then
-    sets optimizer.step back to it: the monitor's step wrapper was gone after the first step, so
-    skip_step and lr_backoff did nothing and a plain loop closed no step. Detach gives Accelerate
-    back its own methods."""
+def _accelerated_sgd_with_scaler():
+    """A one-weight model, its SGD at LR 1 and Accelerate's wrapper of it around a CPU GradScaler
+    (scale 4, never grown)."""
     accelerate = pytest.importorskip("accelerate", reason="accelerate (test extra) not installed")
     from accelerate.optimizer import AcceleratedOptimizer
-
-    from numwatch import Monitor
 
     accelerate.Accelerator(cpu=True)
     model = nn.Linear(1, 1, bias=False)
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=10**6)
-    wrapped = AcceleratedOptimizer(sgd, scaler=scaler)
+    return model, sgd, scaler, AcceleratedOptimizer(sgd, scaler=scaler)
+
+
+def test_actions_act_on_the_steps_of_accelerates_grad_scaler(caplog):
+    """With a GradScaler, AcceleratedOptimizer.step runs the method it saved at prepare and then
+    sets optimizer.step back to it: the monitor's step wrapper was gone after the first step, so
+    skip_step and lr_backoff did nothing and a plain loop closed no step. Detach gives Accelerate
+    back its own methods."""
+    from numwatch import Monitor
+
+    model, sgd, scaler, wrapped = _accelerated_sgd_with_scaler()
     saved = (wrapped._optimizer_original_step_method, wrapped._optimizer_patched_step_method)
     actions = ["skip_step", {"type": "lr_backoff", "factor": 0.5, "steps": 2}]
     rule = {"type": "threshold", "name": "big", "metric": "loss", "threshold": 100.0}
@@ -1013,16 +1019,9 @@ def test_actions_act_on_accelerates_steps_when_attached_to_the_optimizer_inside(
     and lr_backoff did nothing, silently. The first of those steps puts ours where Accelerate's
     steps call (as attach(accelerated) does) and is closed and withheld itself; detach gives
     Accelerate back its own methods."""
-    accelerate = pytest.importorskip("accelerate", reason="accelerate (test extra) not installed")
-    from accelerate.optimizer import AcceleratedOptimizer
-
     from numwatch import Monitor
 
-    accelerate.Accelerator(cpu=True)
-    model = nn.Linear(1, 1, bias=False)
-    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=10**6)
-    wrapped = AcceleratedOptimizer(sgd, scaler=scaler)
+    model, sgd, scaler, wrapped = _accelerated_sgd_with_scaler()
     saved = (wrapped._optimizer_original_step_method, wrapped._optimizer_patched_step_method)
     backoff = {"type": "lr_backoff", "factor": 0.5, "steps": 2, "min_interval_steps": 0}
     rule = {"type": "threshold", "name": "big", "metric": "loss", "threshold": 100.0}
