@@ -504,13 +504,17 @@ class AttentionProbe:
 
     def route_for(self, layer: str) -> Callable[[SdpaCall], torch.Tensor] | None:
         if layer not in self._route_cache:
-            hit = None
-            for pattern in reversed(self._routes):
-                if matches_within(layer, pattern):
-                    hit = self._routes[pattern]
-                    break
-            self._route_cache[layer] = hit
+            self._route_cache[layer] = self._matching_route(layer, matches_within)
         return self._route_cache[layer]
+
+    def _matching_route(
+        self, layer: str, within: Callable[[str, str], bool]
+    ) -> Callable[[SdpaCall], torch.Tensor] | None:
+        """The route of the last pattern set that takes ``layer`` (None: no route)."""
+        for pattern in reversed(list(self._routes)):
+            if within(layer, pattern):
+                return self._routes[pattern]
+        return None
 
     # ------------------------------------------------------------------ mode around forward
     def attach(self) -> None:
@@ -782,10 +786,7 @@ class AttentionProbe:
     def _traced_route(self, layer: str) -> Callable[[SdpaCall], torch.Tensor] | None:
         """``route_for`` for a call Dynamo traces: the patterns are read there (they guard the
         graph: a swap or restore recompiles it), and matched while it traces."""
-        for pattern in reversed(list(self._routes)):
-            if _traced_within(layer, pattern):
-                return self._routes[pattern]
-        return None
+        return self._matching_route(layer, _traced_within)
 
     def kernel_share(self, layer: str) -> float | None:
         """The share of ``layer``'s routed calls in the step closed last that numwatch's kernel
